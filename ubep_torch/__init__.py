@@ -1,0 +1,16 @@
+"""ubep_torch: UBEP expert-parallel dispatch/combine for PyTorch over a simulated unified global address
+space, with DeepEP's ``Buffer`` API.
+
+Where things live: ``ugas`` (shared-memory heap and peer views), ``protocol`` (DataBlocks, flags, epochs,
+slot layout), ``engine`` (the torch data path), ``buffer`` (the public ``Buffer``), ``kernels`` (Triton).
+"""
+from .buffer import Buffer, DispatchHandle, LowLatencyHandle
+from .errors import UBEPBrokenError, UBEPError, UBEPPeerLostError, UBEPTimeoutError
+from .utils import Config, EventOverlap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Buffer", "Config", "EventOverlap", "DispatchHandle", "LowLatencyHandle",
+    "UBEPError", "UBEPTimeoutError", "UBEPPeerLostError", "UBEPBrokenError",
+]

@@ -1,0 +1,1289 @@
+"""``Buffer``: DeepEP's legacy Buffer API over the simulated UGAS, speaking the UBEP protocol.
+
+The Python layer validates, lays out the regions of the shared segment and drives the engine
+(``ubep_torch.engine``). Every rank runs the same sequence per call:
+
+* **count group** (TokenCnt-Sending): one control message per peer with the per-expert counts;
+* **token group** (Token-Sending): rows written straight into the slots of every destination;
+* **CalCumSum**: prefix sums over the counts received from every source give the output offsets;
+* **Token-Reordering**: each source's rows are copied out as soon as *that* source's blocks are seen
+  (Data-as-Flag), with no global barrier. ``sync="sw"`` instead runs the bulk-synchronous baseline:
+  rows, SyncAll, flags and counts, verification, SyncAll, reordering.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import protocol as P
+from .engine import Destination, SendJob, make_engine
+from .errors import UBEPBrokenError, UBEPError
+from .ugas import SymmetricHeap
+from .utils import Config, EventOverlap
+
+_AUX_REGIONS = 8          # ack table rows (indexed by region id)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+_LL_MAX_TOPK = 16         # top-k the low-latency size hint provisions for
+_DEFAULT_NVL_BYTES = 256 << 20
+
+
+def _round(x: int, a: int = P.BLOCK_BYTES) -> int:
+    return -(-int(x) // a) * a
+
+
+def _row_bytes_worst(payload_bytes: int, meta_bytes: int = 0) -> int:
+    return (1 + P.blocks_for(payload_bytes, "tff") + 1) * P.BLOCK_BYTES + _round(meta_bytes)
+
+
+def normal_buffer_bytes(num_tokens: int, hidden_bytes: int, num_ranks: int) -> int:
+    """``num_nvl_bytes`` that lets every rank send ``num_tokens`` rows of ``hidden_bytes`` to every peer."""
+    per_region = 2 * num_ranks * (P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES + num_tokens * _row_bytes_worst(hidden_bytes))
+    return 2 * per_region + 4096
+
+
+def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                             num_experts: int, num_topk: int = _LL_MAX_TOPK) -> int:
+    n, h = num_max_dispatch_tokens_per_rank, hidden
+    e_local = max(1, -(-num_experts // num_ranks))
+    ctrl = 2 * num_ranks * P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
+    dispatch_rows = 2 * num_ranks * e_local * n * _row_bytes_worst(h * 2, 0)
+    combine_rows = 2 * n * num_topk * _row_bytes_worst(h * 2)
+    return 2 * (ctrl + max(dispatch_rows, combine_rows)) + 4096
+
+
+class _Region:
+    """Byte ranges of one protocol region inside every rank's segment (identical on all ranks)."""
+
+    def __init__(self, rid: int, base: int, nbytes: int, world: int, parts: int):
+        self.rid = rid
+        self.world = world
+        self.parts = parts
+        self.ctrl_base = base
+        ctrl_bytes = 2 * world * P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
+        self.rows_base = base + ctrl_bytes
+        rem = max(0, nbytes - ctrl_bytes)
+        self.part_bytes = (rem // (2 * parts)) // P.BLOCK_BYTES * P.BLOCK_BYTES
+        self.nbytes = nbytes
+
+    def ctrl(self, mem: torch.Tensor, half: int, src: int) -> torch.Tensor:
+        nb = P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
+        off = self.ctrl_base + (half * self.world + src) * nb
+        return mem[off:off + nb].view(P.MAX_CTRL_BLOCKS, P.BLOCK_BYTES)
+
+    def capacity(self, fmt: P.RowFormat) -> int:
+        return self.part_bytes // fmt.row_bytes
+
+    def rows(self, mem: torch.Tensor, half: int, part: int, fmt: P.RowFormat, n: Optional[int] = None) -> torch.Tensor:
+        cap = self.capacity(fmt) if n is None else n
+        off = self.rows_base + (half * self.parts + part) * self.part_bytes
+        return mem[off:off + cap * fmt.row_bytes].view(cap, fmt.blocks, P.BLOCK_BYTES)
+
+
+class DispatchHandle(tuple):
+    """Normal-mode handle. Tuple positions follow DeepEP's intranode handle:
+    ``(rank_prefix_matrix [R, R] int32, channel_prefix_matrix [R, 1] int32, recv_channel_prefix_matrix
+    [R, 1] int32, recv_src_idx [N_recv] int32, is_token_in_rank [T, R] bool, send_head [T, R] int32)``.
+    Attributes carry the rest of the layout (send lists per destination, receive counts and offsets)."""
+
+    def __new__(cls, items, **attrs):
+        obj = super().__new__(cls, items)
+        obj.__dict__.update(attrs)
+        return obj
+
+
+class LowLatencyHandle(tuple):
+    """Low-latency handle: ``(src_info [E_local, R*N] int32, layout_range [E_local, R] int64, N, H, E)``
+    plus attributes (top-k slot of every received row, per-source row counts)."""
+
+    def __new__(cls, items, **attrs):
+        obj = super().__new__(cls, items)
+        obj.__dict__.update(attrs)
+        return obj
+
+
+@dataclass
+class _Pending:
+    """A low-latency receive issued with ``return_recv_hook=True`` that has not been completed yet."""
+    kind: str
+    epoch: int
+    done: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class Buffer:
+    """Expert-parallel communication buffer: DeepEP's legacy ``Buffer`` API on the simulated UGAS.
+
+    Args:
+        group: torch.distributed process group (gloo or any backend; used only to bootstrap).
+        num_nvl_bytes: bytes of the normal-mode region per rank (see ``Config.get_nvl_buffer_size_hint``);
+            0 sizes it from ``num_max_tokens_per_rank``/``hidden`` when given, else 256 MiB (pages are only
+            committed when touched).
+        num_rdma_bytes: bytes of the low-latency region (``get_low_latency_rdma_size_hint``).
+        low_latency_mode: enables the low-latency region.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy: accepted for
+            DeepEP compatibility (no queue pairs exist in shared memory).
+        timeout_s: deadline of every wait (``UBEP_TIMEOUT_S`` overrides).
+        sync: Data-as-Flag variant for payload blocks: ``"tff"`` (default), ``"dc"``, ``"sp"`` or ``"sw"``.
+        backend: ``"auto"``/``"torch"`` (vectorized torch path) or ``"triton"`` (kernels of ``kernels/``).
+        cost_model: optional ``ubep_torch.cost_model.CostModel``: every call then gets a modeled CM384
+            report (``last_report``), UBEP against the CANN EP baseline.
+        on_report: optional callback ``fn(kind, report)`` called with every report.
+        num_max_tokens_per_rank, hidden: optional sizing of the normal region when ``num_nvl_bytes == 0``.
+        shm_dir: shared-memory directory (default ``$UBEP_SHM_DIR`` or ``/dev/shm``).
+    """
+
+    num_sms: int = 24
+
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, explicitly_destroy: bool = False, *, timeout_s: float = 60.0,
+                 sync: str = "tff", backend: str = "auto", cost_model=None,
+                 on_report: Optional[Callable] = None, num_max_tokens_per_rank: Optional[int] = None,
+                 hidden: Optional[int] = None, shm_dir: Optional[str] = None):
+        if sync not in P.SYNC_MODES:
+            raise ValueError(f"sync must be one of {P.SYNC_MODES}, got {sync!r}")
+        if group is None:
+            if not dist.is_initialized():
+                raise ValueError("Buffer needs an initialized torch.distributed process group")
+            group = dist.group.WORLD
+        if int(num_nvl_bytes) < 0 or int(num_rdma_bytes) < 0:
+            raise ValueError("num_nvl_bytes and num_rdma_bytes must be >= 0")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = num_qps_per_rank
+        self.explicitly_destroy = explicitly_destroy
+        self.sync = sync
+        self.timeout_s = P.default_timeout(timeout_s)
+        self.engine = make_engine(backend)
+        self.backend = self.engine.name
+        self.cost_model = cost_model
+        self.on_report = on_report
+        self.last_report = None
+
+        R = self.group_size
+        if num_nvl_bytes == 0:
+            if num_max_tokens_per_rank and hidden:
+                num_nvl_bytes = normal_buffer_bytes(num_max_tokens_per_rank, hidden * 4, R)
+            else:
+                num_nvl_bytes = _DEFAULT_NVL_BYTES
+        if not self.low_latency_mode:
+            num_rdma_bytes = 0
+        self.num_nvl_bytes = int(num_nvl_bytes)
+        self.num_rdma_bytes = int(num_rdma_bytes)
+
+        aux = _round((_AUX_REGIONS + 1) * R * 8, 4096)
+        base = aux
+        half_nvl = self.num_nvl_bytes // 2 // 4096 * 4096
+        self._regions = {
+            P.REGION_DISPATCH: _Region(P.REGION_DISPATCH, base, half_nvl, R, R),
+            P.REGION_COMBINE: _Region(P.REGION_COMBINE, base + half_nvl, half_nvl, R, R),
+        }
+        base += 2 * half_nvl
+        if self.num_rdma_bytes:
+            half_ll = self.num_rdma_bytes // 2 // 4096 * 4096
+            self._regions[P.REGION_LL_DISPATCH] = _Region(P.REGION_LL_DISPATCH, base, half_ll, R, R)
+            self._regions[P.REGION_LL_COMBINE] = _Region(P.REGION_LL_COMBINE, base + half_ll, half_ll, R, 1)
+            base += 2 * half_ll
+        self._heap = SymmetricHeap(group, base, directory=shm_dir)
+        self._aux_words = self._heap.local[:aux].view(torch.int64)
+        self._epoch = {rid: 0 for rid in self._regions}
+        self._barrier_count = 0
+        self._broken: Optional[str] = None
+        self._pending: List[_Pending] = []
+        self._ll_combine_buffer: Optional[torch.Tensor] = None
+        self._waiter = P.Waiter(self.rank, self.timeout_s, self._heap.peer_alive)
+        self._destroyed = False
+        self.delay_hook: Optional[Callable[[str], None]] = None  # test-only: called at every protocol step
+
+    # ================================================================== housekeeping
+    def destroy(self) -> None:
+        """Release the shared memory (the segments are already unlinked; this unmaps them)."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self._heap.close()
+
+    def is_available(self) -> bool:
+        return not self._destroyed and self._broken is None
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        if int(new_num_sms) <= 0:
+            raise ValueError("num_sms must be positive")
+        Buffer.num_sms = int(new_num_sms)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        return EventOverlap(None)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms, 6, 4096)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms, 6, 4096)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of ``num_rdma_bytes`` for low-latency calls of this shape (two alternating halves,
+        top-k up to 16)."""
+        return low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    def set_cost_model(self, cost_model, on_report: Optional[Callable] = None) -> None:
+        """Enable (or with None disable) per-call CM384 latency reports."""
+        self.cost_model = cost_model
+        if on_report is not None:
+            self.on_report = on_report
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype = torch.uint8, offset: int = 0) -> torch.Tensor:
+        """This rank's shared segment as a flat tensor (for inspection and tests)."""
+        return self._heap.local[offset:].view(dtype)
+
+    # ------------------------------------------------------------------ internals
+    def _check_usable(self) -> None:
+        if self._destroyed:
+            raise UBEPBrokenError("ubep_torch: this Buffer was destroyed")
+        if self._broken is not None:
+            raise UBEPBrokenError(f"ubep_torch: this Buffer is unusable after an earlier failure: {self._broken}")
+
+    def _region(self, rid: int) -> _Region:
+        if rid not in self._regions:
+            raise ValueError("low-latency calls need Buffer(..., low_latency_mode=True, num_rdma_bytes="
+                             "Buffer.get_low_latency_rdma_size_hint(N, H, R, E))")
+        return self._regions[rid]
+
+    def _ack_slot(self, mem_words: torch.Tensor, rid: int, src: int) -> torch.Tensor:
+        return mem_words[rid * self.group_size + src: rid * self.group_size + src + 1]
+
+    def _wait(self, phase: str, poll: Callable[[], Sequence[int]]) -> None:
+        if self.delay_hook is not None:
+            self.delay_hook(phase)
+        try:
+            self._waiter.wait(phase, poll)
+        except UBEPError as e:
+            self._broken = str(e)
+            raise
+
+    def _wait_acks(self, rid: int, epoch: int) -> None:
+        """Before writing call ``epoch`` into half ``epoch % 2`` of every peer: they consumed ``epoch - 2``."""
+        need = epoch - 2
+        if need <= 0:
+            return
+        words = self._aux_words
+        R = self.group_size
+
+        def poll():
+            acks = words[rid * R:(rid + 1) * R]
+            return [r for r in range(R) if int(acks[r]) < need]
+        self._wait(f"{P.REGION_NAMES[rid]}: waiting for peers to release buffer half {epoch % 2}", poll)
+
+    def _send_ack(self, rid: int, src: int, epoch: int) -> None:
+        peer_words = self._heap.peer(src)[: self._aux_words.numel() * 8].view(torch.int64)
+        P.memory_fence()
+        peer_words[rid * self.group_size + self.rank] = epoch
+
+    def _sync_all(self, phase: str) -> None:
+        """SyncAll emulation for the "sw" baseline: a barrier through shared memory, not through gloo."""
+        self._barrier_count += 1
+        count = self._barrier_count
+        R = self.group_size
+        off = _AUX_REGIONS * R
+        for r in range(R):
+            pw = self._heap.peer(r)[: self._aux_words.numel() * 8].view(torch.int64)
+            pw[off + self.rank] = count
+        words = self._aux_words
+
+        def poll():
+            vals = words[off:off + R]
+            return [r for r in range(R) if int(vals[r]) < count]
+        self._wait(phase, poll)
+
+    def _next_epoch(self, rid: int) -> int:
+        self._epoch[rid] += 1
+        return self._epoch[rid]
+
+    def _report(self, kind: str, topk_idx: Optional[torch.Tensor], num_experts: int, hidden: int,
+                bytes_per_token: int) -> None:
+        if self.cost_model is None or topk_idx is None:
+            return
+        rep = self.cost_model.report(kind, self.rank, self.group_size, topk_idx, num_experts, hidden,
+                                     bytes_per_token, sync=self.sync)
+        self.last_report = rep
+        if self.on_report is not None:
+            self.on_report(kind, rep)
+
+    # ================================================================== validation helpers
+    def _check_topk(self, topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx") -> torch.Tensor:
+        if not isinstance(topk_idx, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(topk_idx).__name__}")
+        if topk_idx.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name} must be int64 (DeepEP's topk_idx_t), got {topk_idx.dtype}")
+        if topk_idx.dim() != 2:
+            raise ValueError(f"{name} must be [num_tokens, num_topk], got shape {tuple(topk_idx.shape)}")
+        if topk_idx.device.type != "cpu":
+            topk_idx = topk_idx.cpu()
+        topk_idx = topk_idx.to(torch.int64).contiguous()
+        if topk_idx.numel():
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            if lo < -1 or hi >= num_experts:
+                raise ValueError(f"{name} values must be in [-1, {num_experts}); got min {lo}, max {hi} "
+                                 f"(rank {self.rank})")
+        return topk_idx
+
+    def _check_num_experts(self, num_experts) -> int:
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        if num_experts % self.group_size:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks "
+                             f"({self.group_size})")
+        return num_experts
+
+    def _parse_x(self, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise ValueError("x as a tuple must be (fp8 tensor [T, H], scales [T, H/128] float32)")
+            data, scales = x
+            if not isinstance(data, torch.Tensor) or not isinstance(scales, torch.Tensor):
+                raise TypeError("x tuple entries must be tensors")
+            if _FP8 is None or data.dtype != _FP8:
+                raise TypeError(f"x[0] must be torch.float8_e4m3fn, got {data.dtype}")
+            if data.dim() != 2:
+                raise ValueError(f"x[0] must be [num_tokens, hidden], got {tuple(data.shape)}")
+            if scales.dtype != torch.float32:
+                raise TypeError(f"x[1] (scales) must be float32, got {scales.dtype}")
+            if data.shape[1] % 128:
+                raise ValueError(f"fp8 hidden size must be a multiple of 128, got {data.shape[1]}")
+            if tuple(scales.shape) != (data.shape[0], data.shape[1] // 128):
+                raise ValueError(f"x[1] (scales) must have shape {(data.shape[0], data.shape[1] // 128)}, "
+                                 f"got {tuple(scales.shape)}")
+            return data.contiguous(), scales.contiguous()
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a tensor or an (fp8, scales) tuple, got {type(x).__name__}")
+        if x.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"x must be bfloat16, float32, float16 or float64 (or an fp8 tuple), got {x.dtype}")
+        if x.dim() != 2:
+            raise ValueError(f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
+        if x.device.type != "cpu":
+            raise ValueError("ubep_torch's shared-memory UGAS moves host tensors: pass CPU tensors")
+        return x.contiguous(), None
+
+    # ================================================================== layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Per-rank and per-expert token counts of a routing (local computation, no communication).
+
+        Args:
+            topk_idx: [T, K] int64 expert ids, -1 for an empty slot.
+            num_experts: E, divisible by the group size.
+        Returns:
+            ``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
+            is_token_in_rank [T, R] bool, event)``. A token counts once per rank hosting any of its experts.
+        """
+        self._check_usable()
+        E = self._check_num_experts(num_experts)
+        topk_idx = self._check_topk(topk_idx, E)
+        R = self.group_size
+        T = topk_idx.shape[0]
+        # column 0 collects the -1 slots, so a masked slot can never clear a real expert's bit
+        per_expert = torch.zeros(T, E + 1, dtype=torch.bool)
+        if T and topk_idx.shape[1]:
+            per_expert.scatter_(1, topk_idx + 1, True)
+        per_expert = per_expert[:, 1:]
+        num_tokens_per_expert = per_expert.sum(0).to(torch.int32)
+        is_token_in_rank = per_expert.view(T, R, E // R).any(-1)
+        num_tokens_per_rank = is_token_in_rank.sum(0).to(torch.int32)
+        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, EventOverlap(None)
+
+    # ================================================================== normal dispatch
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle=None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None, topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1,
+                 num_worst_tokens: int = 0, config: Optional[Config] = None, previous_event=None,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False, *,
+                 layout: str = "rank_major", num_experts: Optional[int] = None):
+        """Send every token once to each rank that hosts at least one of its experts.
+
+        Args:
+            x: [T, H] bf16/fp16/fp32/fp64, or ``(fp8_e4m3 [T, H], scales [T, H/128] float32)``.
+            handle: a handle from an earlier dispatch: cached mode, reuses its layout, returns only recv_x.
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from ``get_dispatch_layout``
+                (``is_token_in_rank`` decides which ranks receive each token; the others are checked).
+            topk_idx: [T, K] int64 expert ids (-1 = none); topk_weights: [T, K] float32 (or float64).
+            expert_alignment: each returned per-expert count is rounded up to a multiple of this.
+            num_worst_tokens: > 0 sizes the outputs to that many rows (unused rows: topk ids -1, x zero)
+                and returns an empty count list.
+            layout: ``"rank_major"`` (DeepEP order: grouped by source rank, source token order) or
+                ``"expert_major"`` (UBEP's Token-Reordering output: rows contiguous per local expert, one
+                row per (token, local expert); then recv_topk_idx is [rows] local expert ids,
+                recv_topk_weights [rows] the weight of that pair, and the counts are rows per expert
+                padded to expert_alignment with zero rows whose expert id is -1).
+            num_experts: E when ``num_tokens_per_expert`` is not given.
+        Returns:
+            ``(recv_x, recv_topk_idx [N, K] int64 local ids or -1, recv_topk_weights [N, K] (0 where -1),
+            num_recv_tokens_per_expert_list (list of E_local ints), handle, event)``; cached mode returns
+            ``(recv_x, None, None, None, None, event)``.
+        """
+        self._check_usable()
+        if layout not in ("rank_major", "expert_major"):
+            raise ValueError(f"layout must be 'rank_major' or 'expert_major', got {layout!r}")
+        if not isinstance(expert_alignment, int) or expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
+        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
+        xd, scales = self._parse_x(x)
+        T, H = xd.shape
+        R = self.group_size
+        if handle is not None:
+            return self._cached_dispatch(xd, scales, handle, x)
+
+        # ---------------- layout and validation (all before anything reaches a peer)
+        if num_experts is None:
+            if num_tokens_per_expert is not None:
+                num_experts = int(num_tokens_per_expert.numel())
+            elif topk_idx is not None:
+                raise ValueError("dispatch needs num_tokens_per_expert (from get_dispatch_layout) or "
+                                 "num_experts= to interpret topk_idx")
+        weights = None
+        if topk_idx is not None:
+            E = self._check_num_experts(num_experts)
+            topk_idx = self._check_topk(topk_idx, E)
+            if topk_idx.shape[0] != T:
+                raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {T}")
+            K = topk_idx.shape[1]
+            if topk_weights is not None:
+                if not isinstance(topk_weights, torch.Tensor):
+                    raise TypeError("topk_weights must be a tensor")
+                if topk_weights.dtype not in (torch.float32, torch.float64):
+                    raise TypeError(f"topk_weights must be float32 (or float64), got {topk_weights.dtype}")
+                if tuple(topk_weights.shape) != (T, K):
+                    raise ValueError(f"topk_weights must have shape {(T, K)}, got {tuple(topk_weights.shape)}")
+                weights = topk_weights.contiguous()
+            _, _, ntpe, itr, _ = self.get_dispatch_layout(topk_idx, E)
+            if is_token_in_rank is not None:
+                if tuple(is_token_in_rank.shape) != (T, R) or is_token_in_rank.dtype != torch.bool:
+                    raise ValueError(f"is_token_in_rank must be a [{T}, {R}] bool tensor")
+                if not torch.equal(is_token_in_rank.cpu(), itr):
+                    raise ValueError("is_token_in_rank does not match topk_idx (use get_dispatch_layout)")
+            if num_tokens_per_expert is not None and not torch.equal(
+                    num_tokens_per_expert.cpu().to(torch.int32), ntpe):
+                raise ValueError("num_tokens_per_expert does not match topk_idx (use get_dispatch_layout)")
+            is_token_in_rank = itr
+        else:
+            if layout == "expert_major":
+                raise ValueError("layout='expert_major' needs topk_idx")
+            if is_token_in_rank is None:
+                raise ValueError("dispatch needs topk_idx or is_token_in_rank (or a handle for cached mode)")
+            if tuple(is_token_in_rank.shape) != (T, R) or is_token_in_rank.dtype != torch.bool:
+                raise ValueError(f"is_token_in_rank must be a [{T}, {R}] bool tensor")
+            is_token_in_rank = is_token_in_rank.cpu()
+            E = int(num_experts) if num_experts else R
+            K = 0
+            if topk_weights is not None:
+                raise ValueError("topk_weights needs topk_idx")
+        if num_tokens_per_rank is not None:
+            if tuple(num_tokens_per_rank.shape) != (R,):
+                raise ValueError(f"num_tokens_per_rank must have shape ({R},)")
+            if not torch.equal(num_tokens_per_rank.cpu().to(torch.int64), is_token_in_rank.sum(0)):
+                raise ValueError("num_tokens_per_rank does not match is_token_in_rank/topk_idx")
+
+        wsz = 0 if weights is None else weights.element_size() // 4
+        fields = [("x", H * xd.element_size())]
+        if scales is not None:
+            fields.append(("scales", scales.shape[1] * 4))
+        fmt = P.RowFormat(self.sync, tuple(fields), K + K * wsz)
+        fmt.check_fits()
+        region = self._region(P.REGION_DISPATCH)
+        cap = region.capacity(fmt)
+        if T > cap:
+            need = normal_buffer_bytes(T, fmt.row_bytes, R)
+            raise ValueError(f"{T} tokens do not fit: the Buffer's dispatch slots hold {cap} rows of "
+                             f"{fmt.row_bytes} B per source; create it with num_nvl_bytes >= {need}")
+        E_local = E // R
+
+        # ---------------- send
+        send_idx = [is_token_in_rank[:, d].nonzero().squeeze(1) for d in range(R)]
+        meta = None
+        if K:
+            meta = torch.empty(T, fmt.meta_words, dtype=torch.int32)
+            meta[:, :K] = topk_idx.to(torch.int32)
+            if weights is not None:
+                meta[:, K:].copy_(weights.view(torch.int32).view(T, K * wsz))
+        fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
+        src_index = torch.arange(T, dtype=torch.int64)
+        counts = None
+        if K:
+            _, _, ntpe, _, _ = self.get_dispatch_layout(topk_idx, E)
+            counts = ntpe.view(R, E_local).to(torch.int64)
+        ntpr = torch.tensor([s.numel() for s in send_idx], dtype=torch.int64)
+
+        def ctrl_payload(d: int, checksum: int = 0) -> torch.Tensor:
+            c = counts[d] if counts is not None else torch.zeros(E_local, dtype=torch.int64)
+            return torch.cat([torch.tensor([int(send_idx[d].numel()), fmt.signature(), checksum, 0, 0, 0],
+                                           dtype=torch.int64), c, ntpr])
+
+        recv = self._exchange(P.REGION_DISPATCH, fmt, fields_data, meta, src_index, send_idx, ctrl_payload,
+                              n_counts=E_local, with_matrix=True)
+        # ---------------- receive side: CalCumSum and Token-Reordering into the DeepEP layout
+        n_src = recv["nrows"]
+        offsets = torch.zeros(R + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(n_src, 0)
+        num_recv = int(offsets[-1])
+        rows_out = num_worst_tokens if num_worst_tokens else num_recv
+        if num_worst_tokens and num_recv > num_worst_tokens:
+            raise UBEPError(f"rank {self.rank} received {num_recv} tokens > num_worst_tokens={num_worst_tokens}")
+        recv_x = torch.zeros(rows_out, H, dtype=xd.dtype) if num_worst_tokens else torch.empty(num_recv, H,
+                                                                                               dtype=xd.dtype)
+        recv_scales = None
+        if scales is not None:
+            recv_scales = torch.zeros(rows_out, scales.shape[1], dtype=torch.float32)
+        recv_meta = torch.zeros(rows_out, fmt.meta_words, dtype=torch.int32)
+        recv_src_idx = torch.zeros(num_recv, dtype=torch.int32)
+        outs = [P.as_bytes(recv_x)] + ([P.as_bytes(recv_scales)] if recv_scales is not None else [])
+        self._receive_rows(P.REGION_DISPATCH, fmt, recv, offsets, outs, recv_meta, recv_src_idx)
+
+        recv_topk_idx = recv_topk_weights = None
+        if K:
+            gids = recv_meta[:, :K].to(torch.int64)
+            local = gids - self.rank * E_local
+            ok = (gids >= 0) & (local >= 0) & (local < E_local)
+            recv_topk_idx = torch.where(ok, local, torch.full_like(local, -1))
+            if num_worst_tokens:
+                recv_topk_idx[num_recv:] = -1
+            if weights is not None:
+                w = recv_meta[:, K:].contiguous().view(weights.dtype)
+                recv_topk_weights = torch.where(ok, w, torch.zeros_like(w))
+        per_expert = recv["counts"].sum(0)
+        if num_worst_tokens:
+            count_list: List[int] = []
+        else:
+            count_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in per_expert]
+
+        # DeepEP-shaped handle
+        mat = recv["ntpr_matrix"]  # [R, R]: tokens from rank i to rank j
+        rank_prefix = torch.cumsum(mat, 0).to(torch.int32)
+        send_head = torch.full((T, R), -1, dtype=torch.int32)
+        for d in range(R):
+            send_head[send_idx[d], d] = torch.arange(send_idx[d].numel(), dtype=torch.int32)
+        zeros = torch.zeros(R, 1, dtype=torch.int32)
+        h = DispatchHandle(
+            (rank_prefix, zeros, zeros.clone(), recv_src_idx, is_token_in_rank, send_head),
+            send_idx=send_idx, recv_counts=n_src, recv_offsets=offsets, num_recv=num_recv, num_tokens=T,
+            num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major")
+        out_x = (recv_x, recv_scales) if scales is not None else recv_x
+        self._report("dispatch", topk_idx, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0))
+        if layout == "expert_major":
+            return self._to_expert_major(out_x, recv_topk_idx, recv_topk_weights, h, expert_alignment, num_recv)
+        return out_x, recv_topk_idx, recv_topk_weights, count_list, h, EventOverlap(None)
+
+    def _to_expert_major(self, out_x, recv_topk_idx, recv_topk_weights, h, alignment: int, num_recv: int):
+        """Token-Reordering into UBEP's expert-major layout (local gather after the exchange)."""
+        E_local = h.num_experts // self.group_size
+        idx = recv_topk_idx[:num_recv]
+        rows_list, expert_list, weight_list, counts = [], [], [], []
+        for e in range(E_local):
+            r, k = (idx == e).nonzero(as_tuple=True)
+            # a token lists an expert at most once in DeepEP routing; keep the first slot if repeated
+            if r.numel() > 1:
+                first = torch.ones_like(r, dtype=torch.bool)
+                first[1:] = r[1:] != r[:-1]
+                r, k = r[first], k[first]
+            n = r.numel()
+            pad = -(-n // alignment) * alignment - n
+            rows_list.append(torch.cat([r, torch.full((pad,), -1, dtype=torch.int64)]))
+            expert_list.append(torch.cat([torch.full((n,), e, dtype=torch.int64),
+                                          torch.full((pad,), -1, dtype=torch.int64)]))
+            weight_list.append(torch.cat([recv_topk_weights[r, k], torch.zeros(pad, dtype=recv_topk_weights.dtype)]))
+            counts.append(n + pad)
+        row_index = torch.cat(rows_list) if rows_list else torch.zeros(0, dtype=torch.int64)
+        valid = row_index >= 0
+        safe = row_index.clamp(min=0)
+
+        def gather(t):
+            g = t.index_select(0, safe)
+            g[~valid] = 0
+            return g
+
+        em_x = (gather(out_x[0]), gather(out_x[1])) if isinstance(out_x, tuple) else gather(out_x)
+        em_h = DispatchHandle(tuple(h), **{**h.__dict__, "layout": "expert_major", "row_index": row_index,
+                                           "base_handle": h})
+        return (em_x, torch.cat(expert_list), torch.cat(weight_list), counts, em_h, EventOverlap(None))
+
+    def _cached_dispatch(self, xd, scales, handle, x_orig):
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError("handle must come from Buffer.dispatch of this Buffer")
+        base = getattr(handle, "base_handle", None) or handle
+        T, H = xd.shape
+        R = self.group_size
+        if T != base.num_tokens:
+            raise ValueError(f"cached dispatch: x has {T} rows but the handle was made for {base.num_tokens}")
+        fields = [("x", H * xd.element_size())]
+        if scales is not None:
+            fields.append(("scales", scales.shape[1] * 4))
+        fmt = P.RowFormat(self.sync, tuple(fields), 0)
+        region = self._region(P.REGION_DISPATCH)
+        if T > region.capacity(fmt):
+            raise ValueError(f"{T} tokens do not fit the dispatch slots; create the Buffer with num_nvl_bytes >= "
+                             f"{normal_buffer_bytes(T, fmt.row_bytes, R)}")
+        send_idx = base.send_idx
+        fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
+
+        def ctrl_payload(d: int, checksum: int = 0) -> torch.Tensor:
+            return torch.tensor([int(send_idx[d].numel()), fmt.signature(), checksum, 0, 0, 0], dtype=torch.int64)
+
+        recv = self._exchange(P.REGION_DISPATCH, fmt, fields_data, None, torch.arange(T, dtype=torch.int64),
+                              send_idx, ctrl_payload)
+        if not torch.equal(recv["nrows"], base.recv_counts):
+            raise UBEPError(f"cached dispatch on rank {self.rank}: peers sent {recv['nrows'].tolist()} rows, the "
+                            f"handle expects {base.recv_counts.tolist()} (handles from different calls?)")
+        num_recv = base.num_recv
+        rows_out = base.num_worst_tokens or num_recv
+        recv_x = torch.zeros(rows_out, H, dtype=xd.dtype)
+        recv_scales = torch.zeros(rows_out, scales.shape[1], dtype=torch.float32) if scales is not None else None
+        outs = [P.as_bytes(recv_x)] + ([P.as_bytes(recv_scales)] if scales is not None else [])
+        self._receive_rows(P.REGION_DISPATCH, fmt, recv, base.recv_offsets, outs, None, None)
+        out_x = (recv_x, recv_scales) if scales is not None else recv_x
+        if handle.layout == "expert_major":
+            row_index = handle.row_index
+            valid = row_index >= 0
+            safe = row_index.clamp(min=0)
+
+            def gather(t):
+                g = t.index_select(0, safe)
+                g[~valid] = 0
+                return g
+            out_x = (gather(recv_x), gather(recv_scales)) if scales is not None else gather(recv_x)
+        return out_x, None, None, None, None, EventOverlap(None)
+
+    # ------------------------------------------------------------------ the exchange (both normal ops)
+    def _exchange(self, rid: int, fmt: P.RowFormat, fields_data, meta, src_index, send_idx,
+                  ctrl_payload: Callable, n_counts: int = 0, with_matrix: bool = False) -> dict:
+        """Count group + token group for one call; returns what the control messages said.
+
+        ``send_idx[d]`` lists the staging rows for destination ``d`` in slot order.
+        """
+        R, me = self.group_size, self.rank
+        region = self._region(rid)
+        extra_ctrl = n_counts + (R if with_matrix else 0)
+        if P.ctrl_blocks(extra_ctrl) > P.MAX_CTRL_BLOCKS:
+            raise ValueError(f"too many counts for one control message ({extra_ctrl}); at most "
+                             f"{P.MAX_CTRL_BLOCKS * P.CTRL_WORDS_PER_BLOCK - P.CTRL_COUNTS}")
+        epoch = self._next_epoch(rid)
+        half = P.half_of(epoch)
+        flag = P.flag_word(epoch, rid)
+        eng = self.engine
+        staging, checked, row_sums = eng.pack_rows(fmt, fields_data, meta, src_index, me)
+        self._wait_acks(rid, epoch)
+        nctrl = P.ctrl_blocks(extra_ctrl)
+        job = SendJob(fmt, staging, checked, row_sums, flag,
+                      sync_all=lambda: self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after Token-Sending"))
+        for i in range(R):
+            d = (me + i) % R
+            peer = self._heap.peer(d)
+            job.dests.append(Destination(d, send_idx[d], region.rows(peer, half, me, fmt),
+                                         region.ctrl(peer, half, me)[:nctrl], ctrl_payload(d)))
+        eng.send_phase(job)
+        # receive the control messages of every source (verification of flags and counts)
+        local = self._heap.local
+        ctrl_words = {}
+
+        def poll_ctrl():
+            missing = []
+            for s in range(R):
+                if s in ctrl_words:
+                    continue
+                c = region.ctrl(local, half, s)[:nctrl]
+                if eng.ctrl_arrived(c, flag):
+                    ctrl_words[s] = eng.read_ctrl(c)
+                else:
+                    missing.append(s)
+            return missing
+        self._wait(f"{P.REGION_NAMES[rid]}: TokenCnt (waiting for the count messages)", poll_ctrl)
+        if self.sync == "sw":
+            self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after flag verification")
+        sig = fmt.signature()
+        for s in range(R):
+            if int(ctrl_words[s][P.CTRL_SIGNATURE]) != sig:
+                self._broken = f"layout mismatch with rank {s}"
+                raise UBEPError(f"rank {s} sent {P.REGION_NAMES[rid]} rows of a different layout than rank {me} "
+                                f"expects (hidden size, dtype, top-k, fp8 or sync mode differ between ranks)")
+        nrows = torch.tensor([int(ctrl_words[s][P.CTRL_NROWS]) for s in range(R)], dtype=torch.int64)
+        cap = region.capacity(fmt)
+        if int(nrows.max()) > cap:
+            self._broken = "peer announced more rows than fit"
+            raise UBEPError(f"a peer announced {int(nrows.max())} rows but slots hold {cap}")
+        out = {"epoch": epoch, "half": half, "flag": flag, "nrows": nrows, "ctrl": ctrl_words}
+        out["counts"] = torch.stack([ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + n_counts] for s in range(R)])
+        if with_matrix:
+            out["ntpr_matrix"] = torch.stack([ctrl_words[s][P.CTRL_COUNTS + n_counts:P.CTRL_COUNTS + n_counts + R]
+                                              for s in range(R)])
+        return out
+
+    def _receive_rows(self, rid: int, fmt: P.RowFormat, recv: dict, offsets: torch.Tensor, outs, recv_meta,
+                      recv_src_idx, accumulate: Optional[Callable] = None) -> None:
+        """Token-Reordering: copy each source's rows out as soon as that source's blocks are all there.
+
+        ``accumulate(s, rows_view)`` replaces the copy (combine). Sources are then processed in rank order,
+        so floating-point reductions are identical for every sync mode and arrival order.
+        """
+        R, me = self.group_size, self.rank
+        region = self._region(rid)
+        half, flag, epoch = recv["half"], recv["flag"], recv["epoch"]
+        local = self._heap.local
+        done = set()
+        eng = self.engine
+        in_order = accumulate is not None
+
+        def poll():
+            missing = []
+            for s in range(R):
+                if s in done:
+                    continue
+                if in_order and missing:
+                    missing.append(s)
+                    continue
+                n = int(recv["nrows"][s])
+                rows = region.rows(local, half, s, fmt, n)
+                expected = int(recv["ctrl"][s][P.CTRL_CHECKSUM])
+                if not eng.rows_arrived(fmt, rows, flag, expected):
+                    missing.append(s)
+                    continue
+                if accumulate is not None:
+                    accumulate(s, rows)
+                else:
+                    o = int(offsets[s])
+                    meta = eng.unpack_rows(fmt, rows, [t[o:o + n] for t in outs])
+                    if recv_meta is not None and fmt.meta_words:
+                        recv_meta[o:o + n] = meta
+                    if recv_src_idx is not None and n:
+                        recv_src_idx[o:o + n] = rows[:, 0, :].view(torch.int64)[:, 1].to(torch.int32)
+                done.add(s)
+                self._send_ack(rid, s, epoch)
+            return missing
+        self._wait(f"{P.REGION_NAMES[rid]}: Token-Reordering (waiting for token blocks)", poll)
+
+    # ================================================================== normal combine
+    def combine(self, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[None, torch.Tensor, Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
+                config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Send rows back to the ranks they came from and sum them there (unweighted).
+
+        Args:
+            x: [N_recv, H] rows in the order ``dispatch`` returned them (expert-major order for an
+                expert-major handle: rows of the same token are summed on this rank first).
+            handle: the dispatch handle.
+            topk_weights: optional [N_recv, K] float32 reduced the same way.
+            bias: a [T, H] tensor or a pair of them, added to the result.
+        Returns:
+            ``(combined_x [T, H] in x's dtype, combined_topk_weights [T, K] or None, event)``.
+        """
+        self._check_usable()
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError("combine needs the handle returned by Buffer.dispatch")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+        if x.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"combine x must be bfloat16, float32, float16 or float64, got {x.dtype}")
+        if x.dim() != 2:
+            raise ValueError(f"combine x must be [num_recv_tokens, hidden], got {tuple(x.shape)}")
+        base = handle
+        if handle.layout == "expert_major":
+            base = handle.base_handle
+            if x.shape[0] != handle.row_index.numel():
+                raise ValueError(f"combine x has {x.shape[0]} rows but the expert-major handle has "
+                                 f"{handle.row_index.numel()}")
+            valid = handle.row_index >= 0
+            acc = torch.zeros(base.num_recv, x.shape[1], dtype=torch.float32 if x.dtype != torch.float64
+                              else torch.float64)
+            acc.index_add_(0, handle.row_index[valid], x[valid].to(acc.dtype))
+            x = acc.to(x.dtype)
+            if topk_weights is not None:
+                raise ValueError("topk_weights are not reduced for expert-major handles; weight rows before")
+        rows_expected = base.num_worst_tokens or base.num_recv
+        if x.shape[0] not in (base.num_recv, rows_expected):
+            raise ValueError(f"combine x has {x.shape[0]} rows; the handle received {base.num_recv}")
+        x = x[: base.num_recv].contiguous()
+        T, H = base.num_tokens, x.shape[1]
+        K = 0
+        if topk_weights is not None:
+            if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype not in (torch.float32,
+                                                                                          torch.float64):
+                raise TypeError("topk_weights must be a float32 (or float64) tensor")
+            if topk_weights.dim() != 2 or topk_weights.shape[0] not in (base.num_recv, rows_expected):
+                raise ValueError(f"topk_weights must be [{base.num_recv}, K], got {tuple(topk_weights.shape)}")
+            topk_weights = topk_weights[: base.num_recv].contiguous()
+            K = topk_weights.shape[1]
+        biases = []
+        if bias is not None:
+            for b in (bias if isinstance(bias, tuple) else (bias,)):
+                if b is None:
+                    continue
+                if not isinstance(b, torch.Tensor) or tuple(b.shape) != (T, H):
+                    raise ValueError(f"bias must be a [{T}, {H}] tensor (or a pair of them)")
+                biases.append(b)
+        R = self.group_size
+        wsz = topk_weights.element_size() // 4 if K else 0
+        fmt = P.RowFormat(self.sync, (("x", H * x.element_size()),), K * wsz)
+        fmt.check_fits()
+        region = self._region(P.REGION_COMBINE)
+        if int(base.recv_counts.max()) > region.capacity(fmt):
+            raise ValueError(f"combine rows do not fit; create the Buffer with num_nvl_bytes >= "
+                             f"{normal_buffer_bytes(int(base.recv_counts.max()), fmt.row_bytes, R)}")
+        # destination d gets back the rows that came from d, in d's send order
+        offsets = base.recv_offsets
+        send_idx = [torch.arange(int(offsets[d]), int(offsets[d + 1]), dtype=torch.int64) for d in range(R)]
+        meta = topk_weights.view(torch.int32).view(-1, K * wsz) if K else None
+        src_index = torch.arange(base.num_recv, dtype=torch.int64)
+
+        def ctrl_payload(d: int, checksum: int = 0) -> torch.Tensor:
+            return torch.tensor([int(send_idx[d].numel()), fmt.signature(), checksum, 0, 0, 0], dtype=torch.int64)
+
+        recv = self._exchange(P.REGION_COMBINE, fmt, [P.as_bytes(x)], meta, src_index, send_idx, ctrl_payload)
+        expect = torch.tensor([s.numel() for s in base.send_idx], dtype=torch.int64)
+        if not torch.equal(recv["nrows"], expect):
+            self._broken = "combine layout mismatch"
+            raise UBEPError(f"combine on rank {self.rank}: peers returned {recv['nrows'].tolist()} rows, the handle "
+                            f"sent {expect.tolist()} (was the handle from the latest matching dispatch?)")
+        acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = torch.zeros(T, H, dtype=acc_dtype)
+        wacc = torch.zeros(T, K, dtype=topk_weights.dtype) if K else None
+        eng = self.engine
+
+        def accumulate(s: int, rows: torch.Tensor) -> None:
+            n = rows.shape[0]
+            if n == 0:
+                return
+            tmp = torch.empty(n, H, dtype=x.dtype)
+            meta_s = eng.unpack_rows(fmt, rows, [P.as_bytes(tmp)])
+            idx = base.send_idx[s]
+            acc.index_add_(0, idx, tmp.to(acc_dtype))
+            if K:
+                wacc.index_add_(0, idx, meta_s.contiguous().view(topk_weights.dtype))
+
+        self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None, accumulate=accumulate)
+        for b in biases:
+            acc += b.to(acc_dtype)
+        self._report("combine", None, 0, H, H * x.element_size())
+        return acc.to(x.dtype), wacc, EventOverlap(None)
+
+    # ================================================================== low-latency dispatch
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Low-latency dispatch: one row per (token, selected expert), packed per local expert.
+
+        Args:
+            x: [T, H] bfloat16, T <= num_max_dispatch_tokens_per_rank (N, equal on all ranks).
+            topk_idx: [T, K] int64 (-1 = none). num_experts: E.
+            cumulative_local_expert_recv_stats: optional [E_local] int32, incremented by the counts.
+            dispatch_wait_recv_cost_stats: optional [R] int64, incremented by the ns waited per source.
+            use_fp8: send fp8 e4m3 with per-128-channel float32 scales (round_scale: powers of two;
+                use_ue8m0: scales as packed UE8M0 exponents, int32 [.., H/512]).
+            return_recv_hook: issue the sends only; the data is valid after ``hook()``.
+        Returns:
+            ``(recv_x [E_local, R*N, H] bf16 or (fp8, scales), recv_count [E_local] int32, handle, event, hook)``.
+        """
+        self._check_usable()
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook are exclusive")
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0 needs round_scale=True")
+        N = num_max_dispatch_tokens_per_rank
+        if not isinstance(N, int) or N <= 0:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {N!r}")
+        E = self._check_num_experts(num_experts)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("x must be a tensor")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"low_latency_dispatch takes bfloat16 x, got {x.dtype}")
+        if x.dim() != 2:
+            raise ValueError(f"x must be [num_tokens, hidden], got {tuple(x.shape)}")
+        T, H = x.shape
+        if T > N:
+            raise ValueError(f"{T} tokens > num_max_dispatch_tokens_per_rank={N} (rank {self.rank})")
+        if use_fp8 and H % 128:
+            raise ValueError(f"use_fp8 needs a hidden size divisible by 128, got {H}")
+        if use_ue8m0 and H % 512:
+            raise ValueError(f"use_ue8m0 needs a hidden size divisible by 512, got {H}")
+        topk_idx = self._check_topk(topk_idx, E)
+        if topk_idx.shape[0] != T:
+            raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {T}")
+        K = topk_idx.shape[1]
+        if K > _LL_MAX_TOPK:
+            raise ValueError(f"low-latency mode supports top-k up to {_LL_MAX_TOPK}, got {K}")
+        if K > 1 and T:
+            srt = topk_idx.sort(dim=1).values
+            if bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
+                raise ValueError("topk_idx lists the same expert twice for one token")
+        R, me = self.group_size, self.rank
+        E_local = E // R
+        if cumulative_local_expert_recv_stats is not None and (
+                tuple(cumulative_local_expert_recv_stats.shape) != (E_local,)):
+            raise ValueError(f"cumulative_local_expert_recv_stats must have shape ({E_local},)")
+        x = x.contiguous()
+        if use_fp8:
+            xq, sc = _quantize_fp8(x, round_scale)
+            fields_data = [P.as_bytes(xq), P.as_bytes(sc)]
+            fields = (("x", H), ("scales", (H // 128) * 4))
+        else:
+            fields_data = [P.as_bytes(x)]
+            fields = (("x", H * 2),)
+        fmt = P.RowFormat(self.sync, fields, 1)   # meta: top-k slot of the (token, expert) pair
+        region = self._region(P.REGION_LL_DISPATCH)
+        if region.capacity(fmt) < E_local * N:
+            raise ValueError(f"the low-latency buffer holds {region.capacity(fmt)} rows per source but "
+                             f"E_local*N = {E_local * N} are needed (hidden {H} larger than the buffer was sized "
+                             f"for?); use num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E)}")
+        self._check_in_flight(P.REGION_LL_DISPATCH)
+        # (token, expert) pairs sorted by destination rank, local expert, token
+        t_idx, k_idx = (topk_idx >= 0).nonzero(as_tuple=True)
+        g = topk_idx[t_idx, k_idx]
+        order = torch.argsort(g * (N * K) + t_idx * K + k_idx)
+        t_idx, k_idx, g = t_idx[order], k_idx[order], g[order]
+        dest = g // E_local
+        counts = torch.bincount(g, minlength=E).view(R, E_local)
+        bounds = torch.zeros(R + 1, dtype=torch.int64)
+        bounds[1:] = torch.cumsum(counts.sum(1), 0)
+        # staging holds one row per token; the per-pair top-k slot is patched into each destination slot
+        staging_fields = fields_data
+        src_index = torch.arange(T, dtype=torch.int64)
+        send_idx = [t_idx[bounds[d]:bounds[d + 1]] for d in range(R)]
+        pair_k = [k_idx[bounds[d]:bounds[d + 1]] for d in range(R)]
+        rid = P.REGION_LL_DISPATCH
+        epoch = self._next_epoch(rid)
+        half, flag = P.half_of(epoch), P.flag_word(epoch, rid)
+        eng = self.engine
+        meta = torch.zeros(T, 1, dtype=torch.int32)
+        staging, checked, row_sums = eng.pack_rows(fmt, staging_fields, meta, src_index, me)
+        self._wait_acks(rid, epoch)
+        nctrl = P.ctrl_blocks(E_local)
+        sig = fmt.signature()
+
+        def ctrl_payload(d, cs=0):
+            return torch.cat([torch.tensor([int(send_idx[d].numel()), sig, cs, 0, 0, 0], dtype=torch.int64),
+                              counts[d]])
+        job = SendJob(fmt, staging, checked, row_sums, flag,
+                      sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending"))
+        for i in range(R):
+            d = (me + i) % R
+            peer = self._heap.peer(d)
+            job.dests.append(Destination(d, send_idx[d], region.rows(peer, half, me, fmt, send_idx[d].numel()),
+                                         region.ctrl(peer, half, me)[:nctrl], ctrl_payload(d),
+                                         meta_patch=pair_k[d].to(torch.int32)))
+        eng.send_phase(job)
+
+        if use_fp8:
+            recv_x = torch.empty(E_local, R * N, H, dtype=_FP8)
+            recv_sc = torch.zeros(E_local, R * N, H // 128, dtype=torch.float32)
+        else:
+            recv_x = torch.empty(E_local, R * N, H, dtype=torch.bfloat16)
+            recv_sc = None
+        recv_count = torch.zeros(E_local, dtype=torch.int32)
+        src_info = torch.full((E_local, R * N), -1, dtype=torch.int32)
+        src_k = torch.full((E_local, R * N), -1, dtype=torch.int32)
+        layout_range = torch.zeros(E_local, R, dtype=torch.int64)
+        handle = LowLatencyHandle((src_info, layout_range, N, H, E), src_k=src_k, K=K, epoch=epoch,
+                                  num_tokens=T, recv_count=recv_count)
+        pending = _Pending("low_latency_dispatch", epoch)
+        state = {"wait_ns": torch.zeros(R, dtype=torch.int64)}
+
+        def receive():
+            if pending.done:
+                return
+            self._check_usable()
+            ctrl_words = {}
+            local = self._heap.local
+
+            def poll_ctrl():
+                missing = []
+                for s in range(R):
+                    if s not in ctrl_words:
+                        c = region.ctrl(local, half, s)[:nctrl]
+                        if eng.ctrl_arrived(c, flag):
+                            ctrl_words[s] = eng.read_ctrl(c)
+                        else:
+                            missing.append(s)
+                return missing
+            t0 = time.perf_counter_ns()
+            self._wait("low_latency_dispatch: TokenCnt (waiting for the count messages)", poll_ctrl)
+            if self.sync == "sw":
+                self._sync_all("low_latency_dispatch: SyncAll after flag verification")
+            for s in range(R):
+                if int(ctrl_words[s][P.CTRL_SIGNATURE]) != sig:
+                    self._broken = "layout mismatch"
+                    raise UBEPError(f"rank {s} sent low-latency rows of a different layout than rank {me} expects")
+            cnt = torch.stack([ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + E_local] for s in range(R)])  # [R, E_l]
+            if cnt.numel() and int(cnt.max()) > N:
+                self._broken = "bad counts"
+                raise UBEPError("a peer announced more than N tokens for one expert")
+            # CalCumSum: packed begin of every (expert, source) in recv_x
+            begin = torch.cumsum(cnt, 0) - cnt                       # [R, E_l]
+            layout_range.copy_((begin.t() << 32) | cnt.t())
+            recv_count.copy_(cnt.sum(0).to(torch.int32))
+            src_off = torch.cumsum(cnt, 1) - cnt                     # row offset of expert e in source s's part
+            done = set()
+
+            def poll_rows():
+                missing = []
+                for s in range(R):
+                    if s in done:
+                        continue
+                    n = int(cnt[s].sum())
+                    rows = region.rows(local, half, s, fmt, n)
+                    if not eng.rows_arrived(fmt, rows, flag, int(ctrl_words[s][P.CTRL_CHECKSUM])):
+                        missing.append(s)
+                        continue
+                    state["wait_ns"][s] += time.perf_counter_ns() - t0
+                    for e in range(E_local):
+                        c = int(cnt[s, e])
+                        if c == 0:
+                            continue
+                        r0, b0 = int(src_off[s, e]), int(begin[s, e])
+                        seg = rows[r0:r0 + c]
+                        outs = [P.as_bytes(recv_x[e, b0:b0 + c])]
+                        if recv_sc is not None:
+                            outs.append(P.as_bytes(recv_sc[e, b0:b0 + c]))
+                        m = eng.unpack_rows(fmt, seg, outs, rearm=False)
+                        src_info[e, b0:b0 + c] = seg[:, 0, :].view(torch.int64)[:, 1].to(torch.int32)
+                        src_k[e, b0:b0 + c] = m[:, 0]
+                    eng.rearm(fmt, rows)
+                    done.add(s)
+                    self._send_ack(rid, s, epoch)
+                return missing
+            self._wait("low_latency_dispatch: Token-Reordering (waiting for token blocks)", poll_rows)
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(recv_count.to(cumulative_local_expert_recv_stats.dtype))
+            if dispatch_wait_recv_cost_stats is not None:
+                dispatch_wait_recv_cost_stats.add_(state["wait_ns"].to(dispatch_wait_recv_cost_stats.dtype))
+            pending.done = True
+            self._pending = [p for p in self._pending if not p.done]
+            self._report("low_latency_dispatch", topk_idx, E, H, fmt.fields[0][1] + (
+                fmt.fields[1][1] if use_fp8 else 0))
+
+        if use_fp8:
+            out_x = (recv_x, _pack_ue8m0(recv_sc) if use_ue8m0 else recv_sc)
+        else:
+            out_x = recv_x
+        if return_recv_hook:
+            self._pending.append(pending)
+            if use_ue8m0:
+                def hook():
+                    receive()
+                    out_x[1].copy_(_pack_ue8m0(recv_sc))
+                return out_x, recv_count, handle, EventOverlap(None), hook
+            return out_x, recv_count, handle, EventOverlap(None), receive
+        receive()
+        if use_ue8m0:
+            out_x = (recv_x, _pack_ue8m0(recv_sc))
+        return out_x, recv_count, handle, EventOverlap(None), None
+
+    def _check_in_flight(self, rid: int) -> None:
+        pend = [p for p in self._pending if not p.done and p.kind == P.REGION_NAMES[rid]]
+        if len(pend) >= 2:
+            raise ValueError(f"two {P.REGION_NAMES[rid]} calls are already waiting for their recv hook; call "
+                             f"hook() of the older one first (the low-latency buffer has two halves)")
+
+    # ================================================================== low-latency combine
+    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
+        """The [E_local, R*N, H] bf16 tensor that ``low_latency_combine(..., zero_copy=True)`` reads."""
+        if not isinstance(handle, LowLatencyHandle):
+            raise TypeError("handle must come from low_latency_dispatch")
+        _, _, N, H, E = handle
+        shape = (E // self.group_size, self.group_size * N, H)
+        if self._ll_combine_buffer is None or tuple(self._ll_combine_buffer.shape) != shape:
+            self._ll_combine_buffer = torch.zeros(shape, dtype=torch.bfloat16)
+        return self._ll_combine_buffer
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None):
+        """Low-latency combine: ``combined[t] = sum_k w[t, k] * x[e_k][row of t]`` over non-masked slots.
+
+        Args:
+            x: [E_local, R*N, H] bf16 expert outputs in the layout of ``low_latency_dispatch``.
+            topk_idx, topk_weights: this rank's [T, K] routing and float32 weights.
+            handle: from ``low_latency_dispatch``.
+            zero_copy: x was already written into ``get_next_low_latency_combine_buffer(handle)``.
+            out: optional [T, H] bf16 output tensor.
+        Returns:
+            ``(combined_x [T, H] bf16, event, hook)``.
+        """
+        self._check_usable()
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook are exclusive")
+        if not isinstance(handle, LowLatencyHandle):
+            raise TypeError("handle must come from low_latency_dispatch")
+        src_info, layout_range, N, H, E = handle
+        R, me = self.group_size, self.rank
+        E_local = E // R
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+            raise TypeError("low_latency_combine x must be a bfloat16 tensor")
+        if tuple(x.shape) != (E_local, R * N, H):
+            raise ValueError(f"low_latency_combine x must have shape {(E_local, R * N, H)}, got {tuple(x.shape)}")
+        topk_idx = self._check_topk(topk_idx, E)
+        T, K = topk_idx.shape
+        if T > N:
+            raise ValueError(f"{T} tokens > num_max_dispatch_tokens_per_rank={N}")
+        if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
+            raise TypeError("topk_weights must be a float32 tensor")
+        if tuple(topk_weights.shape) != (T, K):
+            raise ValueError(f"topk_weights must have shape {(T, K)}, got {tuple(topk_weights.shape)}")
+        if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H)):
+            raise ValueError(f"out must be a [{T}, {H}] bfloat16 tensor")
+        fmt = P.RowFormat(self.sync, (("x", H * 2),), 0)
+        region = self._region(P.REGION_LL_COMBINE)
+        if region.capacity(fmt) < N * K:
+            raise ValueError(f"the low-latency buffer holds {region.capacity(fmt)} combine rows, N*K = {N * K} "
+                             f"needed; use num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E, max(K, 1))}")
+        self._check_in_flight(P.REGION_LL_COMBINE)
+        rid = P.REGION_LL_COMBINE
+        cnt = (layout_range & 0xFFFFFFFF)            # [E_local, R]
+        begin = layout_range >> 32
+        # rows going back to source s: for every local expert, its packed segment from s
+        eng = self.engine
+        xs = x.view(E_local * R * N, H)
+        epoch = self._next_epoch(rid)
+        half, flag = P.half_of(epoch), P.flag_word(epoch, rid)
+        per_src = []
+        for s in range(R):
+            rows_list = []
+            for e in range(E_local):
+                c = int(cnt[e, s])
+                if c:
+                    rows_list.append(torch.arange(c, dtype=torch.int64) + int(begin[e, s]) + e * R * N)
+            ridx = torch.cat(rows_list) if rows_list else torch.zeros(0, dtype=torch.int64)
+            flat_info = src_info.view(-1)
+            flat_k = handle.src_k.view(-1)
+            slot = flat_info[ridx].to(torch.int64) * handle.K + flat_k[ridx].to(torch.int64)
+            per_src.append((ridx, slot))
+        all_rows = torch.cat([p[0] for p in per_src]) if per_src else torch.zeros(0, dtype=torch.int64)
+        staging, checked, row_sums = eng.pack_rows(fmt, [P.as_bytes(xs.index_select(0, all_rows))], None,
+                                                   all_rows, me)
+        self._wait_acks(rid, epoch)
+        nctrl = 1
+        sig = fmt.signature()
+        starts = [0]
+        for p in per_src:
+            starts.append(starts[-1] + p[0].numel())
+
+        job = SendJob(fmt, staging, checked, row_sums, flag,
+                      sync_all=lambda: self._sync_all("low_latency_combine: SyncAll after Token-Sending"))
+        for i in range(R):
+            s = (me + i) % R
+            peer = self._heap.peer(s)
+            payload = torch.tensor([per_src[s][0].numel(), sig, 0, 0, 0, 0], dtype=torch.int64)
+            job.dests.append(Destination(s, torch.arange(starts[s], starts[s + 1], dtype=torch.int64),
+                                         region.rows(peer, half, 0, fmt, N * K), region.ctrl(peer, half, me)[:nctrl],
+                                         payload, dst_index=per_src[s][1]))
+        eng.send_phase(job)
+
+        result = out if out is not None else torch.empty(T, H, dtype=torch.bfloat16)
+        pending = _Pending("low_latency_combine", epoch)
+        weights = topk_weights.contiguous()
+
+        def receive():
+            if pending.done:
+                return
+            self._check_usable()
+            local = self._heap.local
+            ctrl_words = {}
+
+            def poll_ctrl():
+                missing = []
+                for s in range(R):
+                    if s not in ctrl_words:
+                        c = region.ctrl(local, half, s)[:nctrl]
+                        if eng.ctrl_arrived(c, flag):
+                            ctrl_words[s] = eng.read_ctrl(c)
+                        else:
+                            missing.append(s)
+                return missing
+            self._wait("low_latency_combine: waiting for the count messages", poll_ctrl)
+            if self.sync == "sw":
+                self._sync_all("low_latency_combine: SyncAll after flag verification")
+            for s in range(R):
+                if int(ctrl_words[s][P.CTRL_SIGNATURE]) != sig:
+                    self._broken = "layout mismatch"
+                    raise UBEPError(f"rank {s} sent low-latency combine rows of a different layout")
+            valid = topk_idx >= 0
+            slots = valid.view(-1).nonzero().squeeze(1)
+            rows = region.rows(local, half, 0, fmt, N * K)
+            src_of_slot = (topk_idx.view(-1)[slots] // E_local)
+            if self.sync == "dc":
+                total = sum(int(ctrl_words[s][P.CTRL_CHECKSUM]) for s in range(R))
+                total = ((total + (1 << 63)) % (1 << 64)) - (1 << 63)
+
+                def poll_rows():
+                    w = rows.view(torch.int64).view(N * K, fmt.blocks, P.BLOCK_WORDS)
+                    got = int(P.wrapping_sum(w.index_select(0, slots)[:, :, :4].reshape(-1)))
+                    return [] if got == total else sorted(set(src_of_slot.tolist()))
+            else:
+                def poll_rows():
+                    if eng.rows_arrived(fmt, rows, flag, 0, index=slots):
+                        return []
+                    w0 = rows.view(torch.int64).view(N * K, fmt.blocks, P.BLOCK_WORDS)[:, :, 0].index_select(0, slots)
+                    bad = (w0 != flag).any(1) if fmt.sync == "tff" else (w0 == P.SP_SENTINEL).any(1)
+                    return sorted(set(src_of_slot[bad].tolist())) if fmt.sync in ("tff", "sp") else []
+            self._wait("low_latency_combine: waiting for expert outputs", poll_rows)
+            tmp = torch.zeros(T * K, H, dtype=torch.bfloat16)
+            got = torch.empty(slots.numel(), H, dtype=torch.bfloat16)
+            eng.unpack_rows(fmt, rows.view(N * K, fmt.blocks, P.BLOCK_BYTES)[slots], [P.as_bytes(got)], rearm=False)
+            tmp[slots] = got
+            eng.rearm(fmt, rows, slots)
+            for s in range(R):
+                self._send_ack(rid, s, epoch)
+            w = torch.where(valid, weights, torch.zeros_like(weights))
+            acc = (tmp.view(T, K, H).float() * w.unsqueeze(-1)).sum(1)
+            result.copy_(acc.to(torch.bfloat16))
+            pending.done = True
+            self._pending = [p for p in self._pending if not p.done]
+            self._report("low_latency_combine", topk_idx, E, H, H * 2)
+
+        if return_recv_hook:
+            self._pending.append(pending)
+            return result, EventOverlap(None), receive
+        receive()
+        return result, EventOverlap(None), None
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Collective: wait until no peer has low-latency calls in flight, then re-arm SP sentinels.
+
+        Flags carry epochs, so TFF/DC/SW buffers never need cleaning; this exists for DeepEP code.
+        """
+        self._check_usable()
+        if self._pending:
+            raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
+        self._sync_all("clean_low_latency_buffer: SyncAll")
+
+
+def _quantize_fp8(x: torch.Tensor, round_scale: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-128-channel e4m3 quantization: scale = amax / 448 (optionally rounded up to a power of 2)."""
+    T, H = x.shape
+    xf = x.float().view(T, H // 128, 128)
+    amax = xf.abs().amax(-1).clamp(min=1e-4)
+    scale = amax / 448.0
+    if round_scale:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (xf / scale.unsqueeze(-1)).clamp(-448, 448).view(T, H).to(_FP8)
+    return q.contiguous(), scale.contiguous()
+
+
+def _pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
+    """Power-of-two float32 scales [.., G] -> UE8M0 exponent bytes packed 4 per int32 [.., G/4]."""
+    exp = ((scales.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    return exp.contiguous().view(torch.int32)

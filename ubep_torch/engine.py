@@ -1,0 +1,276 @@
+"""The data path: packing rows into DataBlocks, writing them into a peer's memory, polling, unpacking.
+
+``TorchEngine`` is the vectorized torch implementation of the protocol defined in
+``ubep_torch.protocol``. The Triton backend (``ubep_torch.triton_engine``) implements the same methods
+with the kernels of ``kernels/`` and must produce bit-identical memory contents and outputs.
+
+Where a token is written into a peer's memory: :meth:`TorchEngine.write_rows` (step 1: whole blocks,
+checked word withheld; step 2: the checked words), and :meth:`TorchEngine.write_ctrl` for counts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from . import protocol as P
+
+
+@dataclass
+class Destination:
+    """What one rank sends to one peer in one call."""
+    rank: int
+    sel: torch.Tensor                 #: [n] int64 staging rows, in slot order
+    rows: torch.Tensor                #: [m, blocks, 512] uint8 view of the peer's slots for this source
+    ctrl: torch.Tensor                #: [nctrl, 512] uint8 view of the peer's control slot for this source
+    ctrl_payload: torch.Tensor        #: int64 control words (the DC checksum word is filled in by the engine)
+    dst_index: Optional[torch.Tensor] = None   #: [n] slot of each row (None: slots 0..n-1)
+    meta_patch: Optional[torch.Tensor] = None  #: [n] int32 written into meta item 0 of each slot
+
+
+@dataclass
+class SendJob:
+    """One rank's whole send phase of one call (token group + count group)."""
+    fmt: P.RowFormat
+    staging: torch.Tensor             #: [T, blocks, 512] uint8 packed rows
+    checked: Optional[torch.Tensor]   #: SP: [T, blocks] int64 true first words
+    row_sums: Optional[torch.Tensor]  #: DC: [T] int64 checksum contribution per row
+    flag: int
+    dests: List[Destination] = field(default_factory=list)
+    sync_all: Optional[Callable[[], None]] = None   #: SyncAll for the "sw" baseline
+
+
+class TorchEngine:
+    name = "torch"
+
+    # ------------------------------------------------------------------ sender side
+    def pack_rows(self, fmt: P.RowFormat, fields: Sequence[Optional[torch.Tensor]], meta: Optional[torch.Tensor],
+                  src_index: torch.Tensor, rank: int) -> tuple:
+        """Build the local staging rows of ``n`` tokens.
+
+        Args:
+            fmt: the row format.
+            fields: per field a [n, nbytes] uint8 tensor (the payload streams, e.g. x and fp8 scales).
+            meta: [n, fmt.meta_words] int32 meta items (or None when ``fmt.meta_words == 0``).
+            src_index: [n] int64 source token index (goes into the meta head).
+            rank: this rank (TFF head word 3).
+        Returns:
+            ``(staging [n, blocks, 512] uint8, checked [n, blocks] int64 or None, row_sums [n] int64 or None)``.
+            ``checked`` holds the true first word of every block for SP (the staging holds the sentinel
+            there until step 2); ``row_sums`` is the DC checksum contribution of every row.
+        """
+        n = src_index.shape[0]
+        nb = fmt.blocks
+        staging = torch.empty(n, nb, P.BLOCK_BYTES, dtype=torch.uint8)
+        words = staging.view(torch.int64).view(n, nb, P.BLOCK_WORDS)
+        # payload fields
+        for i, data in enumerate(fields):
+            fb = fmt.field_blocks[i]
+            if fb == 0:
+                continue
+            off = fmt.field_offset_blocks(i)
+            blk = staging[:, off:off + fb]
+            pay = P.payload_per_block(fmt.sync)
+            nbytes = fmt.fields[i][1]
+            tail = fb * pay - nbytes
+            if tail:  # zero the padding of the last block so memory contents are deterministic
+                start = (P.FLAG_BYTES if fmt.sync == "tff" else 0) + (pay - tail)
+                blk[:, fb - 1, start:start + tail].zero_()
+            P.pack_field(blk, data, fmt.sync)
+        # meta block: 32 B head + meta items + (SP) escape bitmap
+        head = words[:, 0, : P.HEAD_WORDS]
+        head[:, 1] = src_index
+        head[:, 2] = 0
+        head[:, 3] = rank
+        meta_area = staging[:, 0, P.FLAG_BYTES:].view(torch.int32)
+        meta_area.zero_()
+        if fmt.meta_words:
+            meta_area[:, : fmt.meta_words] = meta
+        checked = None
+        row_sums = None
+        if fmt.sync == "tff":
+            # data-block heads: (flag, token, block, rank); the flag itself is written in step 2
+            if nb > 1:
+                dh = words[:, 1:, : P.HEAD_WORDS]
+                dh[:, :, 1] = src_index.unsqueeze(1)
+                dh[:, :, 2] = torch.arange(1, nb, dtype=torch.int64)
+                dh[:, :, 3] = rank
+            words[:, :, 0] = 0
+        else:
+            head[:, 0] = P.ROW_MAGIC
+            if fmt.sync == "sp":
+                first = words[:, 1:, 0]
+                mask = P.sp_escape_inplace(first)
+                if fmt.bitmap_words and bool(mask.any()):
+                    meta_area[:, fmt.meta_words: fmt.meta_words + fmt.bitmap_words] = \
+                        P.pack_bitmap(mask, fmt.bitmap_words)
+                checked = words[:, :, 0].clone()
+                words[:, :, 0] = P.SP_SENTINEL
+            elif fmt.sync == "dc":
+                row_sums = P.wrapping_sum(words[:, :, :4].reshape(n, -1))
+        return staging, checked, row_sums
+
+    def write_rows(self, fmt: P.RowFormat, staging: torch.Tensor, checked: Optional[torch.Tensor],
+                   sel: Optional[torch.Tensor], dst: torch.Tensor, flag: int,
+                   dst_index: Optional[torch.Tensor] = None, meta_patch: Optional[torch.Tensor] = None) -> None:
+        """Store rows into a peer's memory (the emulated 512 B atomic write, see ``protocol``).
+
+        ``dst`` is a [m, blocks, 512] uint8 view of the peer's slots. Rows ``staging[sel]`` go to
+        ``dst[0:n]`` (or to ``dst[dst_index]`` when given).
+        """
+        n = staging.shape[0] if sel is None else sel.shape[0]
+        if n == 0:
+            return
+        src = staging.view(staging.shape[0], -1)
+        if dst_index is None:
+            out = dst[:n].view(n, -1)
+            if sel is None:
+                out.copy_(src)
+            else:
+                torch.index_select(src, 0, sel, out=out)
+        else:
+            rows = src if sel is None else src.index_select(0, sel)
+            dst.view(dst.shape[0], -1).index_copy_(0, dst_index, rows)
+        if meta_patch is not None:
+            items = dst[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
+            if dst_index is None:
+                items[:n] = meta_patch
+            else:
+                items.index_copy_(0, dst_index, meta_patch.to(torch.int32))
+        P.memory_fence()
+        # step 2: the word the receiver checks
+        w0 = dst.view(torch.int64).view(dst.shape[0], fmt.blocks, P.BLOCK_WORDS)[:, :, 0]
+        if fmt.sync == "tff":
+            if dst_index is None:
+                w0[:n].fill_(flag)
+            else:
+                w0.index_fill_(0, dst_index, flag)
+        elif fmt.sync == "sp":
+            vals = checked if sel is None else checked.index_select(0, sel)
+            if dst_index is None:
+                w0[:n].copy_(vals)
+            else:
+                w0.index_copy_(0, dst_index, vals)
+
+    def send_phase(self, job: SendJob) -> None:
+        """Run the token group and the count group of one call.
+
+        TFF/SP: counts first (they do not depend on the tokens), then every destination's rows; DC: each
+        destination's rows, then its checksum-carrying control message; SW (BSP baseline): all rows,
+        SyncAll, then flags and counts.
+        """
+        sync = job.fmt.sync
+        if sync == "sw":
+            for d in job.dests:
+                self._send_rows(job, d)
+            job.sync_all()
+            for d in job.dests:
+                self.write_ctrl(d.ctrl, d.ctrl_payload, job.flag)
+            return
+        if sync != "dc":
+            for d in job.dests:
+                self.write_ctrl(d.ctrl, d.ctrl_payload, job.flag)
+        for d in job.dests:
+            self._send_rows(job, d)
+            if sync == "dc":
+                payload = d.ctrl_payload.clone()
+                if d.sel.numel():
+                    payload[P.CTRL_CHECKSUM] = P.wrapping_sum(job.row_sums.index_select(0, d.sel))
+                self.write_ctrl(d.ctrl, payload, job.flag)
+
+    def _send_rows(self, job: SendJob, d: Destination) -> None:
+        self.write_rows(job.fmt, job.staging, job.checked, d.sel, d.rows, job.flag, dst_index=d.dst_index,
+                        meta_patch=d.meta_patch)
+
+    def write_ctrl(self, dst: torch.Tensor, payload: torch.Tensor, flag: int) -> None:
+        """Write a control message (int64 ``payload``) into ``dst`` ([nctrl, 512] uint8 peer view)."""
+        nctrl = dst.shape[0]
+        words = dst.view(torch.int64).view(nctrl, P.BLOCK_WORDS)
+        buf = torch.zeros(nctrl, P.BLOCK_WORDS, dtype=torch.int64)
+        flat = buf[:, P.HEAD_WORDS:].reshape(-1)
+        flat[: payload.numel()] = payload
+        words.copy_(buf)
+        P.memory_fence()
+        words[:, 0] = flag
+
+    # ------------------------------------------------------------------ receiver side
+    def ctrl_arrived(self, ctrl: torch.Tensor, flag: int) -> bool:
+        w0 = ctrl.view(torch.int64).view(ctrl.shape[0], P.BLOCK_WORDS)[:, 0]
+        return bool((w0 == flag).all())
+
+    def read_ctrl(self, ctrl: torch.Tensor) -> torch.Tensor:
+        words = ctrl.view(torch.int64).view(ctrl.shape[0], P.BLOCK_WORDS)
+        return words[:, P.HEAD_WORDS:].reshape(-1).clone()
+
+    def rows_arrived(self, fmt: P.RowFormat, rows: torch.Tensor, flag: int, expected_sum: int = 0,
+                     index: Optional[torch.Tensor] = None) -> bool:
+        """Did every block of ``rows`` ([n, blocks, 512] local view) arrive? (``index``: only those rows)."""
+        if rows.shape[0] == 0 or (index is not None and index.numel() == 0):
+            return True
+        words = rows.view(torch.int64).view(rows.shape[0], fmt.blocks, P.BLOCK_WORDS)
+        if fmt.sync == "tff":
+            w0 = words[:, :, 0] if index is None else words[:, :, 0].index_select(0, index)
+            return bool((w0 == flag).all())
+        if fmt.sync == "sp":
+            w0 = words[:, :, 0] if index is None else words[:, :, 0].index_select(0, index)
+            return bool((w0 != P.SP_SENTINEL).all())
+        if fmt.sync == "dc":
+            s = P.wrapping_sum(words[:, :, :4].reshape(-1))
+            return int(s) == int(expected_sum)
+        return True  # "sw": ordered by the barrier
+
+    def unpack_rows(self, fmt: P.RowFormat, rows: torch.Tensor, outs: Sequence[Optional[torch.Tensor]],
+                    rearm: bool = True) -> torch.Tensor:
+        """Copy the payload of ``rows`` ([n, blocks, 512]) into ``outs`` (per field [n, nbytes] uint8 or
+        None to skip). Returns the [n, meta_words] int32 meta items (a copy). For SP, escaped first words
+        are restored in ``outs`` and the consumed blocks are re-armed with the sentinel."""
+        n = rows.shape[0]
+        meta = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, : fmt.meta_words + fmt.bitmap_words].clone()
+        for i, out in enumerate(outs):
+            if out is None or fmt.field_blocks[i] == 0:
+                continue
+            off = fmt.field_offset_blocks(i)
+            P.unpack_field(rows[:, off:off + fmt.field_blocks[i]], out, fmt.sync)
+        if fmt.sync == "sp" and n:
+            if fmt.bitmap_words:
+                esc = P.unpack_bitmap(meta[:, fmt.meta_words:], fmt.data_blocks)
+                if bool(esc.any()):
+                    self._restore_escaped(fmt, esc, outs)
+            if rearm:
+                rows.view(torch.int64).view(n, fmt.blocks, P.BLOCK_WORDS)[:, :, 0] = P.SP_SENTINEL
+        return meta[:, : fmt.meta_words]
+
+    @staticmethod
+    def _restore_escaped(fmt: P.RowFormat, esc: torch.Tensor, outs: Sequence[Optional[torch.Tensor]]) -> None:
+        base = 0
+        for i, out in enumerate(outs):
+            fb = fmt.field_blocks[i]
+            if out is not None and fb:
+                r, b = esc[:, base:base + fb].nonzero(as_tuple=True)
+                if r.numel():
+                    cols = (b * P.RAW_PAYLOAD_BYTES).unsqueeze(1) + torch.arange(8)
+                    rr = r.unsqueeze(1).expand_as(cols)
+                    keep = cols < out.shape[1]
+                    out[rr[keep], cols[keep]] = 0  # the sentinel value is all-zero bytes
+            base += fb
+
+    def rearm(self, fmt: P.RowFormat, rows: torch.Tensor, index: Optional[torch.Tensor] = None) -> None:
+        """SP: write the sentinel back into consumed blocks (no-op for other modes)."""
+        if fmt.sync != "sp" or rows.shape[0] == 0:
+            return
+        w0 = rows.view(torch.int64).view(rows.shape[0], fmt.blocks, P.BLOCK_WORDS)[:, :, 0]
+        if index is None:
+            w0.fill_(P.SP_SENTINEL)
+        else:
+            w0.index_fill_(0, index, P.SP_SENTINEL)
+
+
+def make_engine(backend: str):
+    if backend in ("torch", "auto"):
+        return TorchEngine()
+    if backend == "triton":
+        from .triton_engine import TritonEngine
+        return TritonEngine()
+    raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+

@@ -1,0 +1,42 @@
+"""Errors raised by ubep_torch. They name the phase, this rank and the ranks that did not deliver."""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class UBEPError(RuntimeError):
+    """Base class of ubep_torch runtime errors (bad input raises ValueError/TypeError instead)."""
+
+
+class UBEPTimeoutError(UBEPError, TimeoutError):
+    """A poll passed its deadline. ``phase``, ``rank`` and ``missing_ranks`` say where and who."""
+
+    def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], timeout_s: float):
+        self.phase = phase
+        self.rank = rank
+        self.missing_ranks = list(missing_ranks)
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"ubep_torch: rank {rank} timed out after {timeout_s:.3g}s in phase '{phase}' waiting for "
+            f"rank(s) {self.missing_ranks}; they did not deliver (stalled, crashed, or called a different "
+            f"operation). Raise timeout_s or UBEP_TIMEOUT_S if they are only slow. This Buffer is now "
+            f"unusable: destroy it and create a new one."
+        )
+
+
+class UBEPPeerLostError(UBEPError):
+    """A peer's process exited while this rank was waiting for it."""
+
+    def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], dead_ranks: Sequence[int]):
+        self.phase = phase
+        self.rank = rank
+        self.missing_ranks = list(missing_ranks)
+        self.dead_ranks = list(dead_ranks)
+        super().__init__(
+            f"ubep_torch: rank {rank} in phase '{phase}': peer rank(s) {self.dead_ranks} exited while "
+            f"rank(s) {self.missing_ranks} had not delivered. This Buffer is now unusable."
+        )
+
+
+class UBEPBrokenError(UBEPError):
+    """The Buffer saw a timeout or a lost peer earlier and refuses further communication."""

@@ -1,0 +1,336 @@
+"""The UBEP wire protocol: one definition of blocks, flags, epochs and slot layout.
+
+Everything that crosses the simulated unified global address space (UGAS) is a sequence of
+512-byte ``DataBlock``s. The torch path (``ubep_torch.buffer``), the Triton kernels (``kernels/``),
+the cost model and the docs all import the constants below; nothing else defines them.
+
+DataBlock (512 B, the CM384 UB atomic write unit)
+-------------------------------------------------
+* ``sync="tff"`` (Token-Flag Fusion): bytes ``[0, 32)`` are the flag header, ``[32, 512)`` payload.
+  Header words (int64): ``w0 = flag_word(epoch, region)``, ``w1 = source token index``,
+  ``w2 = block index inside the row``, ``w3 = source rank``. The receiver checks ``w0`` alone.
+* ``sync="dc"`` (Data Checksum) and ``sync="sw"`` (stop-and-wait): payload blocks are raw 512 B.
+  DC follows each (source, destination) batch with a control block holding the wrapping int64 sum
+  of the leading 32 B (four words) of every block of the batch.
+* ``sync="sp"`` (Sentinel Polling): payload blocks are raw 512 B. The receiver's memory holds the
+  sentinel ``SP_SENTINEL`` (= 0, so freshly mapped shared memory is already armed) in the first word of
+  every block; arrival is ``w0 != SP_SENTINEL``. A block whose own first word equals the sentinel is
+  *escaped* by the sender: it stores ``SP_ESCAPE`` instead and sets the block's bit in the row's escape
+  bitmap, which travels in the row's meta block (whose first word is ``ROW_MAGIC`` and so can never be
+  the sentinel). The receiver restores escaped words after copying the row out, then re-arms the
+  consumed blocks by writing the sentinel back. A collision therefore never hangs and never corrupts.
+
+Rows
+----
+A row (one token, or one returned expert output) is one *meta block* followed by one or more *field*
+streams, each padded to whole blocks: e.g. dispatch = meta | x | fp8 scales. The meta block always has
+a 32 B head (``w0`` = flag for TFF, ``ROW_MAGIC`` otherwise) and 480 B of int32/float32 meta payload
+(top-k ids and weights, escape bitmap). Field blocks carry 480 B (TFF) or 512 B (others) of payload.
+
+Control blocks
+--------------
+Counts (TokenCnt), DC checksums and the per-call "I have sent everything" signal travel in control
+blocks, which always use a TFF head whatever the data sync mode: ``w0`` = flag word, payload = int64
+words. Every rank sends one control message to every peer on every call, even when it sends no rows.
+
+Epochs and buffer reuse
+-----------------------
+Each region (normal dispatch, normal combine, low-latency dispatch, low-latency combine) has a call
+counter ``epoch`` that advances identically on every rank (calls are collective and ordered). Call
+``epoch`` uses half ``epoch % 2`` of the region. Flags carry the epoch, so stale blocks of earlier calls
+never match and buffers need no reset between calls.
+
+Deadlock/reuse argument: a sender S writes call ``n + 2`` into half ``n % 2`` of receiver R only after
+S finished call ``n + 1``, which needs R's call-``n + 1`` control message, which R sends only after it
+finished consuming call ``n``. So no half is overwritten while it is being read, without any barrier.
+
+Memory ordering (why the emulated 512 B atomic write is safe on this machine)
+-----------------------------------------------------------------------------
+The fabric guarantees a 512 B block is observed whole. Host memory does not, so every write is split in
+two ordered steps: (1) the whole block content with the checked word set to a value the receiver treats
+as "not yet" (flag 0 for TFF, the sentinel for SP), (2) the checked word itself. On x86-64 (TSO) stores
+become visible to other cores in program order, and loads are not reordered with older loads: a
+receiver that observes the checked word of step (2) therefore also observes every byte of step (1).
+Step (1) may be executed by several intra-op threads; the op returns only after its workers have joined
+(a synchronizing operation), so all of its stores precede step (2) in the issuing thread's order.
+On weakly ordered CPUs (aarch64) ``memory_fence()`` adds a full barrier between the steps and after a
+successful poll; it is a no-op on x86-64.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+
+from .errors import UBEPPeerLostError, UBEPTimeoutError
+
+# ----------------------------------------------------------------------------- block geometry
+BLOCK_BYTES = 512            #: DataBlock size: the UB fabric's atomic write unit
+FLAG_BYTES = 32              #: TFF flag header at the start of each block
+TFF_PAYLOAD_BYTES = BLOCK_BYTES - FLAG_BYTES   #: 480 B of payload per TFF block
+RAW_PAYLOAD_BYTES = BLOCK_BYTES                 #: DC / SP / SW blocks carry raw payload
+BLOCK_WORDS = BLOCK_BYTES // 8
+HEAD_WORDS = FLAG_BYTES // 8
+META_PAYLOAD_BYTES = TFF_PAYLOAD_BYTES          #: meta blocks always keep a 32 B head
+
+SYNC_MODES = ("tff", "dc", "sp", "sw")
+
+#: First word of every meta block outside TFF (never equal to the sentinel).
+ROW_MAGIC = 0x5542_4550_524F_5721          # "UBEPROW!"
+#: SP: the value the receiver's memory holds in the first word of every unfilled block.
+SP_SENTINEL = 0
+#: SP: what the sender stores instead of a first word that happens to equal the sentinel.
+SP_ESCAPE = 0x5542_4550_4553_4321          # "UBEPESC!"
+
+# ----------------------------------------------------------------------------- regions
+REGION_DISPATCH = 1
+REGION_COMBINE = 2
+REGION_LL_DISPATCH = 3
+REGION_LL_COMBINE = 4
+REGION_BARRIER = 5
+REGION_NAMES = {
+    REGION_DISPATCH: "dispatch",
+    REGION_COMBINE: "combine",
+    REGION_LL_DISPATCH: "low_latency_dispatch",
+    REGION_LL_COMBINE: "low_latency_combine",
+    REGION_BARRIER: "barrier",
+}
+
+#: int64 payload words per control block (each control block keeps a TFF head).
+CTRL_WORDS_PER_BLOCK = TFF_PAYLOAD_BYTES // 8
+# control message words: [0] rows sent, [1] layout signature, [2..5] DC checksum, [6..] per-expert counts
+CTRL_NROWS = 0
+CTRL_SIGNATURE = 1
+CTRL_CHECKSUM = 2
+CTRL_COUNTS = 6
+
+
+#: Control blocks reserved for every control message (room for 474 per-expert counts).
+MAX_CTRL_BLOCKS = 8
+
+
+def ctrl_blocks(num_counts: int) -> int:
+    """Control blocks needed for a message that carries ``num_counts`` per-expert counts."""
+    return max(1, -(-(CTRL_COUNTS + int(num_counts)) // CTRL_WORDS_PER_BLOCK))
+
+
+def flag_word(epoch: int, region: int) -> int:
+    """The value of ``w0`` that marks a block of call ``epoch`` in ``region`` as arrived."""
+    return (int(epoch) << 8) | int(region)
+
+
+def half_of(epoch: int) -> int:
+    return int(epoch) % 2
+
+
+def payload_per_block(sync: str) -> int:
+    return TFF_PAYLOAD_BYTES if sync == "tff" else RAW_PAYLOAD_BYTES
+
+
+def blocks_for(nbytes: int, sync: str) -> int:
+    p = payload_per_block(sync)
+    return max(0, -(-int(nbytes) // p))
+
+
+# ----------------------------------------------------------------------------- row format
+@dataclass(frozen=True)
+class RowFormat:
+    """Block layout of one row: a meta block, then each field padded to whole blocks.
+
+    ``fields`` are (name, bytes per row) of the payload streams; ``meta_words`` is the number of 4-byte
+    meta items (top-k ids, weights, ...). The escape bitmap for SP follows the meta items.
+    """
+
+    sync: str
+    fields: Tuple[Tuple[str, int], ...]
+    meta_words: int
+
+    @property
+    def field_blocks(self) -> Tuple[int, ...]:
+        return tuple(blocks_for(n, self.sync) for _, n in self.fields)
+
+    @property
+    def data_blocks(self) -> int:
+        return sum(self.field_blocks)
+
+    @property
+    def bitmap_words(self) -> int:
+        return -(-self.data_blocks // 32) if self.sync == "sp" else 0
+
+    @property
+    def meta_blocks(self) -> int:
+        return 1
+
+    @property
+    def blocks(self) -> int:
+        return self.meta_blocks + self.data_blocks
+
+    @property
+    def row_bytes(self) -> int:
+        return self.blocks * BLOCK_BYTES
+
+    def field_offset_blocks(self, i: int) -> int:
+        return self.meta_blocks + sum(self.field_blocks[:i])
+
+    def signature(self) -> int:
+        """A 62-bit digest of the layout; peers compare it to catch mismatched calls."""
+        h = 1469598103934665603
+        for item in (self.sync, self.meta_words) + tuple(x for f in self.fields for x in f):
+            for ch in str(item):
+                h = ((h ^ ord(ch)) * 1099511628211) & ((1 << 62) - 1)
+        return h
+
+    def check_fits(self) -> None:
+        if (self.meta_words + self.bitmap_words) * 4 > META_PAYLOAD_BYTES:
+            raise ValueError(
+                f"row metadata needs {(self.meta_words + self.bitmap_words) * 4} bytes but a meta block holds "
+                f"{META_PAYLOAD_BYTES}: reduce top-k (at most {META_PAYLOAD_BYTES // 8 - 8}) or the hidden size"
+            )
+
+
+# ----------------------------------------------------------------------------- packing (torch path)
+def _block_view(rows: torch.Tensor, nblocks: int) -> torch.Tensor:
+    """[n, nblocks * 512] uint8 -> [n, nblocks, 512] view."""
+    return rows.view(rows.shape[0], nblocks, BLOCK_BYTES)
+
+
+def pack_field(blocks: torch.Tensor, data: torch.Tensor, sync: str) -> None:
+    """Write ``data`` ([n, nbytes] uint8) into the payload area of ``blocks`` ([n, nb, 512] uint8)."""
+    n, nbytes = data.shape
+    if n == 0 or nbytes == 0:
+        return
+    p = payload_per_block(sync)
+    start = FLAG_BYTES if sync == "tff" else 0
+    full = nbytes // p
+    if full:
+        blocks[:, :full, start:start + p].copy_(data[:, : full * p].view(n, full, p))
+    rem = nbytes - full * p
+    if rem:
+        blocks[:, full, start:start + rem].copy_(data[:, full * p:])
+
+
+def unpack_field(blocks: torch.Tensor, out: torch.Tensor, sync: str) -> None:
+    """Inverse of :func:`pack_field`: payload of ``blocks`` ([n, nb, 512]) into ``out`` ([n, nbytes])."""
+    n, nbytes = out.shape
+    if n == 0 or nbytes == 0:
+        return
+    p = payload_per_block(sync)
+    start = FLAG_BYTES if sync == "tff" else 0
+    full = nbytes // p
+    if full:
+        out[:, : full * p].view(n, full, p).copy_(blocks[:, :full, start:start + p])
+    rem = nbytes - full * p
+    if rem:
+        out[:, full * p:].copy_(blocks[:, full, start:start + rem])
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[n, ...] tensor -> [n, nbytes] uint8 view (contiguous rows required)."""
+    t = t.contiguous()
+    return t.view(torch.uint8).reshape(t.shape[0], -1)
+
+
+def block_words(rows: torch.Tensor, nblocks: int) -> torch.Tensor:
+    """[n, nblocks*512] uint8 -> [n, nblocks, 64] int64 view."""
+    return rows.view(torch.int64).view(rows.shape[0], nblocks, BLOCK_WORDS)
+
+
+# ----------------------------------------------------------------------------- memory fence
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+_fence_lock = threading.Lock()
+
+
+def memory_fence() -> None:
+    """Full barrier between the two steps of an emulated atomic block write (no-op on x86-64 TSO)."""
+    if not _X86:
+        with _fence_lock:  # lock acquire/release are full barriers in CPython's pthread implementation
+            pass
+
+
+# ----------------------------------------------------------------------------- waiting
+def default_timeout(timeout_s: Optional[float]) -> float:
+    env = os.environ.get("UBEP_TIMEOUT_S")
+    if env:
+        return float(env)
+    return 60.0 if timeout_s is None else float(timeout_s)
+
+
+class Waiter:
+    """Polls a condition with a deadline, yielding the CPU (ranks may outnumber cores).
+
+    ``poll()`` returns the list of ranks still missing (empty = done). On deadline the error names the
+    phase and the missing ranks; a missing rank whose process has exited is reported at once.
+    """
+
+    def __init__(self, rank: int, timeout_s: float, peer_alive: Optional[Callable[[int], bool]] = None):
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.peer_alive = peer_alive
+
+    def wait(self, phase: str, poll: Callable[[], Sequence[int]]) -> None:
+        missing = poll()
+        if not missing:
+            return
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        spins = 0
+        next_liveness = start + 0.05
+        while True:
+            if spins < 64:
+                os.sched_yield()
+            else:
+                time.sleep(min(1e-3, 2e-5 * (spins - 63)))
+            spins += 1
+            missing = poll()
+            if not missing:
+                memory_fence()
+                return
+            now = time.monotonic()
+            if self.peer_alive is not None and now >= next_liveness:
+                next_liveness = now + 0.05
+                dead = [r for r in missing if not self.peer_alive(r)]
+                if dead:
+                    raise UBEPPeerLostError(phase, self.rank, list(missing), dead)
+            if now >= deadline:
+                raise UBEPTimeoutError(phase, self.rank, list(missing), self.timeout_s)
+
+
+# ----------------------------------------------------------------------------- sp escape
+def sp_escape_inplace(words0: torch.Tensor) -> torch.Tensor:
+    """SP sender side: escape first words equal to the sentinel. Returns the boolean escape mask.
+
+    ``words0`` is the [n, nblocks] int64 tensor of the data blocks' first words (modified in place).
+    """
+    mask = words0 == SP_SENTINEL
+    if bool(mask.any()):
+        words0.masked_fill_(mask, SP_ESCAPE)
+    return mask
+
+
+def pack_bitmap(mask: torch.Tensor, nwords: int) -> torch.Tensor:
+    """[n, nblocks] bool -> [n, nwords] int32 bitmap (bit b of word b // 32)."""
+    n, nb = mask.shape
+    padded = torch.zeros(n, nwords * 32, dtype=torch.int64)
+    padded[:, :nb] = mask.to(torch.int64)
+    weights = (torch.ones(32, dtype=torch.int64) << torch.arange(32, dtype=torch.int64))
+    words = (padded.view(n, nwords, 32) * weights).sum(-1)
+    return words.to(torch.int64).where(words < (1 << 31), words - (1 << 32)).to(torch.int32)
+
+
+def unpack_bitmap(words: torch.Tensor, nblocks: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bitmap`: [n, nwords] int32 -> [n, nblocks] bool."""
+    n, nwords = words.shape
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    bits = (w.unsqueeze(-1) >> torch.arange(32, dtype=torch.int64)) & 1
+    return bits.view(n, nwords * 32)[:, :nblocks].bool()
+
+
+def wrapping_sum(words: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum of int64 words modulo 2**64 (torch integer sums wrap on overflow)."""
+    return words.sum(dim=dim, dtype=torch.int64)
+

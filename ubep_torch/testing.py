@@ -1,0 +1,129 @@
+"""A persistent pool of rank processes for tests, benchmarks and examples.
+
+``RankPool(world_size)`` starts ``world_size`` processes once, each joined to a gloo process group, and
+``pool.run(fn, *args)`` calls ``fn(ctx, *args)`` on every rank and returns the list of results in rank
+order. ``fn`` must be importable (a module-level function). ``ctx`` is a :class:`RankContext` with the
+rank, world size, group and a per-process ``cache`` dict where tests keep Buffers between calls (buffers
+are created once per pool, not once per test). An exception on any rank is re-raised in the caller with
+every failing rank's traceback; a rank that does not answer within ``timeout_s`` fails the call.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    group: Any
+    cache: Dict[str, Any] = field(default_factory=dict)
+
+
+class RankFailure(RuntimeError):
+    def __init__(self, failures: Dict[int, str]):
+        self.failures = failures
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str, str]) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    ctx = RankContext(rank, world_size, dist.group.WORLD)
+    while True:
+        msg = inbox.get()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            outbox.put((rank, True, fn(ctx, *args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            outbox.put((rank, False, traceback.format_exc()))
+    for obj in ctx.cache.values():
+        destroy = getattr(obj, "destroy", None)
+        if callable(destroy):
+            try:
+                destroy()
+            except Exception:
+                pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class RankPool:
+    """``world_size`` persistent gloo ranks. Use as a context manager or call :meth:`close`."""
+
+    def __init__(self, world_size: int, timeout_s: float = 120.0, env: Optional[Dict[str, str]] = None):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(world_size)]
+        base_env = {"OMP_NUM_THREADS": "1"}
+        base_env.update(env or {})
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self._inboxes[r], self._outbox, base_env),
+                        daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable, *args, timeout_s: Optional[float] = None, **kwargs) -> List[Any]:
+        for q in self._inboxes:
+            q.put((fn, args, kwargs))
+        results: Dict[int, Any] = {}
+        failures: Dict[int, str] = {}
+        deadline = timeout_s or self.timeout_s
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self._outbox.get(timeout=deadline)
+            except queue.Empty:
+                missing = [r for r in range(self.world_size) if r not in results and r not in failures]
+                self.close(force=True)
+                raise RankFailure({r: f"no answer within {deadline}s" for r in missing} | failures)
+            (results if ok else failures)[rank] = value
+        if failures:
+            raise RankFailure(failures)
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self._inboxes:
+                try:
+                    q.put(None)
+                except Exception:
+                    pass
+            for p in self._procs:
+                p.join(timeout=20)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,232 @@
+"""Simulated unified global address space (UGAS): one module owns the shared memory.
+
+Every rank's "HBM" is one segment in a shared-memory directory (default ``/dev/shm``, override with
+``UBEP_SHM_DIR``), mapped by every rank of the host. ``SymmetricHeap.peer(r)`` is a uint8 tensor that
+aliases rank ``r``'s segment: a store into it is a store into rank ``r``'s memory. Protocol code only
+receives these views; it never allocates or maps memory itself.
+
+Life cycle and hygiene
+----------------------
+* A segment is created with ``O_CREAT | O_EXCL`` and mode ``0600`` under an unguessable name
+  (``ubep-<pid>-<128 random bits>``), sized with ``ftruncate`` (pages are committed when touched).
+* Its first page is a header: magic, layout version, a random 128-bit group token chosen by the group's
+  first rank, the owner's rank, world size and segment size. A rank maps a peer's segment only after
+  checking that it is a regular file owned by this user with mode 0600, of the announced size, and that
+  the header carries this group's token and the expected rank. Nothing read from shared memory is ever
+  unpickled; sizes come from the bootstrap exchange and are checked against the file.
+* After every rank has mapped every segment (a gloo barrier), each rank unlinks its own file: the mapping
+  lives on, the name is gone, so a process killed later leaves nothing behind. A crash inside the short
+  window before the unlink is covered by a sweep at the next start (segments whose creator pid is dead)
+  and by an ``atexit`` hook.
+* torch.distributed (gloo) is used for this bootstrap only, never on the data path.
+"""
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import re
+import secrets
+import socket
+import stat
+import struct
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+HEADER_BYTES = 4096
+_MAGIC = b"UBEPUGAS"
+_VERSION = 1
+_HEADER_FMT = "<8sI16sIIQ"   # magic, version, group token, rank, world size, segment bytes
+_NAME_RE = re.compile(r"^ubep-(\d+)-[0-9a-f]{32}$")
+_PENDING: Dict[str, None] = {}   # segment paths created by this process and not yet unlinked
+
+
+def shm_dir() -> str:
+    return os.environ.get("UBEP_SHM_DIR", "/dev/shm")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_segments(directory: Optional[str] = None) -> List[str]:
+    """Unlink ubep segments of this user whose creating process no longer exists. Returns their paths."""
+    directory = directory or shm_dir()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        m = _NAME_RE.match(name)
+        if not m:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid != uid or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def _unlink_pending() -> None:
+    for path in list(_PENDING):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        _PENDING.pop(path, None)
+
+
+atexit.register(_unlink_pending)
+
+
+class SymmetricHeap:
+    """One shared segment per rank of ``group``, all mapped by every rank (same host only).
+
+    Args:
+        group: the torch.distributed process group (gloo) used to bootstrap.
+        nbytes: usable bytes per rank (the header page comes on top).
+        directory: shared-memory directory; default ``$UBEP_SHM_DIR`` or ``/dev/shm``.
+    """
+
+    def __init__(self, group, nbytes: int, directory: Optional[str] = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.directory = directory or shm_dir()
+        self.nbytes = int(nbytes)
+        self.segment_bytes = HEADER_BYTES + _round_up(self.nbytes, 4096)
+        self._maps: List[mmap.mmap] = []
+        self._views: Dict[int, torch.Tensor] = {}
+        sweep_stale_segments(self.directory)
+
+        # 1. agree on a group token and check that the group shares one host and enough shared memory.
+        token = secrets.token_bytes(16)
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "bytes": self.segment_bytes,
+                "token": token, "free": _free_bytes(self.directory), "dir": self.directory}
+        infos = _all_gather(info, group, self.world_size)
+        hosts = sorted({i["host"] for i in infos})
+        if len(hosts) != 1:
+            raise RuntimeError(f"ubep_torch's simulated UGAS maps shared memory, so every rank of the group "
+                               f"must run on one host; this group spans hosts {hosts}")
+        group_token = infos[0]["token"]
+        self.peer_pids = [int(i["pid"]) for i in infos]
+        total = sum(int(i["bytes"]) for i in infos)
+        if total > int(infos[0]["free"]):
+            raise RuntimeError(
+                f"ubep_torch needs {total} bytes of shared memory in {self.directory} "
+                f"({self.world_size} ranks x {self.segment_bytes} bytes) but only {infos[0]['free']} are "
+                f"free. Point UBEP_SHM_DIR at a larger tmpfs, enlarge /dev/shm (docker: --shm-size), or "
+                f"create the Buffer with smaller num_nvl_bytes/num_rdma_bytes.")
+
+        # 2. create and map our own segment, write the header.
+        path = self._create_segment(group_token)
+        paths = _all_gather(path, group, self.world_size)
+        try:
+            # 3. map every peer's segment after checking it is what the group announced.
+            for r in range(self.world_size):
+                if r == self.rank:
+                    continue
+                self._map_peer(r, paths[r], int(infos[r]["bytes"]), group_token)
+            dist.barrier(group=group)
+        finally:
+            # 4. everyone has mapped everything (or failed): the name is no longer needed.
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            _PENDING.pop(path, None)
+        self.local = self._views[self.rank][HEADER_BYTES:]
+
+    # ------------------------------------------------------------------ public views
+    def peer(self, r: int) -> torch.Tensor:
+        """uint8 view of rank ``r``'s usable memory (writes land in that rank's segment)."""
+        return self._views[r][HEADER_BYTES:]
+
+    def peer_alive(self, r: int) -> bool:
+        return _pid_alive(self.peer_pids[r])
+
+    def close(self) -> None:
+        self._views = {}
+        self.local = None
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:
+                pass  # a tensor view still exists; the mapping goes when it is garbage collected
+        self._maps = []
+
+    # ------------------------------------------------------------------ internals
+    def _create_segment(self, group_token: bytes) -> str:
+        name = f"ubep-{os.getpid()}-{secrets.token_hex(16)}"
+        path = os.path.join(self.directory, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        _PENDING[path] = None
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, self.segment_bytes)
+            m = mmap.mmap(fd, self.segment_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        header = struct.pack(_HEADER_FMT, _MAGIC, _VERSION, group_token, self.rank, self.world_size,
+                             self.segment_bytes)
+        m[: len(header)] = header
+        self._maps.append(m)
+        self._views[self.rank] = torch.frombuffer(m, dtype=torch.uint8)
+        return path
+
+    def _map_peer(self, r: int, path: str, nbytes: int, group_token: bytes) -> None:
+        if not isinstance(path, str) or os.path.dirname(path) != self.directory or \
+                not _NAME_RE.match(os.path.basename(path)):
+            raise RuntimeError(f"ubep_torch: rank {r} announced an invalid segment path {path!r}")
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or (st.st_mode & 0o077):
+                raise RuntimeError(f"ubep_torch: refusing to map {path}: not a private regular file of this "
+                                   f"user (mode {oct(st.st_mode)}, uid {st.st_uid})")
+            if st.st_size != nbytes or nbytes < HEADER_BYTES:
+                raise RuntimeError(f"ubep_torch: refusing to map {path}: size {st.st_size} != announced {nbytes}")
+            m = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        magic, version, token, hrank, hworld, hbytes = struct.unpack_from(_HEADER_FMT, m, 0)
+        if magic != _MAGIC or version != _VERSION or token != group_token or hrank != r \
+                or hworld != self.world_size or hbytes != nbytes:
+            m.close()
+            raise RuntimeError(f"ubep_torch: refusing to map {path}: its header does not belong to rank {r} "
+                               f"of this group")
+        self._maps.append(m)
+        self._views[r] = torch.frombuffer(m, dtype=torch.uint8)
+
+
+def _round_up(x: int, a: int) -> int:
+    return -(-int(x) // a) * a
+
+
+def _free_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def _all_gather(obj, group, world_size):
+    out = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
