@@ -138,3 +138,182 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     tol = 0.1 if use_fp8 else 0.02
     assert torch.allclose(out.float(), ref_out, rtol=tol, atol=tol), (out.float() - ref_out).abs().max()
     return recv_count.tolist()
+
+
+def dispatch_variants(ctx, sync, seed=1):
+    """fp8 tuple, cached dispatch, expert_alignment, num_worst_tokens, expert-major layout, bias."""
+    buf = get_buffer(ctx, sync)
+    R, r = ctx.world_size, ctx.rank
+    T, H, K, E = 9, 256, 3, 8
+    El = E // R
+    topk, w = make_routing(seed, r, T, K, E, drop=0.2)
+    topk[0] = -1                                      # a token with every slot masked
+    w[0] = 0
+    g = torch.Generator().manual_seed(seed + 5 * r)
+    x = torch.randn(T, H, generator=g).float()
+    ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
+    base = buf.dispatch(x, is_token_in_rank=itr, num_tokens_per_rank=ntpr, num_tokens_per_expert=ntpe,
+                        topk_idx=topk, topk_weights=w, expert_alignment=4)
+    recv_x, recv_idx, recv_w, counts, handle, _ = base
+    assert all(c % 4 == 0 for c in counts)
+    true_counts = [int((recv_idx == e).any(1).sum()) for e in range(El)]
+    assert counts == [-(-c // 4) * 4 for c in true_counts], (counts, true_counts)
+    # cached dispatch reproduces recv_x for a new payload with the same layout
+    x2 = x * 3 + 1
+    c_x, c_idx, c_w, c_counts, c_h, _ = buf.dispatch(x2, handle=handle)
+    assert c_idx is None and c_w is None and c_counts is None and c_h is None
+    assert torch.equal(c_x, recv_x * 3 + 1)
+    # fp8 tuple payload
+    q = x.clamp(-4, 4).to(torch.float8_e4m3fn)
+    sc = torch.rand(T, H // 128, generator=g)
+    (rq, rsc), *_ = buf.dispatch((q, sc), handle=handle)
+    fx, fidx, fw, fcounts, fh, _ = buf.dispatch((q, sc), is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                                                topk_idx=topk, topk_weights=w)
+    assert torch.equal(fx[0].view(torch.uint8), rq.view(torch.uint8)) and torch.equal(fx[1], rsc)
+    assert torch.equal(fidx, recv_idx)
+    # num_worst_tokens: fixed-size outputs, no count list, masked tail
+    worst = T * R
+    wx, widx, ww, wcounts, wh, _ = buf.dispatch(x, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk,
+                                                topk_weights=w, num_worst_tokens=worst)
+    n = recv_x.shape[0]
+    assert wx.shape[0] == worst and wcounts == []
+    assert torch.equal(wx[:n], recv_x) and bool((widx[n:] == -1).all()) and torch.equal(widx[:n], recv_idx)
+    wc, _, _ = buf.combine(wx, wh)
+    # combine with bias and weights
+    bias = torch.randn(T, H, generator=g)
+    comb, cw, _ = buf.combine(recv_x, handle, topk_weights=recv_w, bias=(bias, None))
+    nr = itr.sum(1, keepdim=True).float()
+    assert torch.allclose(comb, x * nr + bias, atol=1e-5), (comb - x * nr - bias).abs().max()
+    assert torch.allclose(wc, x * nr, atol=1e-5)
+    # combined weights: each rank returns its own slots' weights, so the sum over ranks is the original
+    assert torch.allclose(cw, w, atol=1e-6)
+    # expert-major layout
+    ex, eidx, ew, ecounts, eh, _ = buf.dispatch(x, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk,
+                                                topk_weights=w, layout="expert_major", expert_alignment=2)
+    assert ex.shape[0] == sum(ecounts) == eidx.shape[0] == ew.shape[0]
+    off = 0
+    for e in range(El):
+        seg = eidx[off:off + ecounts[e]]
+        assert bool(((seg == e) | (seg == -1)).all())
+        rows_e = (recv_idx == e).any(1).nonzero().squeeze(1)
+        assert torch.equal(ex[off:off + rows_e.numel()], recv_x[rows_e])
+        off += ecounts[e]
+    # identity experts weighted per row, then combine == sum of local weights
+    y = ex * ew.unsqueeze(1).to(ex.dtype)
+    ec, _, _ = buf.combine(y, eh)
+    ref = x * torch.where(topk >= 0, w, torch.zeros_like(w)).sum(1, keepdim=True)
+    assert torch.allclose(ec, ref, atol=1e-5), (ec - ref).abs().max()
+    cx, *_ = buf.dispatch(x, handle=eh)
+    assert torch.equal(cx, ex)
+    return counts
+
+
+def bad_inputs(ctx, sync):
+    """Every bad input raises before anything reaches a peer; the Buffer stays usable afterwards."""
+    buf = get_buffer(ctx, sync, low_latency=True)
+    T, H, K, E = 4, 256, 2, 8
+    topk, w = make_routing(3, ctx.rank, T, K, E, drop=0.0)
+    x = torch.randn(T, H).bfloat16()
+    cases = {
+        "id >= E": (ValueError, lambda: buf.get_dispatch_layout(topk + E, E)),
+        "id < -1": (ValueError, lambda: buf.get_dispatch_layout(topk - 5, E)),
+        "float ids": (TypeError, lambda: buf.get_dispatch_layout(topk.float(), E)),
+        "E % R": (ValueError, lambda: buf.get_dispatch_layout(topk, E + 1)),
+        "rows": (ValueError, lambda: buf.dispatch(x[:3], topk_idx=topk, num_experts=E)),
+        "x dtype": (TypeError, lambda: buf.dispatch(x.to(torch.int32), topk_idx=topk, num_experts=E)),
+        "x dim": (ValueError, lambda: buf.dispatch(x.view(-1), topk_idx=topk, num_experts=E)),
+        "weights shape": (ValueError, lambda: buf.dispatch(x, topk_idx=topk, topk_weights=w[:, :1], num_experts=E)),
+        "weights dtype": (TypeError, lambda: buf.dispatch(x, topk_idx=topk, topk_weights=w.half(), num_experts=E)),
+        "scales shape": (ValueError, lambda: buf.dispatch((x.float().to(torch.float8_e4m3fn),
+                                                           torch.ones(T, 3)), topk_idx=topk, num_experts=E)),
+        "scales dtype": (TypeError, lambda: buf.dispatch((x.float().to(torch.float8_e4m3fn),
+                                                          torch.ones(T, 2).half()), topk_idx=topk, num_experts=E)),
+        "too many tokens": (ValueError, lambda: buf.dispatch(torch.randn(10 ** 6, 32).bfloat16(),
+                                                             topk_idx=torch.zeros(10 ** 6, 1, dtype=torch.int64),
+                                                             num_experts=E)),
+        "ll tokens > N": (ValueError, lambda: buf.low_latency_dispatch(torch.randn(17, H).bfloat16(),
+                                                                       torch.zeros(17, K, dtype=torch.int64), 16, E)),
+        "ll hidden too large": (ValueError, lambda: buf.low_latency_dispatch(
+            torch.randn(T, 128 * 1024).bfloat16(), topk, 16, E)),
+        "ll dtype": (TypeError, lambda: buf.low_latency_dispatch(x.float(), topk, 16, E)),
+        "ll duplicate expert": (ValueError, lambda: buf.low_latency_dispatch(
+            x, torch.zeros(T, K, dtype=torch.int64), 16, E)),
+        "bad handle": (TypeError, lambda: buf.combine(x, ("not", "a", "handle"))),
+        "sync mode": (ValueError, lambda: Buffer(ctx.group, 1 << 20, sync="nope")),
+    }
+    seen = {}
+    for name, (exc, fn) in cases.items():
+        try:
+            fn()
+        except exc as e:
+            seen[name] = str(e)
+        else:
+            raise AssertionError(f"{name}: no {exc.__name__}")
+    # still usable
+    smoke(ctx, sync, seed=11)
+    return sorted(seen)
+
+
+def repeated(ctx, sync, calls=12):
+    """Back-to-back calls with changing shapes: epochs keep them apart without any reset."""
+    for i in range(calls):
+        T = [0, 1, 7, 16, 3][i % 5] if ctx.rank == 0 else [5, 0, 2, 16, 9][i % 5]
+        smoke(ctx, sync, T=T, seed=100 + i, H=[128, 256, 200][i % 3],
+              dtype=[torch.bfloat16, torch.float32][i % 2])
+        if i % 3 == 0:
+            ll_roundtrip(ctx, sync, seed=200 + i)
+    return True
+
+
+def ll_two_in_flight(ctx, sync):
+    """Two low-latency dispatches in flight (hooks deferred), then combines; a third is refused."""
+    buf = get_buffer(ctx, sync, low_latency=True)
+    R, r = ctx.world_size, ctx.rank
+    T, H, K, E, N = 5, 256, 2, 8, 16
+    t1, w1 = make_routing(7, r, T, K, E, drop=0.0)
+    t2, w2 = make_routing(8, r, T, K, E, drop=0.0)
+    x1, x2 = torch.randn(T, H).bfloat16(), torch.randn(T, H).bfloat16()
+    a = buf.low_latency_dispatch(x1, t1, N, E, use_fp8=False, return_recv_hook=True)
+    b = buf.low_latency_dispatch(x2, t2, N, E, use_fp8=False, return_recv_hook=True)
+    try:
+        buf.low_latency_dispatch(x2, t2, N, E, use_fp8=False, return_recv_hook=True)
+        raise AssertionError("a third in-flight call was accepted")
+    except ValueError:
+        pass
+    a[4]()
+    b[4]()
+    oa, _, _ = buf.low_latency_combine(a[0], t1, w1, a[2])
+    ob, _, _ = buf.low_latency_combine(b[0], t2, w2, b[2])
+    assert torch.allclose(oa.float(), x1.float() * w1.sum(1, keepdim=True), atol=0.03, rtol=0.02)
+    assert torch.allclose(ob.float(), x2.float() * w2.sum(1, keepdim=True), atol=0.03, rtol=0.02)
+    return True
+
+
+def timeout_names_missing_rank(ctx):
+    """Rank 0 dispatches alone: it must fail within the deadline naming the silent ranks."""
+    buf = Buffer(ctx.group, 8 << 20, timeout_s=1.0)
+    if ctx.rank == 0:
+        topk = torch.zeros(2, 1, dtype=torch.int64)
+        t0 = __import__("time").monotonic()
+        try:
+            buf.dispatch(torch.randn(2, 64), topk_idx=topk, num_experts=ctx.world_size)
+        except ubep_torch.UBEPTimeoutError as e:
+            elapsed = __import__("time").monotonic() - t0
+            assert e.missing_ranks == list(range(1, ctx.world_size)), e.missing_ranks
+            assert "dispatch" in e.phase
+            try:
+                buf.dispatch(torch.randn(2, 64), topk_idx=topk, num_experts=ctx.world_size)
+            except ubep_torch.UBEPBrokenError:
+                pass
+            else:
+                raise AssertionError("a broken Buffer accepted another call")
+            buf.destroy()
+            return elapsed
+        raise AssertionError("no timeout")
+    buf.destroy()
+    return 0.0
+
+
+def shm_entries(ctx, directory):
+    import os
+    return sorted(n for n in os.listdir(directory) if n.startswith("ubep-"))

@@ -108,7 +108,7 @@ class TorchEngine:
                 checked = words[:, :, 0].clone()
                 words[:, :, 0] = P.SP_SENTINEL
             elif fmt.sync == "dc":
-                row_sums = P.wrapping_sum(words[:, :, :4].reshape(n, -1))
+                row_sums = P.wrapping_sum(words[:, :, :4].reshape(n, nb * 4))
         return staging, checked, row_sums
 
     def write_rows(self, fmt: P.RowFormat, staging: torch.Tensor, checked: Optional[torch.Tensor],
@@ -122,16 +122,16 @@ class TorchEngine:
         n = staging.shape[0] if sel is None else sel.shape[0]
         if n == 0:
             return
-        src = staging.view(staging.shape[0], -1)
+        src = staging.view(staging.shape[0], fmt.row_bytes)
         if dst_index is None:
-            out = dst[:n].view(n, -1)
+            out = dst[:n].view(n, fmt.row_bytes)
             if sel is None:
                 out.copy_(src)
             else:
                 torch.index_select(src, 0, sel, out=out)
         else:
             rows = src if sel is None else src.index_select(0, sel)
-            dst.view(dst.shape[0], -1).index_copy_(0, dst_index, rows)
+            dst.view(dst.shape[0], fmt.row_bytes).index_copy_(0, dst_index, rows)
         if meta_patch is not None:
             items = dst[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
             if dst_index is None:

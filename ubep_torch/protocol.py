@@ -232,7 +232,10 @@ def unpack_field(blocks: torch.Tensor, out: torch.Tensor, sync: str) -> None:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """[n, ...] tensor -> [n, nbytes] uint8 view (contiguous rows required)."""
     t = t.contiguous()
-    return t.view(torch.uint8).reshape(t.shape[0], -1)
+    row = t.element_size()
+    for d in t.shape[1:]:
+        row *= d
+    return t.view(torch.uint8).reshape(t.shape[0], row)
 
 
 def block_words(rows: torch.Tensor, nblocks: int) -> torch.Tensor:

@@ -1,0 +1,86 @@
+"""DeepEP-semantics tests of the Buffer on real multi-process gloo groups, every sync mode.
+
+Rank-side code lives in ``core_rank_fns``; each test states the property and the reference is plain
+torch over the all-gathered inputs of every rank.
+"""
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import core_rank_fns as F  # noqa: E402
+from ubep_torch.testing import RankPool  # noqa: E402
+
+SYNCS = ["tff", "dc", "sp", "sw"]
+
+
+@pytest.fixture(scope="module")
+def shm_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("shm"))
+
+
+@pytest.fixture(scope="module")
+def pool2(shm_dir):
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": shm_dir}
+    with RankPool(2, env=env) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def pool4(shm_dir):
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": shm_dir}
+    with RankPool(4, env=env) as p:
+        yield p
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_normal_dispatch_combine_matches_reference(pool2, sync):
+    out = pool2.run(F.smoke, sync)
+    assert len(out) == 2
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_dispatch_variants(pool2, sync):
+    pool2.run(F.dispatch_variants, sync)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_low_latency_roundtrip(pool2, sync):
+    pool2.run(F.ll_roundtrip, sync)
+    pool2.run(F.ll_roundtrip, sync, use_fp8=True, hook=True, zero_copy=True, seed=4)
+
+
+@pytest.mark.parametrize("sync", ["tff", "sp"])
+def test_low_latency_two_in_flight(pool2, sync):
+    pool2.run(F.ll_two_in_flight, sync)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_bad_inputs_raise_before_sending_and_buffer_stays_usable(pool2, sync):
+    names = pool2.run(F.bad_inputs, sync)
+    assert names[0] == names[1] and len(names[0]) == 18
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_repeated_calls_with_changing_shapes(pool2, sync):
+    pool2.run(F.repeated, sync)
+
+
+@pytest.mark.parametrize("sync", ["tff", "sp", "sw"])
+def test_four_ranks(pool4, sync):
+    pool4.run(F.smoke, sync, T=13)
+    pool4.run(F.dispatch_variants, sync)
+    pool4.run(F.ll_roundtrip, sync, use_fp8=True, seed=9)
+
+
+def test_timeout_names_missing_ranks(pool2):
+    elapsed = pool2.run(F.timeout_names_missing_rank)
+    assert 0.9 <= elapsed[0] < 10.0
+
+
+def test_no_segment_left_in_shm_dir(pool2, shm_dir):
+    pool2.run(F.smoke, "tff")
+    assert pool2.run(F.shm_entries, shm_dir) == [[], []]
