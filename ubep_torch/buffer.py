@@ -864,10 +864,10 @@ class Buffer:
             n = rows.shape[0]
             if n == 0:
                 return
-            tmp = torch.empty(n, H, dtype=x.dtype)
-            meta_s = eng.unpack_rows(fmt, rows, [P.as_bytes(tmp)])
+            tmp = eng.scratch("combine_rows", (n, H), acc_dtype)
+            meta_s = eng.unpack_rows_as(fmt, rows, tmp, x.dtype)
             idx = base.send_idx[s]
-            acc.index_add_(0, idx, tmp.to(acc_dtype))
+            acc.index_add_(0, idx, tmp)
             if K:
                 wacc.index_add_(0, idx, meta_s.contiguous().view(topk_weights.dtype))
 
@@ -1172,8 +1172,9 @@ class Buffer:
             slot = flat_info[ridx].to(torch.int64) * handle.K + flat_k[ridx].to(torch.int64)
             per_src.append((ridx, slot))
         all_rows = torch.cat([p[0] for p in per_src]) if per_src else torch.zeros(0, dtype=torch.int64)
-        staging, checked, row_sums = eng.pack_rows(fmt, [P.as_bytes(xs.index_select(0, all_rows))], None,
-                                                   all_rows, me)
+        gathered = eng.scratch("ll_gather", (all_rows.numel(), H), torch.bfloat16)
+        torch.index_select(xs, 0, all_rows, out=gathered)
+        staging, checked, row_sums = eng.pack_rows(fmt, [P.as_bytes(gathered)], None, all_rows, me)
         self._wait_acks(rid, epoch)
         nctrl = 1
         sig = fmt.signature()
@@ -1240,16 +1241,18 @@ class Buffer:
                     bad = (w0 != flag).any(1) if fmt.sync == "tff" else (w0 == P.SP_SENTINEL).any(1)
                     return sorted(set(src_of_slot[bad].tolist())) if fmt.sync in ("tff", "sp") else []
             self._wait("low_latency_combine: waiting for expert outputs", poll_rows)
-            tmp = torch.zeros(T * K, H, dtype=torch.bfloat16)
-            got = torch.empty(slots.numel(), H, dtype=torch.bfloat16)
-            eng.unpack_rows(fmt, rows.view(N * K, fmt.blocks, P.BLOCK_BYTES)[slots], [P.as_bytes(got)], rearm=False)
-            tmp[slots] = got
+            # slot (t, k) sits at row t*K + k: unpack the first T*K rows straight into float32
+            tmp = eng.scratch("ll_combine_acc", (T * K, H), torch.float32)
+            eng.unpack_rows_as(fmt, rows[: T * K], tmp, torch.bfloat16, rearm=False)
+            invalid = ~valid.view(-1)
+            if bool(invalid.any()):
+                tmp[invalid] = 0.0          # masked slots hold stale bytes; never let them reach the sum
             eng.rearm(fmt, rows, slots)
             for s in range(R):
                 self._send_ack(rid, s, epoch)
             w = torch.where(valid, weights, torch.zeros_like(weights))
-            acc = (tmp.view(T, K, H).float() * w.unsqueeze(-1)).sum(1)
-            result.copy_(acc.to(torch.bfloat16))
+            acc = torch.bmm(w.view(T, 1, K), tmp.view(T, K, H)).view(T, H)
+            result.copy_(acc)
             pending.done = True
             self._pending = [p for p in self._pending if not p.done]
             self._report("low_latency_combine", topk_idx, E, H, H * 2)

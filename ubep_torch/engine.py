@@ -44,6 +44,21 @@ class SendJob:
 class TorchEngine:
     name = "torch"
 
+    def __init__(self) -> None:
+        # Reused scratch tensors. Fresh multi-MB allocations are mmap'ed and faulted in page by page on
+        # every call, which costs more than the copies themselves; staging never outlives a call.
+        self._scratch: dict = {}
+
+    def scratch(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        buf = self._scratch.get((name, dtype))
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 1), dtype=dtype)
+            self._scratch[(name, dtype)] = buf
+        return buf[:n].view(*shape)
+
     # ------------------------------------------------------------------ sender side
     def pack_rows(self, fmt: P.RowFormat, fields: Sequence[Optional[torch.Tensor]], meta: Optional[torch.Tensor],
                   src_index: torch.Tensor, rank: int) -> tuple:
@@ -62,7 +77,7 @@ class TorchEngine:
         """
         n = src_index.shape[0]
         nb = fmt.blocks
-        staging = torch.empty(n, nb, P.BLOCK_BYTES, dtype=torch.uint8)
+        staging = self.scratch("staging", (n, nb, P.BLOCK_BYTES), torch.uint8)
         words = staging.view(torch.int64).view(n, nb, P.BLOCK_WORDS)
         # payload fields
         for i, data in enumerate(fields):
@@ -237,6 +252,31 @@ class TorchEngine:
                 esc = P.unpack_bitmap(meta[:, fmt.meta_words:], fmt.data_blocks)
                 if bool(esc.any()):
                     self._restore_escaped(fmt, esc, outs)
+            if rearm:
+                rows.view(torch.int64).view(n, fmt.blocks, P.BLOCK_WORDS)[:, :, 0] = P.SP_SENTINEL
+        return meta[:, : fmt.meta_words]
+
+    def unpack_rows_as(self, fmt: P.RowFormat, rows: torch.Tensor, out: torch.Tensor, src_dtype: torch.dtype,
+                       rearm: bool = True) -> torch.Tensor:
+        """Field 0 of ``rows`` converted into ``out`` ([n, elems] of any dtype); returns the meta items."""
+        n = rows.shape[0]
+        meta = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, : fmt.meta_words + fmt.bitmap_words].clone()
+        # raw strided copy in the payload dtype, then one contiguous conversion (strided casts are slow)
+        raw = self.scratch("unpack", (n, out.shape[1]), src_dtype)
+        P.unpack_field(rows[:, fmt.field_offset_blocks(0):fmt.field_offset_blocks(0) + fmt.field_blocks[0]],
+                       P.as_bytes(raw), fmt.sync)
+        out.copy_(raw)
+        if fmt.sync == "sp" and n:
+            if fmt.bitmap_words:
+                esc = P.unpack_bitmap(meta[:, fmt.meta_words:], fmt.data_blocks)
+                if bool(esc.any()):  # escaped first words were all-zero bytes: zero the elements they held
+                    es = torch.empty(0, dtype=src_dtype).element_size()
+                    r, b = esc[:, : fmt.field_blocks[0]].nonzero(as_tuple=True)
+                    per = max(1, 8 // es)
+                    cols = (b * (P.RAW_PAYLOAD_BYTES // es)).unsqueeze(1) + torch.arange(per)
+                    rr = r.unsqueeze(1).expand_as(cols)
+                    keep = cols < out.shape[1]
+                    out[rr[keep], cols[keep]] = 0
             if rearm:
                 rows.view(torch.int64).view(n, fmt.blocks, P.BLOCK_WORDS)[:, :, 0] = P.SP_SENTINEL
         return meta[:, : fmt.meta_words]
