@@ -61,9 +61,11 @@ def smoke(ctx, sync, T=10, H=256, K=4, E=8, seed=0, dtype=torch.bfloat16):
                 ref_idx.append(torch.where(ok, loc, torch.full_like(loc, -1)))
                 ref_w.append(torch.where(ok, all_w[s][t], torch.zeros_like(all_w[s][t])))
     ref_x = torch.stack(ref_rows) if ref_rows else torch.zeros(0, H, dtype=dtype)
-    assert torch.equal(recv_x, ref_x), ("recv_x mismatch", recv_x.shape, ref_x.shape, (recv_x.float()-ref_x.float()).abs().sum(1).tolist() if recv_x.shape==ref_x.shape else None)
-    assert torch.equal(recv_idx, torch.stack(ref_idx)), "recv idx mismatch"
-    assert torch.equal(recv_w, torch.stack(ref_w)), "recv w mismatch"
+    ref_i = torch.stack(ref_idx) if ref_idx else torch.zeros(0, K, dtype=torch.int64)
+    ref_ww = torch.stack(ref_w) if ref_w else torch.zeros(0, K)
+    assert torch.equal(recv_x, ref_x), ("recv_x mismatch", tuple(recv_x.shape), tuple(ref_x.shape))
+    assert torch.equal(recv_idx, ref_i), "recv_topk_idx mismatch"
+    assert torch.equal(recv_w, ref_ww), "recv_topk_weights mismatch"
     comb, cw, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
     nranks = itr.sum(1, keepdim=True)
     ref_comb = (x.float() * nranks).to(dtype)
@@ -268,7 +270,7 @@ def repeated(ctx, sync, calls=12):
 def ll_two_in_flight(ctx, sync):
     """Two low-latency dispatches in flight (hooks deferred), then combines; a third is refused."""
     buf = get_buffer(ctx, sync, low_latency=True)
-    R, r = ctx.world_size, ctx.rank
+    r = ctx.rank
     T, H, K, E, N = 5, 256, 2, 8, 16
     t1, w1 = make_routing(7, r, T, K, E, drop=0.0)
     t2, w2 = make_routing(8, r, T, K, E, drop=0.0)
@@ -317,3 +319,39 @@ def timeout_names_missing_rank(ctx):
 def shm_entries(ctx, directory):
     import os
     return sorted(n for n in os.listdir(directory) if n.startswith("ubep-"))
+
+
+def peer_failure_aborts_waits(ctx):
+    """Rank 0 fails inside a call (worst-case size too small); rank 1's next wait aborts fast."""
+    import time
+    buf = Buffer(ctx.group, 8 << 20, timeout_s=20.0)
+    E = 2 * ctx.world_size
+    topk = torch.arange(4).remainder(E).view(4, 1).to(torch.int64)
+    x = torch.randn(4, 64)
+    t0 = time.monotonic()
+    try:
+        if ctx.rank == 0:
+            buf.dispatch(x, topk_idx=topk, num_experts=E, num_worst_tokens=1)
+        else:
+            _, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+            buf.combine(torch.zeros(h.num_recv, 64), h)
+    except ubep_torch.UBEPError as e:
+        elapsed = time.monotonic() - t0
+        buf.destroy()
+        return type(e).__name__, elapsed
+    buf.destroy()
+    return None, 0.0
+
+
+def mismatched_hidden(ctx):
+    """Ranks that disagree on the hidden size get a clear error, not garbage."""
+    buf = Buffer(ctx.group, 8 << 20, timeout_s=20.0)
+    E = ctx.world_size
+    topk = torch.zeros(3, 1, dtype=torch.int64)
+    try:
+        buf.dispatch(torch.randn(3, 64 * (ctx.rank + 1)), topk_idx=topk, num_experts=E)
+    except ubep_torch.UBEPError as e:
+        buf.destroy()
+        return type(e).__name__, str(e)
+    buf.destroy()
+    return None, ""

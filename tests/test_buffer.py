@@ -12,6 +12,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import core_rank_fns as F  # noqa: E402
+
 from ubep_torch.testing import RankPool  # noqa: E402
 
 SYNCS = ["tff", "dc", "sp", "sw"]
@@ -84,3 +85,15 @@ def test_timeout_names_missing_ranks(pool2):
 def test_no_segment_left_in_shm_dir(pool2, shm_dir):
     pool2.run(F.smoke, "tff")
     assert pool2.run(F.shm_entries, shm_dir) == [[], []]
+
+
+def test_failure_inside_a_call_aborts_peer_waits(pool2):
+    (n0, _), (n1, t1) = pool2.run(F.peer_failure_aborts_waits)
+    assert n0 == "UBEPError"
+    assert n1 == "UBEPPeerAbortedError" and t1 < 5.0
+
+
+def test_mismatched_hidden_sizes_are_reported(pool2):
+    out = pool2.run(F.mismatched_hidden)
+    assert all(name is not None for name, _ in out)
+    assert any("different layout" in msg for _, msg in out)

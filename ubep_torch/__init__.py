@@ -4,6 +4,7 @@ space, with DeepEP's ``Buffer`` API.
 Where things live: ``ugas`` (shared-memory heap and peer views), ``protocol`` (DataBlocks, flags, epochs,
 slot layout), ``engine`` (the torch data path), ``buffer`` (the public ``Buffer``), ``kernels`` (Triton).
 """
+from . import functional, nn
 from .buffer import Buffer, DispatchHandle, LowLatencyHandle
 from .errors import UBEPBrokenError, UBEPError, UBEPPeerLostError, UBEPTimeoutError
 from .utils import Config, EventOverlap
@@ -12,5 +13,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Buffer", "Config", "EventOverlap", "DispatchHandle", "LowLatencyHandle",
-    "UBEPError", "UBEPTimeoutError", "UBEPPeerLostError", "UBEPBrokenError",
+    "UBEPError", "UBEPTimeoutError", "UBEPPeerLostError", "UBEPBrokenError", "functional", "nn",
 ]

@@ -12,6 +12,7 @@ The Python layer validates, lays out the regions of the shared segment and drive
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -106,6 +107,37 @@ class LowLatencyHandle(tuple):
         return obj
 
 
+def _collective(fn):
+    """An exception after a call has started talking to peers breaks the Buffer and aborts the peers'
+    waits (they raise ``UBEPPeerAbortedError`` within ~50 ms instead of waiting for their deadline).
+    Validation errors are raised before that point and leave everything usable."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        self._in_call = False
+        try:
+            out = fn(self, *args, **kwargs)
+        except BaseException as e:
+            if self._in_call and not isinstance(e, UBEPBrokenError):
+                self._fail(e)
+            raise
+        finally:
+            self._in_call = False
+        hook = out[-1] if isinstance(out, tuple) and out and callable(out[-1]) else None
+        if hook is None:
+            return out
+
+        @functools.wraps(hook)
+        def guarded_hook():
+            try:
+                return hook()
+            except BaseException as e:
+                if not isinstance(e, UBEPBrokenError):
+                    self._fail(e)
+                raise
+        return out[:-1] + (guarded_hook,)
+    return wrapper
+
+
 @dataclass
 class _Pending:
     """A low-latency receive issued with ``return_recv_hook=True`` that has not been completed yet."""
@@ -178,7 +210,7 @@ class Buffer:
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = int(num_rdma_bytes)
 
-        aux = _round((_AUX_REGIONS + 1) * R * 8, 4096)
+        aux = _round((_AUX_REGIONS + 2) * R * 8, 4096)   # acks, SyncAll counters, abort flags
         base = aux
         half_nvl = self.num_nvl_bytes // 2 // 4096 * 4096
         self._regions = {
@@ -198,7 +230,9 @@ class Buffer:
         self._broken: Optional[str] = None
         self._pending: List[_Pending] = []
         self._ll_combine_buffer: Optional[torch.Tensor] = None
-        self._waiter = P.Waiter(self.rank, self.timeout_s, self._heap.peer_alive)
+        self._waiter = P.Waiter(self.rank, self.timeout_s, self._heap.peer_alive, self._peer_aborted)
+        self._waiter.world_size = R
+        self._in_call = False
         self._destroyed = False
         self.delay_hook: Optional[Callable[[str], None]] = None  # test-only: called at every protocol step
 
@@ -270,7 +304,7 @@ class Buffer:
         try:
             self._waiter.wait(phase, poll)
         except UBEPError as e:
-            self._broken = str(e)
+            self._fail(e)
             raise
 
     def _wait_acks(self, rid: int, epoch: int) -> None:
@@ -308,8 +342,26 @@ class Buffer:
         self._wait(phase, poll)
 
     def _next_epoch(self, rid: int) -> int:
+        self._in_call = True          # from here on, peers may be waiting for this rank
         self._epoch[rid] += 1
         return self._epoch[rid]
+
+    def _peer_aborted(self, r: int) -> bool:
+        return r != self.rank and int(self._aux_words[(_AUX_REGIONS + 1) * self.group_size + r]) != 0
+
+    def _signal_abort(self) -> None:
+        """Tell every peer that this rank failed inside a call, so they fail fast instead of timing out."""
+        slot = (_AUX_REGIONS + 1) * self.group_size + self.rank
+        for r in range(self.group_size):
+            try:
+                self._heap.peer(r)[: self._aux_words.numel() * 8].view(torch.int64)[slot] = 1
+            except Exception:
+                pass
+
+    def _fail(self, e: BaseException) -> None:
+        if self._broken is None:
+            self._broken = f"{type(e).__name__}: {e}"
+        self._signal_abort()
 
     def _report(self, kind: str, topk_idx: Optional[torch.Tensor], num_experts: int, hidden: int,
                 bytes_per_token: int) -> None:
@@ -404,6 +456,7 @@ class Buffer:
         return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, EventOverlap(None)
 
     # ================================================================== normal dispatch
+    @_collective
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle=None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank: Optional[torch.Tensor] = None,
@@ -682,7 +735,7 @@ class Buffer:
         half = P.half_of(epoch)
         flag = P.flag_word(epoch, rid)
         eng = self.engine
-        staging, checked, row_sums = eng.pack_rows(fmt, fields_data, meta, src_index, me)
+        staging, checked, row_sums = eng.stage_rows(fmt, fields_data, meta, src_index, me)
         self._wait_acks(rid, epoch)
         nctrl = P.ctrl_blocks(extra_ctrl)
         job = SendJob(fmt, staging, checked, row_sums, flag,
@@ -736,7 +789,7 @@ class Buffer:
         ``accumulate(s, rows_view)`` replaces the copy (combine). Sources are then processed in rank order,
         so floating-point reductions are identical for every sync mode and arrival order.
         """
-        R, me = self.group_size, self.rank
+        R = self.group_size
         region = self._region(rid)
         half, flag, epoch = recv["half"], recv["flag"], recv["epoch"]
         local = self._heap.local
@@ -773,6 +826,7 @@ class Buffer:
         self._wait(f"{P.REGION_NAMES[rid]}: Token-Reordering (waiting for token blocks)", poll)
 
     # ================================================================== normal combine
+    @_collective
     def combine(self, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[None, torch.Tensor, Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
                 config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
@@ -878,6 +932,7 @@ class Buffer:
         return acc.to(x.dtype), wacc, EventOverlap(None)
 
     # ================================================================== low-latency dispatch
+    @_collective
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -953,7 +1008,6 @@ class Buffer:
         g = topk_idx[t_idx, k_idx]
         order = torch.argsort(g * (N * K) + t_idx * K + k_idx)
         t_idx, k_idx, g = t_idx[order], k_idx[order], g[order]
-        dest = g // E_local
         counts = torch.bincount(g, minlength=E).view(R, E_local)
         bounds = torch.zeros(R + 1, dtype=torch.int64)
         bounds[1:] = torch.cumsum(counts.sum(1), 0)
@@ -967,7 +1021,7 @@ class Buffer:
         half, flag = P.half_of(epoch), P.flag_word(epoch, rid)
         eng = self.engine
         meta = torch.zeros(T, 1, dtype=torch.int32)
-        staging, checked, row_sums = eng.pack_rows(fmt, staging_fields, meta, src_index, me)
+        staging, checked, row_sums = eng.stage_rows(fmt, staging_fields, meta, src_index, me)
         self._wait_acks(rid, epoch)
         nctrl = P.ctrl_blocks(E_local)
         sig = fmt.signature()
@@ -1107,6 +1161,7 @@ class Buffer:
             self._ll_combine_buffer = torch.zeros(shape, dtype=torch.bfloat16)
         return self._ll_combine_buffer
 
+    @_collective
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None):
@@ -1263,6 +1318,7 @@ class Buffer:
         receive()
         return result, EventOverlap(None), None
 
+    @_collective
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: wait until no peer has low-latency calls in flight, then re-arm SP sentinels.
 

@@ -18,6 +18,15 @@ from . import protocol as P
 
 
 @dataclass
+class DirectRows:
+    """Rows described by where their payload lives (see :meth:`TorchEngine.stage_rows`)."""
+    n: int
+    parts: list                        #: per field: (first block, full blocks, [n, nbytes] data, tail block)
+    meta: torch.Tensor                 #: [n, 512] uint8 meta blocks, checked word withheld
+    hdr: Optional[torch.Tensor]        #: TFF: [n, blocks - 1, 3] int64 head words 1..3 of the data blocks
+
+
+@dataclass
 class Destination:
     """What one rank sends to one peer in one call."""
     rank: int
@@ -126,6 +135,86 @@ class TorchEngine:
                 row_sums = P.wrapping_sum(words[:, :, :4].reshape(n, nb * 4))
         return staging, checked, row_sums
 
+    def stage_rows(self, fmt: P.RowFormat, fields: Sequence[Optional[torch.Tensor]], meta: Optional[torch.Tensor],
+                   src_index: torch.Tensor, rank: int) -> tuple:
+        """Like :meth:`pack_rows`, without the packed copy: returns a :class:`DirectRows` that keeps the
+        payload in the caller's tensors, so :meth:`write_rows` stores each payload byte exactly once,
+        straight from the source tensor into the peer's slots. Only the meta block and the last
+        (partial) block of every field are staged. Memory contents after the write are identical."""
+        n = src_index.shape[0]
+        nb = fmt.blocks
+        sync = fmt.sync
+        pay = P.payload_per_block(sync)
+        start = P.FLAG_BYTES if sync == "tff" else 0
+        meta_blk = torch.zeros(n, P.BLOCK_BYTES, dtype=torch.uint8)
+        mw = meta_blk.view(torch.int64)
+        mw[:, 1] = src_index
+        mw[:, 3] = rank
+        meta_area = meta_blk[:, P.FLAG_BYTES:].view(torch.int32)
+        if fmt.meta_words:
+            meta_area[:, : fmt.meta_words] = meta
+        parts = []          # per field: (first block, full blocks, data, tail block [n, 512] or None)
+        for i, data in enumerate(fields):
+            fb = fmt.field_blocks[i]
+            if fb == 0:
+                continue
+            nbytes = fmt.fields[i][1]
+            full = nbytes // pay
+            tail = None
+            if full < fb:
+                tail = torch.zeros(n, P.BLOCK_BYTES, dtype=torch.uint8)
+                tail[:, start:start + nbytes - full * pay] = data[:, full * pay:]
+            parts.append((fmt.field_offset_blocks(i), full, data, tail))
+        hdr = checked = row_sums = None
+        if sync == "tff":
+            if nb > 1:
+                hdr = torch.empty(n, nb - 1, 3, dtype=torch.int64)
+                hdr[:, :, 0] = src_index.unsqueeze(1)
+                hdr[:, :, 1] = torch.arange(1, nb, dtype=torch.int64)
+                hdr[:, :, 2] = rank
+        else:
+            mw[:, 0] = P.ROW_MAGIC
+            if sync in ("sp", "dc"):
+                # the leading 32 B of every block, read from where the payload lives
+                lead = torch.zeros(n, nb, 4, dtype=torch.int64)
+                lead[:, 0] = mw[:, :4]
+                for off, full, data, tail in parts:
+                    if full:
+                        lead[:, off:off + full] = data[:, : full * pay].view(n, full, pay)[:, :, :32] \
+                            .contiguous().view(torch.int64).view(n, full, 4)
+                    if tail is not None:
+                        lead[:, off + full] = tail[:, :32].contiguous().view(torch.int64)
+                if sync == "sp":
+                    first = lead[:, 1:, 0]
+                    mask = P.sp_escape_inplace(first)
+                    if fmt.bitmap_words and bool(mask.any()):
+                        meta_area[:, fmt.meta_words: fmt.meta_words + fmt.bitmap_words] = \
+                            P.pack_bitmap(mask, fmt.bitmap_words)
+                    checked = lead[:, :, 0].clone()
+                    mw[:, 0] = P.SP_SENTINEL
+                else:
+                    row_sums = P.wrapping_sum(lead.view(n, nb * 4))
+        return DirectRows(n, parts, meta_blk, hdr), checked, row_sums
+
+    def _write_direct(self, fmt: P.RowFormat, st: "DirectRows", sel: torch.Tensor, out: torch.Tensor) -> None:
+        """Step 1 of the atomic write for :class:`DirectRows`: everything but the checked words."""
+        n = sel.shape[0]
+        sync = fmt.sync
+        pay = P.payload_per_block(sync)
+        start = P.FLAG_BYTES if sync == "tff" else (8 if sync == "sp" else 0)
+        torch.index_select(st.meta, 0, sel, out=out[:, 0, :])
+        T = st.n
+        for off, full, data, tail in st.parts:
+            if full:
+                src = data[:, : full * pay].view(T, full, pay)
+                lo = start - (P.FLAG_BYTES if sync == "tff" else 0)
+                torch.index_select(src[:, :, lo:], 0, sel, out=out[:, off:off + full, start:start + pay - lo])
+            if tail is not None:
+                torch.index_select(tail[:, start:], 0, sel, out=out[:, off + full, start:])
+        if st.hdr is not None:
+            words = out.view(torch.int64).view(n, fmt.blocks, P.BLOCK_WORDS)
+            torch.index_select(st.hdr, 0, sel, out=words[:, 1:, 1:4])
+
     def write_rows(self, fmt: P.RowFormat, staging: torch.Tensor, checked: Optional[torch.Tensor],
                    sel: Optional[torch.Tensor], dst: torch.Tensor, flag: int,
                    dst_index: Optional[torch.Tensor] = None, meta_patch: Optional[torch.Tensor] = None) -> None:
@@ -134,17 +223,25 @@ class TorchEngine:
         ``dst`` is a [m, blocks, 512] uint8 view of the peer's slots. Rows ``staging[sel]`` go to
         ``dst[0:n]`` (or to ``dst[dst_index]`` when given).
         """
-        n = staging.shape[0] if sel is None else sel.shape[0]
+        if isinstance(staging, DirectRows):
+            if sel is None:
+                sel = torch.arange(staging.n, dtype=torch.int64)
+            if dst_index is not None:
+                raise ValueError("DirectRows are written to consecutive slots; use pack_rows for scattered slots")
+        n = (staging.n if isinstance(staging, DirectRows) else staging.shape[0]) if sel is None else sel.shape[0]
         if n == 0:
             return
-        src = staging.view(staging.shape[0], fmt.row_bytes)
-        if dst_index is None:
+        if isinstance(staging, DirectRows):
+            self._write_direct(fmt, staging, sel, dst[:n])
+        elif dst_index is None:
+            src = staging.view(staging.shape[0], fmt.row_bytes)
             out = dst[:n].view(n, fmt.row_bytes)
             if sel is None:
                 out.copy_(src)
             else:
                 torch.index_select(src, 0, sel, out=out)
         else:
+            src = staging.view(staging.shape[0], fmt.row_bytes)
             rows = src if sel is None else src.index_select(0, sel)
             dst.view(dst.shape[0], fmt.row_bytes).index_copy_(0, dst_index, rows)
         if meta_patch is not None:

@@ -38,5 +38,20 @@ class UBEPPeerLostError(UBEPError):
         )
 
 
+class UBEPPeerAbortedError(UBEPError):
+    """A peer failed inside the same collective call and told the group so (instead of going silent)."""
+
+    def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], aborted_ranks: Sequence[int]):
+        self.phase = phase
+        self.rank = rank
+        self.missing_ranks = list(missing_ranks)
+        self.aborted_ranks = list(aborted_ranks)
+        super().__init__(
+            f"ubep_torch: rank {rank} in phase '{phase}': peer rank(s) {self.aborted_ranks} failed inside this "
+            f"call and aborted it (see their error); rank(s) {self.missing_ranks} had not delivered. This "
+            f"Buffer is now unusable."
+        )
+
+
 class UBEPBrokenError(UBEPError):
     """The Buffer saw a timeout or a lost peer earlier and refuses further communication."""

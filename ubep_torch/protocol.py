@@ -67,7 +67,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from .errors import UBEPPeerLostError, UBEPTimeoutError
+from .errors import UBEPPeerAbortedError, UBEPPeerLostError, UBEPTimeoutError
 
 # ----------------------------------------------------------------------------- block geometry
 BLOCK_BYTES = 512            #: DataBlock size: the UB fabric's atomic write unit
@@ -270,10 +270,12 @@ class Waiter:
     phase and the missing ranks; a missing rank whose process has exited is reported at once.
     """
 
-    def __init__(self, rank: int, timeout_s: float, peer_alive: Optional[Callable[[int], bool]] = None):
+    def __init__(self, rank: int, timeout_s: float, peer_alive: Optional[Callable[[int], bool]] = None,
+                 peer_aborted: Optional[Callable[[int], bool]] = None):
         self.rank = rank
         self.timeout_s = timeout_s
         self.peer_alive = peer_alive
+        self.peer_aborted = peer_aborted
 
     def wait(self, phase: str, poll: Callable[[], Sequence[int]]) -> None:
         missing = poll()
@@ -294,13 +296,24 @@ class Waiter:
                 memory_fence()
                 return
             now = time.monotonic()
-            if self.peer_alive is not None and now >= next_liveness:
+            if now >= next_liveness:
                 next_liveness = now + 0.05
-                dead = [r for r in missing if not self.peer_alive(r)]
-                if dead:
-                    raise UBEPPeerLostError(phase, self.rank, list(missing), dead)
+                if self.peer_aborted is not None:
+                    aborted = [r for r in range(self._world(missing)) if self.peer_aborted(r)]
+                    if aborted:
+                        raise UBEPPeerAbortedError(phase, self.rank, list(missing), aborted)
+                if self.peer_alive is not None:
+                    dead = [r for r in missing if not self.peer_alive(r)]
+                    if dead:
+                        raise UBEPPeerLostError(phase, self.rank, list(missing), dead)
             if now >= deadline:
                 raise UBEPTimeoutError(phase, self.rank, list(missing), self.timeout_s)
+
+
+    world_size: int = 0
+
+    def _world(self, missing: Sequence[int]) -> int:
+        return self.world_size or (max(missing) + 1 if missing else 0)
 
 
 # ----------------------------------------------------------------------------- sp escape

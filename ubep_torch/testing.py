@@ -102,7 +102,7 @@ class RankPool:
             except queue.Empty:
                 missing = [r for r in range(self.world_size) if r not in results and r not in failures]
                 self.close(force=True)
-                raise RankFailure({r: f"no answer within {deadline}s" for r in missing} | failures)
+                raise RankFailure({r: f"no answer within {deadline}s" for r in missing} | failures) from None
             (results if ok else failures)[rank] = value
         if failures:
             raise RankFailure(failures)

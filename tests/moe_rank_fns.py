@@ -1,0 +1,331 @@
+"""Rank-side functions for the autograd and MoE-layer tests (run on every rank by ``RankPool.run``).
+
+Also holds :class:`GatherBuffer`, a plain-torch reference of the Buffer's semantics built on
+``all_gather_object``: slow and obviously correct, it lets the autograd rules be checked independently of
+the UGAS data path, and the real Buffer be checked against it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from ubep_torch import functional as F
+from ubep_torch import nn as unn
+
+
+# ----------------------------------------------------------------------------- reference buffer
+class GatherBuffer:
+    """DeepEP normal/low-latency semantics (plus the expert-major layout) in plain torch."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        self.low_latency_mode = True
+
+    def _gather(self, obj):
+        out = [None] * self.group_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def get_dispatch_layout(self, topk_idx, num_experts, *args, **kwargs):
+        e_local = num_experts // self.group_size
+        t = topk_idx.shape[0]
+        dest = torch.where(topk_idx >= 0, topk_idx // e_local, torch.full_like(topk_idx, -1))
+        in_rank = torch.zeros(t, self.group_size, dtype=torch.bool)
+        for r in range(self.group_size):
+            in_rank[:, r] = (dest == r).any(dim=1)
+        per_expert = torch.zeros(num_experts, dtype=torch.int32)
+        valid = topk_idx[topk_idx >= 0]
+        per_expert.index_add_(0, valid, torch.ones_like(valid, dtype=torch.int32))
+        return in_rank.sum(0).int(), None, per_expert, in_rank, None
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment=1, layout="rank_major", **kwargs):
+        cached = handle is not None
+        if cached:
+            layout, topk_idx, num_experts, rows = handle
+        else:
+            num_experts = int(num_tokens_per_expert.numel())
+            topk_weights = topk_weights if topk_weights is not None else torch.zeros(topk_idx.shape)
+        everything = self._gather((x, topk_idx, topk_weights if not cached else None))
+        e_local = num_experts // self.group_size
+        lo = self.rank * e_local
+        if not cached:
+            rows = []  # (src rank, src token, local expert or -1 for a rank-major row)
+            if layout == "rank_major":
+                for s, (_, idx, _) in enumerate(everything):
+                    for t in range(idx.shape[0]):
+                        if ((idx[t] >= lo) & (idx[t] < lo + e_local)).any():
+                            rows.append((s, t, -1))
+            else:
+                for e in range(e_local):
+                    start = len(rows)
+                    for s, (_, idx, _) in enumerate(everything):
+                        for t in range(idx.shape[0]):
+                            if (idx[t] == lo + e).any():
+                                rows.append((s, t, e))
+                    while (len(rows) - start) % expert_alignment:
+                        rows.append((-1, -1, -1))
+        hidden = x.shape[1]
+        recv_x = torch.zeros(len(rows), hidden, dtype=x.dtype)
+        for i, (s, t, _) in enumerate(rows):
+            if s >= 0:
+                recv_x[i] = everything[s][0][t]
+        new_handle = (layout, topk_idx, num_experts, rows)
+        if cached:
+            return recv_x, None, None, None, None, None
+        if layout == "rank_major":
+            k = topk_idx.shape[1]
+            recv_idx = torch.full((len(rows), k), -1, dtype=torch.int64)
+            recv_w = torch.zeros(len(rows), k, dtype=torch.float32)
+            for i, (s, t, _) in enumerate(rows):
+                idx, w = everything[s][1][t], everything[s][2][t]
+                mine = (idx >= lo) & (idx < lo + e_local)
+                recv_idx[i] = torch.where(mine, idx - lo, torch.full_like(idx, -1))
+                recv_w[i] = torch.where(mine, w.float(), torch.zeros_like(w.float()))
+            counts = [int(((recv_idx == e).any(dim=1)).sum()) for e in range(e_local)]
+            counts = [-(-c // expert_alignment) * expert_alignment for c in counts]
+        else:
+            recv_idx = torch.tensor([e for (_, _, e) in rows], dtype=torch.int64)
+            recv_w = torch.zeros(len(rows), dtype=torch.float32)
+            for i, (s, t, e) in enumerate(rows):
+                if s >= 0:
+                    idx, w = everything[s][1][t], everything[s][2][t]
+                    recv_w[i] = w[idx == lo + e].float().sum()
+            counts = [int((recv_idx == e).sum()) for e in range(e_local)]
+            counts = [-(-c // expert_alignment) * expert_alignment for c in counts]
+        return recv_x, recv_idx, recv_w, counts, new_handle, None
+
+    def combine(self, x, handle, topk_weights=None, bias=None, **kwargs):
+        _layout, topk_idx, _, rows = handle
+        everything = self._gather((x, rows, topk_weights))
+        t = topk_idx.shape[0]
+        out = torch.zeros(t, x.shape[1], dtype=x.dtype)
+        out_w = None if topk_weights is None else torch.zeros(t, topk_weights.shape[1], dtype=topk_weights.dtype)
+        for y, rws, w in everything:
+            for i, (s, tok, _) in enumerate(rws):
+                if s == self.rank:
+                    out[tok] += y[i]
+                    if out_w is not None:
+                        out_w[tok] += w[i]
+        return out, out_w, None
+
+    def low_latency_dispatch(self, x, topk_idx, n, num_experts, use_fp8=False, return_recv_hook=False,
+                             **kwargs):
+        everything = self._gather((x, topk_idx))
+        e_local = num_experts // self.group_size
+        lo = self.rank * e_local
+        recv = torch.zeros(e_local, self.group_size * n, x.shape[1], dtype=x.dtype)
+        src_info = torch.zeros(e_local, self.group_size * n, dtype=torch.int32)
+        layout_range = torch.zeros(e_local, self.group_size, dtype=torch.int64)
+        count = torch.zeros(e_local, dtype=torch.int32)
+        for e in range(e_local):
+            pos = 0
+            for s, (xs, idx) in enumerate(everything):
+                begin = pos
+                for t in range(idx.shape[0]):
+                    if (idx[t] == lo + e).any():
+                        recv[e, pos] = xs[t]
+                        src_info[e, pos] = t
+                        pos += 1
+                layout_range[e, s] = (begin << 32) | (pos - begin)
+            count[e] = pos
+        handle = (src_info, layout_range, n, x.shape[1], num_experts)
+        hook = (lambda: None) if return_recv_hook else None
+        return recv, count, handle, None, hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, **kwargs):
+        src_info, layout_range, _n, _, num_experts = handle
+        everything = self._gather((x, src_info, layout_range))
+        e_local = num_experts // self.group_size
+        out = torch.zeros(topk_idx.shape[0], x.shape[-1], dtype=x.dtype)
+        for r, (y, info, rng) in enumerate(everything):
+            for e in range(e_local):
+                begin, cnt = int(rng[e, self.rank]) >> 32, int(rng[e, self.rank]) & 0xFFFFFFFF
+                for j in range(begin, begin + cnt):
+                    t = int(info[e, j])
+                    slot = (topk_idx[t] == r * e_local + e)
+                    w = topk_weights[t][slot].sum()
+                    out[t] += (w.double() * y[e, j].double()).to(x.dtype)
+        return out, None, None
+
+
+def make_buffer(ctx, kind: str):
+    """A cached Buffer of ``kind`` ("ref" = :class:`GatherBuffer`, "ubep" = :class:`ubep_torch.Buffer`)."""
+    key = f"buffer:{kind}"
+    if key not in ctx.cache:
+        if kind == "ref":
+            ctx.cache[key] = GatherBuffer(ctx.group)
+        else:
+            from ubep_torch.buffer import Buffer
+            ctx.cache[key] = Buffer(ctx.group, num_nvl_bytes=1 << 22, num_rdma_bytes=1 << 22,
+                                    low_latency_mode=True, num_qps_per_rank=1)
+    return ctx.cache[key]
+
+
+# ----------------------------------------------------------------------------- shared routing fixtures
+def routing(seed: int, t: int, k: int, num_experts: int, drop_slot: bool = True):
+    """Distinct experts per token (some rows with a ``-1`` slot) and positive weights."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(t)])
+    if drop_slot and t > 1:
+        idx[1, -1] = -1
+    w = torch.rand(t, k, generator=g, dtype=torch.float64) + 0.1
+    return idx, w
+
+
+def dense_moe_reference(x, idx, w, experts):
+    """``out[t] = sum_k w[t, k] * experts[idx[t, k]](x[t])`` in plain torch (the single-process truth)."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            if e >= 0:
+                out[t] = out[t] + w[t, k] * experts[e](x[t])
+    return out
+
+
+# ----------------------------------------------------------------------------- autograd checks
+def rank_gradcheck(ctx, kind: str, layout: str, seed: int = 0):
+    """gradcheck of dispatch -> per-expert linear map weighted by recv weights -> combine, in float64.
+
+    The map is fixed per expert (``A_e``); the function of ``(x, topk_weights)`` is the MoE output, so the
+    check covers both the dispatch/combine pair and the weight path. Every rank runs the same sequence of
+    collective calls (gradcheck's perturbations are deterministic and equal in number on every rank).
+    """
+    buf = make_buffer(ctx, kind)
+    r, world = ctx.rank, ctx.world_size
+    e_total, k, t, h = 2 * world, 2, 3, 4
+    e_local = e_total // world
+    idx, w = routing(100 * seed + r, t, k, e_total)
+    x = torch.randn(t, h, dtype=torch.float64, generator=torch.Generator().manual_seed(7 + r))
+    a = torch.randn(e_total, h, h, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    a_local = a[r * e_local:(r + 1) * e_local]
+
+    def moe(x_, w_):
+        recv_x, recv_idx, recv_w, handle = F.dispatch(buf, x_, idx, w_, e_total, layout=layout)
+        if layout == "rank_major":
+            y = torch.zeros_like(recv_x)
+            for e in range(e_local):
+                y = y + (recv_idx == e).any(1, keepdim=True) * (recv_w * (recv_idx == e)).sum(1, keepdim=True) \
+                    * (recv_x @ a_local[e])
+        else:
+            y = torch.zeros_like(recv_x)
+            for e in range(e_local):
+                y = y + (recv_idx == e)[:, None] * recv_w[:, None] * (recv_x @ a_local[e])
+        return F.combine(buf, y, handle)
+
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ok = torch.autograd.gradcheck(moe, (xr, wr), eps=1e-6, atol=1e-7, rtol=1e-5, raise_exception=False)
+    out = moe(x, w)
+    ref = dense_moe_reference(x, idx, w, [lambda v, m=m: v @ m for m in a])
+    return bool(ok), float((out - ref).abs().max())
+
+
+def rank_dispatch_roundtrip(ctx, kind: str, layout: str, dtype_name: str):
+    """combine(dispatch(x)) / (number of destination ranks or experts) == x; grads are exact too."""
+    buf = make_buffer(ctx, kind)
+    dtype = getattr(torch, dtype_name)
+    r, world = ctx.rank, ctx.world_size
+    e_total, k, t, h = 2 * world, 2, 5, 8
+    e_local = e_total // world
+    idx, w = routing(11 + r, t, k, e_total)
+    w = w.float()
+    x = (torch.arange(t * h, dtype=torch.float32).reshape(t, h) / 7 + r).to(dtype).requires_grad_()
+    wr = w.clone().requires_grad_()
+    recv_x, _recv_idx, recv_w, handle = F.dispatch(buf, x, idx, wr, e_total, layout=layout)
+    out = F.combine(buf, recv_x, handle)
+    dest = idx.clamp(min=0) // e_local
+    if layout == "rank_major":
+        mult = torch.stack([((dest == d) & (idx >= 0)).any(1) for d in range(world)], 1).sum(1)
+    else:
+        mult = (idx >= 0).sum(1)
+    ok_fwd = torch.allclose(out.float(), x.float() * mult[:, None].float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    (out.float().sum() + (recv_w * 2).sum()).backward()
+    ok_gx = torch.allclose(x.grad.float(), mult[:, None].float().expand(t, h))
+    ok_gw = torch.equal(wr.grad, torch.where(idx >= 0, 2.0, 0.0))
+    return ok_fwd, ok_gx, ok_gw, out.dtype == dtype, recv_x.dtype == dtype
+
+
+def rank_low_latency_grads(ctx, kind: str, dtype_name: str):
+    """Low-latency dispatch -> per-expert map -> weighted combine matches a dense reference, grads too."""
+    buf = make_buffer(ctx, kind)
+    dtype = getattr(torch, dtype_name)
+    r, world = ctx.rank, ctx.world_size
+    e_total, k, t, h, n = 2 * world, 2, 3, 8, 4
+    e_local = e_total // world
+    idx, w = routing(21 + r, t, k, e_total)
+    w = w.to(dtype)
+    x = torch.randn(t, h, dtype=torch.float64, generator=torch.Generator().manual_seed(5 + r)).to(dtype)
+    a = torch.randn(e_total, h, h, dtype=torch.float64, generator=torch.Generator().manual_seed(9)).to(dtype)
+    a_local = a[r * e_local:(r + 1) * e_local]
+
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    recv_x, _recv_count, handle = F.low_latency_dispatch(buf, xr, idx, n, e_total)
+    y = torch.bmm(recv_x, a_local)
+    out = F.low_latency_combine(buf, y, idx, wr, handle)
+    g_out = torch.randn(t, h, dtype=torch.float64, generator=torch.Generator().manual_seed(1 + r)).to(dtype)
+    (out * g_out).sum().backward()
+
+    # The truth: float64 dense math on the very same (possibly bf16-rounded) inputs; errors are relative
+    # to the largest magnitude of each reference tensor.
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = dense_moe_reference(xd, idx, wd, [lambda v, m=m: v @ m.double() for m in a])
+    (ref * g_out.double()).sum().backward()
+
+    def rel(got, want):
+        return float((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-30))
+
+    with torch.no_grad():
+        return rel(out, ref), rel(xr.grad, xd.grad), rel(wr.grad, wd.grad)
+
+
+# ----------------------------------------------------------------------------- MoE layer checks
+def moe_config(router: str, shared: bool):
+    return {"hidden": 16, "ffn_hidden": 24, "num_experts": 4, "top_k": 2, "router": router,
+                "shared_expert_hidden": 12 if shared else None, "aux_loss_coef": 0.01}
+
+
+def rank_moe_layer(ctx, kind: str, router: str, shared: bool, layout: str, dtype_name: str = "float64"):
+    """Run the EP layer on this rank's tokens; return outputs, aux loss and gradients for comparison."""
+    dtype = getattr(torch, dtype_name)
+    buf = make_buffer(ctx, kind)
+    cfg = moe_config(router, shared)
+    torch.manual_seed(0)
+    dense = unn.MoE(**cfg).to(dtype)
+    layer = unn.MoE(**cfg, buffer=buf, layout=layout).to(dtype)
+    layer.load_dense_state_dict(dense.state_dict())
+    x = torch.randn(6, cfg["hidden"], generator=torch.Generator().manual_seed(40 + ctx.rank),
+                    dtype=torch.float64).to(dtype).requires_grad_()
+    out = layer(x)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(60 + ctx.rank), dtype=torch.float64)
+    loss = (out * g.to(dtype)).sum() + layer.aux_loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters()}
+    return out.detach(), layer.aux_loss.detach(), x.grad.detach(), grads
+
+
+def rank_empty_receiver(ctx, kind: str, layout: str):
+    """Every token of every rank goes to the last rank's experts: the other ranks receive nothing."""
+    buf = make_buffer(ctx, kind)
+    world = ctx.world_size
+    e_total = 2 * world
+    idx = torch.tensor([[e_total - 1, e_total - 2]] * 3)
+    x = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(ctx.rank)).requires_grad_()
+    w = torch.full((3, 2), 0.5, dtype=torch.float64, requires_grad=True)
+    recv_x, _recv_idx, recv_w, handle = F.dispatch(buf, x, idx, w, e_total, layout=layout)
+    y = recv_x * (recv_w.sum(-1, keepdim=True) if layout == "rank_major" else recv_w[:, None])
+    out = F.combine(buf, y, handle)
+    out.sum().backward()
+    with torch.no_grad():
+        return recv_x.shape[0], float((out - x).abs().max()), float((x.grad - 1).abs().max()), \
+            float((w.grad - x.sum(-1, keepdim=True)).abs().max())

@@ -1,0 +1,112 @@
+"""The expert-parallel MoE layer equals the dense layer with the same parameters.
+
+Reference: one dense ``ubep_torch.nn.MoE`` (all experts, no Buffer) in this process. Every rank feeds its
+own tokens through the expert-parallel layer (its experts are the dense layer's slice) and backpropagates
+``loss_r = <out_r, g_r> + aux_r``. Properties: per rank, outputs, aux loss, input gradients and replicated
+parameter gradients equal the dense model's on that rank's tokens; each rank's expert gradients equal the
+dense model's gradients of the summed loss over all ranks, restricted to that rank's experts.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tests import moe_rank_fns as M
+from tests.test_functional import KINDS
+from ubep_torch import nn as unn
+from ubep_torch.testing import RankPool
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(WORLD, env={"PYTHONPATH": ROOT}) as p:
+        yield p
+
+
+def dense_reference(router: str, shared: bool, dtype: torch.dtype, world: int = WORLD):
+    cfg = M.moe_config(router, shared)
+    torch.manual_seed(0)
+    dense = unn.MoE(**cfg).to(dtype)
+    per_rank = []
+    for r in range(world):
+        dense.zero_grad(set_to_none=True)
+        x = torch.randn(6, cfg["hidden"], generator=torch.Generator().manual_seed(40 + r),
+                        dtype=torch.float64).to(dtype).requires_grad_()
+        out = dense(x)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(60 + r), dtype=torch.float64)
+        ((out * g.to(dtype)).sum() + dense.aux_loss).backward()
+        per_rank.append((out.detach(), dense.aux_loss.detach(), x.grad.detach(),
+                         {n: p.grad.detach().clone() for n, p in dense.named_parameters()}))
+    return cfg, per_rank
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("router,shared,layout", [
+    ("softmax", True, "expert_major"),
+    ("sigmoid", False, "expert_major"),
+    ("softmax", False, "rank_major"),
+])
+def test_layer_equals_dense(pool, kind, router, shared, layout):
+    check_equal(pool.run(M.rank_moe_layer, kind, router, shared, layout, "float64"), router, shared, WORLD)
+
+
+def check_equal(got, router, shared, world, tol=1e-10):
+    cfg, ref = dense_reference(router, shared, torch.float64, world)
+    e_local = cfg["num_experts"] // world
+    for r, (out, aux, gx, grads) in enumerate(got):
+        r_out, r_aux, r_gx, r_grads = ref[r]
+        torch.testing.assert_close(out, r_out, atol=tol, rtol=tol, msg=f"rank {r} output")
+        torch.testing.assert_close(aux, r_aux, atol=tol, rtol=tol, msg=f"rank {r} aux loss")
+        torch.testing.assert_close(gx, r_gx, atol=tol, rtol=tol, msg=f"rank {r} grad x")
+        for name, g in grads.items():
+            if name.startswith("experts."):
+                want = sum(ref[s][3][name] for s in range(world))[r * e_local:(r + 1) * e_local]
+            else:
+                want = r_grads[name]
+            torch.testing.assert_close(g, want, atol=tol, rtol=tol, msg=f"rank {r} grad {name}")
+
+
+@pytest.mark.parametrize("kind", KINDS[-1:])   # the real Buffer when present (the reference is slow)
+def test_layer_equals_dense_on_four_ranks(kind):
+    with RankPool(4, env={"PYTHONPATH": ROOT}) as pool4:
+        for router, layout in (("softmax", "expert_major"), ("sigmoid", "rank_major")):
+            check_equal(pool4.run(M.rank_moe_layer, kind, router, True, layout, "float64"), router, True, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_bf16_close_to_dense(pool, kind):
+    _, ref = dense_reference("softmax", True, torch.bfloat16)
+    for r, (out, _, gx, _) in enumerate(pool.run(M.rank_moe_layer, kind, "softmax", True, "expert_major",
+                                                   "bfloat16")):
+        torch.testing.assert_close(out.float(), ref[r][0].float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(gx.float(), ref[r][2].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_dense_path_world_size_one():
+    """A Buffer-less layer sorts tokens into expert-major rows; check it against the per-token formula."""
+    torch.manual_seed(1)
+    layer = unn.MoE(16, 24, 4, 2, shared_expert_hidden=None).double()
+    x = torch.randn(7, 16, dtype=torch.float64)
+    idx, w, _ = layer.router(x)
+    experts = [lambda v, e=e: layer.experts._expert(v[None], e)[0] for e in range(4)]
+    torch.testing.assert_close(layer(x), M.dense_moe_reference(x, idx, w, experts))
+    assert not layer.expert_parallel
+
+
+def test_balance_loss_is_one_when_uniform():
+    router = unn.Router(8, 4, 1)
+    with torch.no_grad():
+        router.weight.zero_()
+    _idx, w, balance = router(torch.randn(8, 8))
+    # Uniform probabilities: P_e = 1/E whatever the (tied) choices, so E * sum_e f_e / E = 1.
+    torch.testing.assert_close(balance, torch.tensor(1.0))
+    assert torch.allclose(w, torch.ones_like(w))

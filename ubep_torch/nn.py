@@ -1,0 +1,272 @@
+"""A Mixture-of-Experts layer that runs expert-parallel over a :class:`ubep_torch.Buffer`.
+
+The layer composes communication and compute (communication knows nothing about experts):
+
+    router -> functional.dispatch(layout="expert_major") -> grouped SwiGLU per local expert
+           -> scale each row by its routing weight -> functional.combine -> (+ shared expert)
+
+Rank ``r`` of a group of ``R`` owns experts ``[r * E_local, (r + 1) * E_local)``; everything else (router,
+shared expert) is replicated and trained data-parallel (see :func:`data_parallel_sync`). Without a
+Buffer, or with a group of one rank, the same layer runs a dense local path that sorts tokens into the
+same expert-major order, so a dense model and an expert-parallel model with the same parameters give the
+same outputs and gradients.
+
+Shapes: ``T`` tokens, ``H`` hidden, ``F`` expert FFN hidden, ``E`` experts, ``K`` top-k.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as tF
+from torch import nn
+
+from . import functional as F
+
+__all__ = ["GroupedSwiGLU", "MoE", "Router", "SwiGLU", "data_parallel_sync", "is_expert_parameter"]
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+def is_expert_parameter(p: torch.Tensor) -> bool:
+    """True for parameters that live on one rank only (sharded experts); they are not all-reduced."""
+    return bool(getattr(p, "expert_parallel", False))
+
+
+class Router(nn.Module):
+    """Top-k router with the Switch/GShard load-balancing loss.
+
+    Args:
+        hidden: ``H``.
+        num_experts: ``E``.
+        top_k: ``K``.
+        kind: ``"softmax"`` (probabilities over experts, Mixtral/Switch) or ``"sigmoid"`` (independent
+            scores, DeepSeek-V3 style; the chosen scores are always normalized to sum to 1).
+        normalize_topk: renormalize the chosen softmax probabilities to sum to 1.
+    """
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, kind: str = "softmax",
+                 normalize_topk: bool = True):
+        super().__init__()
+        if kind not in ROUTERS:
+            raise ValueError(f"ubep_torch.nn.Router: kind must be one of {ROUTERS}, got {kind!r}")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"ubep_torch.nn.Router: need 0 < top_k <= num_experts, got {top_k}, {num_experts}")
+        self.num_experts, self.top_k, self.kind, self.normalize_topk = num_experts, top_k, kind, normalize_topk
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(hidden))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route ``x [T, H]``.
+
+        Returns:
+            ``(topk_idx [T, K] int64, topk_weights [T, K], balance_loss [])``. Weights and loss are float32
+            for half-precision inputs (routing is precision-sensitive) and in ``x``'s dtype otherwise.
+            ``balance_loss = E * sum_e f_e * P_e`` with ``f_e`` the fraction of the ``T*K`` assignments that
+            chose expert ``e`` and ``P_e`` the mean routing probability of ``e``; it is 1 when balanced.
+        """
+        logits = tF.linear(x, self.weight.to(x.dtype))
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        if self.kind == "softmax":
+            probs = logits.softmax(dim=-1)
+            weights, topk_idx = probs.topk(self.top_k, dim=-1)
+            if self.normalize_topk:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        else:
+            scores = logits.sigmoid()
+            weights, topk_idx = scores.topk(self.top_k, dim=-1)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        t = x.shape[0]
+        counts = torch.zeros(self.num_experts, dtype=probs.dtype, device=x.device)
+        counts.index_add_(0, topk_idx.reshape(-1), torch.ones(topk_idx.numel(), dtype=probs.dtype,
+                                                              device=x.device))
+        frac = counts / max(t * self.top_k, 1)
+        balance = self.num_experts * (frac * probs.mean(dim=0)).sum() if t else probs.sum() * 0
+        return topk_idx, weights, balance
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: ``[.., H] -> [.., H]`` with FFN width ``F``."""
+
+    def __init__(self, hidden: int, ffn_hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn_hidden, bias=False)
+        self.up = nn.Linear(hidden, ffn_hidden, bias=False)
+        self.down = nn.Linear(ffn_hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(tF.silu(self.gate(x)) * self.up(x))
+
+
+class GroupedSwiGLU(nn.Module):
+    """``E_local`` SwiGLU experts stored as stacked weights.
+
+    Parameters: ``w_gate [E_local, H, F]``, ``w_up [E_local, H, F]``, ``w_down [E_local, F, H]``, each
+    tagged ``expert_parallel = True``.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w_gate = nn.Parameter(torch.randn(num_experts, hidden, ffn_hidden) / math.sqrt(hidden))
+        self.w_up = nn.Parameter(torch.randn(num_experts, hidden, ffn_hidden) / math.sqrt(hidden))
+        self.w_down = nn.Parameter(torch.randn(num_experts, ffn_hidden, hidden) / math.sqrt(ffn_hidden))
+        for p in self.parameters():
+            p.expert_parallel = True
+
+    def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Expert-major rows ``x [rows, H]`` with ``counts[e]`` consecutive rows for expert ``e`` -> ``[rows, H]``."""
+        if len(counts) != self.num_experts:
+            raise ValueError(f"ubep_torch.nn.GroupedSwiGLU: {len(counts)} counts for {self.num_experts} experts")
+        if sum(counts) != x.shape[0]:
+            raise ValueError(f"ubep_torch.nn.GroupedSwiGLU: counts sum to {sum(counts)} but x has "
+                             f"{x.shape[0]} rows")
+        outs = []
+        for e, part in enumerate(torch.split(x, list(counts), dim=0)):
+            if part.shape[0] == 0:
+                # Keep every expert weight in the graph so gradients are defined (zeros) on every rank.
+                outs.append(part @ self.w_gate[e][:, :0].to(x.dtype) @ self.w_down[e][:0].to(x.dtype))
+                continue
+            outs.append(self._expert(part, e))
+        return torch.cat(outs, dim=0) if outs else x.new_zeros(0, x.shape[1])
+
+    def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """Low-latency layout ``x [E_local, M, H] -> [E_local, M, H]`` (rows past each count are computed too)."""
+        d = x.dtype
+        h = tF.silu(torch.bmm(x, self.w_gate.to(d))) * torch.bmm(x, self.w_up.to(d))
+        return torch.bmm(h, self.w_down.to(d))
+
+    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        d = x.dtype
+        return (tF.silu(x @ self.w_gate[e].to(d)) * (x @ self.w_up[e].to(d))) @ self.w_down[e].to(d)
+
+
+class MoE(nn.Module):
+    """Mixture-of-Experts feed-forward layer, expert-parallel over ``buffer`` or dense without one.
+
+    Args:
+        hidden: ``H``.
+        ffn_hidden: ``F``, each expert's SwiGLU width.
+        num_experts: ``E`` in total (divisible by the group size).
+        top_k: ``K``.
+        router: ``"softmax"`` or ``"sigmoid"`` (see :class:`Router`).
+        shared_expert_hidden: width of an always-on shared SwiGLU expert, or None for none.
+        aux_loss_coef: scale of the load-balancing loss stored in :attr:`aux_loss` after each forward.
+        buffer: a :class:`ubep_torch.Buffer`; None (or a group of one rank) selects the dense local path.
+        layout: ``"expert_major"`` (the Buffer sorts rows per local expert) or ``"rank_major"`` (DeepEP's
+            layout; the layer sorts locally). Only used in expert-parallel mode.
+        expert_alignment: passed to dispatch (rows per expert padded to a multiple of it).
+        normalize_topk: see :class:`Router`.
+
+    Attributes:
+        aux_loss: ``aux_loss_coef * balance_loss`` of the last forward (a 0-dim tensor in the graph).
+        expert_offset, num_local_experts: this rank's experts are ``[expert_offset, expert_offset + E_local)``.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, *, router: str = "softmax",
+                 shared_expert_hidden: int | None = None, aux_loss_coef: float = 0.01, buffer=None,
+                 layout: str = "expert_major", expert_alignment: int = 1, normalize_topk: bool = True):
+        super().__init__()
+        if layout not in F.LAYOUTS:
+            raise ValueError(f"ubep_torch.nn.MoE: layout must be one of {F.LAYOUTS}, got {layout!r}")
+        world = 1 if buffer is None else int(buffer.group_size)
+        if num_experts % world:
+            raise ValueError(f"ubep_torch.nn.MoE: num_experts={num_experts} is not divisible by the "
+                             f"{world} ranks of the Buffer's group")
+        self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
+        self.buffer = buffer if world > 1 else None
+        self.layout, self.expert_alignment, self.aux_loss_coef = layout, expert_alignment, aux_loss_coef
+        self.num_local_experts = num_experts // world
+        self.expert_offset = 0 if self.buffer is None else int(buffer.rank) * self.num_local_experts
+        self.router = Router(hidden, num_experts, top_k, router, normalize_topk)
+        self.experts = GroupedSwiGLU(self.num_local_experts, hidden, ffn_hidden)
+        self.shared_expert = SwiGLU(hidden, shared_expert_hidden) if shared_expert_hidden else None
+        self.aux_loss = torch.zeros(())
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.buffer is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., H] -> [..., H]``; also sets :attr:`aux_loss`. Collective in expert-parallel mode."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden)
+        topk_idx, topk_weights, balance = self.router(x2)
+        self.aux_loss = self.aux_loss_coef * balance
+        if self.buffer is None:
+            out = self._dense(x2, topk_idx, topk_weights)
+        elif self.layout == "expert_major":
+            out = self._expert_major(x2, topk_idx, topk_weights)
+        else:
+            out = self._rank_major(x2, topk_idx, topk_weights)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x2)
+        return out.reshape(shape)
+
+    # ------------------------------------------------------------------ paths
+    def _sorted_rows(self, local_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Expert-major order of the (row, slot) pairs of ``local_idx [n, K]`` (``-1`` slots skipped)."""
+        flat = local_idx.reshape(-1)
+        keep = torch.nonzero(flat >= 0).squeeze(1)
+        order = keep[torch.argsort(flat[keep], stable=True)]
+        counts = torch.bincount(flat[order], minlength=self.num_local_experts)
+        return order // local_idx.shape[1], order, counts.tolist()
+
+    def _dense(self, x, topk_idx, topk_weights):
+        rows, order, counts = self._sorted_rows(topk_idx)
+        w = topk_weights.reshape(-1)[order].to(x.dtype)
+        y = self.experts(x[rows], counts) * w[:, None]
+        return torch.zeros_like(x).index_add(0, rows, y)
+
+    def _expert_major(self, x, topk_idx, topk_weights):
+        recv_x, _recv_eid, recv_w, handle = F.dispatch(self.buffer, x, topk_idx, topk_weights, self.num_experts,
+                                                      layout="expert_major",
+                                                      expert_alignment=self.expert_alignment)
+        y = self.experts(recv_x, handle.num_recv_tokens_per_expert) * recv_w.to(recv_x.dtype)[:, None]
+        return F.combine(self.buffer, y, handle)
+
+    def _rank_major(self, x, topk_idx, topk_weights):
+        recv_x, recv_idx, recv_w, handle = F.dispatch(self.buffer, x, topk_idx, topk_weights, self.num_experts,
+                                                      layout="rank_major",
+                                                      expert_alignment=self.expert_alignment)
+        rows, order, counts = self._sorted_rows(recv_idx)
+        w = recv_w.reshape(-1)[order].to(recv_x.dtype)
+        y = self.experts(recv_x[rows], counts) * w[:, None]
+        return F.combine(self.buffer, torch.zeros_like(recv_x).index_add(0, rows, y), handle)
+
+    # ------------------------------------------------------------------ parameters
+    def load_dense_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load the state of a dense :class:`MoE` with all ``E`` experts, keeping this rank's experts."""
+        lo, hi = self.expert_offset, self.expert_offset + self.num_local_experts
+        own = {}
+        for name, value in state.items():
+            own[name] = value[lo:hi] if name.startswith("experts.") else value
+        self.load_state_dict(own)
+
+
+def data_parallel_sync(module: nn.Module, group=None) -> None:
+    """Make gradients those of the mean loss over the ranks of ``group`` (call after ``backward``).
+
+    Replicated parameters are all-reduced and divided by the group size. Expert parameters are not
+    reduced: every rank's loss already sent its gradient to the owning rank through combine's backward,
+    so they hold the sum over ranks and are only divided by the group size.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    replicated = [p.grad for p in module.parameters() if p.grad is not None and not is_expert_parameter(p)]
+    if replicated:
+        flat = torch.cat([g.reshape(-1) for g in replicated])
+        dist.all_reduce(flat, group=group)
+        flat /= world
+        offset = 0
+        for g in replicated:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+    for p in module.parameters():
+        if p.grad is not None and is_expert_parameter(p):
+            p.grad /= world
