@@ -37,8 +37,8 @@ def gather(t):
     return out
 
 
-def smoke(ctx, sync, T=10, H=256, K=4, E=8, seed=0, dtype=torch.bfloat16):
-    buf = get_buffer(ctx, sync)
+def smoke(ctx, sync, T=10, H=256, K=4, E=8, seed=0, dtype=torch.bfloat16, backend="torch"):
+    buf = get_buffer(ctx, sync, backend=backend)
     R, r = ctx.world_size, ctx.rank
     topk, w = make_routing(seed, r, T, K, E)
     g = torch.Generator().manual_seed(seed + 77 * r)
@@ -98,8 +98,9 @@ def ll_reference(all_x, all_topk, rank, E, N):
     return rows
 
 
-def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, hook=False, zero_copy=False):
-    buf = get_buffer(ctx, sync, low_latency=True, N=N, H=H, E=E)
+def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, hook=False, zero_copy=False,
+                 backend="torch"):
+    buf = get_buffer(ctx, sync, low_latency=True, N=N, H=H, E=E, backend=backend)
     R, r = ctx.world_size, ctx.rank
     topk, w = make_routing(seed, r, T, K, E)
     g = torch.Generator().manual_seed(seed + 91 * r)
@@ -142,9 +143,9 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     return recv_count.tolist()
 
 
-def dispatch_variants(ctx, sync, seed=1):
+def dispatch_variants(ctx, sync, seed=1, backend="torch"):
     """fp8 tuple, cached dispatch, expert_alignment, num_worst_tokens, expert-major layout, bias."""
-    buf = get_buffer(ctx, sync)
+    buf = get_buffer(ctx, sync, backend=backend)
     R, r = ctx.world_size, ctx.rank
     T, H, K, E = 9, 256, 3, 8
     El = E // R
@@ -207,6 +208,18 @@ def dispatch_variants(ctx, sync, seed=1):
     assert torch.allclose(ec, ref, atol=1e-5), (ec - ref).abs().max()
     cx, *_ = buf.dispatch(x, handle=eh)
     assert torch.equal(cx, ex)
+    # fp8 payload in the expert-major layout
+    (eq, esc), *_ = buf.dispatch((q, sc), is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk,
+                                 topk_weights=w, layout="expert_major", expert_alignment=2)
+    assert esc.shape == (ex.shape[0], H // 128)
+    off = 0
+    for e in range(El):
+        rows_e = (recv_idx == e).any(1).nonzero().squeeze(1)
+        n_e = rows_e.numel()
+        assert torch.equal(eq[off:off + n_e].view(torch.uint8), fx[0][rows_e].view(torch.uint8))
+        assert torch.equal(esc[off:off + n_e], fx[1][rows_e])
+        assert bool((eq[off + n_e:off + ecounts[e]].view(torch.uint8) == 0).all())
+        off += ecounts[e]
     return counts
 
 

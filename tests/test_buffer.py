@@ -97,3 +97,17 @@ def test_mismatched_hidden_sizes_are_reported(pool2):
     out = pool2.run(F.mismatched_hidden)
     assert all(name is not None for name, _ in out)
     assert any("different layout" in msg for _, msg in out)
+
+
+def test_many_local_experts_use_multi_block_control_messages(pool2):
+    # 64 local experts: the per-expert counts need two control blocks
+    pool2.run(F.smoke, "tff", E=128, K=6, T=20)
+    pool2.run(F.smoke, "dc", E=128, K=6, T=20, seed=3)
+
+
+@pytest.mark.parametrize("sync", ["tff", "sp", "dc", "sw"])
+def test_deepep_semantics_with_triton_backend(pool2, sync):
+    pool2.run(F.smoke, sync, T=6, backend="triton")
+    pool2.run(F.ll_roundtrip, sync, T=4, backend="triton")
+    if sync in ("tff", "sp"):
+        pool2.run(F.dispatch_variants, sync, backend="triton")

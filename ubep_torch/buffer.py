@@ -167,6 +167,8 @@ class Buffer:
         on_report: optional callback ``fn(kind, report)`` called with every report.
         num_max_tokens_per_rank, hidden: optional sizing of the normal region when ``num_nvl_bytes == 0``.
         shm_dir: shared-memory directory (default ``$UBEP_SHM_DIR`` or ``/dev/shm``).
+        num_count_aivs: AIVs of the count group for ``backend="triton"`` (None = the Appendix-9 model;
+            ``Config(num_count_aivs=...)`` overrides it per call).
     """
 
     num_sms: int = 24
@@ -176,7 +178,8 @@ class Buffer:
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, *, timeout_s: float = 60.0,
                  sync: str = "tff", backend: str = "auto", cost_model=None,
                  on_report: Optional[Callable] = None, num_max_tokens_per_rank: Optional[int] = None,
-                 hidden: Optional[int] = None, shm_dir: Optional[str] = None):
+                 hidden: Optional[int] = None, shm_dir: Optional[str] = None,
+                 num_count_aivs: Optional[int] = None):
         if sync not in P.SYNC_MODES:
             raise ValueError(f"sync must be one of {P.SYNC_MODES}, got {sync!r}")
         if group is None:
@@ -193,7 +196,10 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.sync = sync
         self.timeout_s = P.default_timeout(timeout_s)
-        self.engine = make_engine(backend)
+        if num_count_aivs is not None and (not isinstance(num_count_aivs, int) or num_count_aivs < 1):
+            raise ValueError(f"num_count_aivs must be a positive int, got {num_count_aivs!r}")
+        self.engine = make_engine(backend, num_count_aivs)
+        self._default_n_count = num_count_aivs
         self.backend = self.engine.name
         self.cost_model = cost_model
         self.on_report = on_report
@@ -288,6 +294,13 @@ class Buffer:
             raise UBEPBrokenError("ubep_torch: this Buffer was destroyed")
         if self._broken is not None:
             raise UBEPBrokenError(f"ubep_torch: this Buffer is unusable after an earlier failure: {self._broken}")
+
+    def _apply_config(self, config: Optional[Config]) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a ubep_torch.Config, got {type(config).__name__}")
+        if hasattr(self.engine, "n_count"):
+            n = config.num_count_aivs if config is not None and config.num_count_aivs else self._default_n_count
+            self.engine.n_count = n
 
     def _region(self, rid: int) -> _Region:
         if rid not in self._regions:
@@ -488,6 +501,7 @@ class Buffer:
             ``(recv_x, None, None, None, None, event)``.
         """
         self._check_usable()
+        self._apply_config(config)
         if layout not in ("rank_major", "expert_major"):
             raise ValueError(f"layout must be 'rank_major' or 'expert_major', got {layout!r}")
         if not isinstance(expert_alignment, int) or expert_alignment < 1:
@@ -632,7 +646,7 @@ class Buffer:
         h = DispatchHandle(
             (rank_prefix, zeros, zeros.clone(), recv_src_idx, is_token_in_rank, send_head),
             send_idx=send_idx, recv_counts=n_src, recv_offsets=offsets, num_recv=num_recv, num_tokens=T,
-            num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major")
+            num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=topk_idx)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         self._report("dispatch", topk_idx, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0))
         if layout == "expert_major":
@@ -664,7 +678,7 @@ class Buffer:
 
         def gather(t):
             g = t.index_select(0, safe)
-            g[~valid] = 0
+            g.view(torch.uint8)[~valid] = 0      # byte view: also works for fp8 payloads
             return g
 
         em_x = (gather(out_x[0]), gather(out_x[1])) if isinstance(out_x, tuple) else gather(out_x)
@@ -713,7 +727,7 @@ class Buffer:
 
             def gather(t):
                 g = t.index_select(0, safe)
-                g[~valid] = 0
+                g.view(torch.uint8)[~valid] = 0
                 return g
             out_x = (gather(recv_x), gather(recv_scales)) if scales is not None else gather(recv_x)
         return out_x, None, None, None, None, EventOverlap(None)
@@ -843,6 +857,7 @@ class Buffer:
             ``(combined_x [T, H] in x's dtype, combined_topk_weights [T, K] or None, event)``.
         """
         self._check_usable()
+        self._apply_config(config)
         if not isinstance(handle, DispatchHandle):
             raise TypeError("combine needs the handle returned by Buffer.dispatch")
         if not isinstance(x, torch.Tensor):
@@ -915,20 +930,15 @@ class Buffer:
         eng = self.engine
 
         def accumulate(s: int, rows: torch.Tensor) -> None:
-            n = rows.shape[0]
-            if n == 0:
+            if rows.shape[0] == 0:
                 return
-            tmp = eng.scratch("combine_rows", (n, H), acc_dtype)
-            meta_s = eng.unpack_rows_as(fmt, rows, tmp, x.dtype)
-            idx = base.send_idx[s]
-            acc.index_add_(0, idx, tmp)
-            if K:
-                wacc.index_add_(0, idx, meta_s.contiguous().view(topk_weights.dtype))
+            eng.combine_accumulate(fmt, rows, base.send_idx[s], acc, x.dtype, wacc)
+            eng.rearm(fmt, rows)
 
         self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None, accumulate=accumulate)
         for b in biases:
             acc += b.to(acc_dtype)
-        self._report("combine", None, 0, H, H * x.element_size())
+        self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size())
         return acc.to(x.dtype), wacc, EventOverlap(None)
 
     # ================================================================== low-latency dispatch
@@ -1296,18 +1306,11 @@ class Buffer:
                     bad = (w0 != flag).any(1) if fmt.sync == "tff" else (w0 == P.SP_SENTINEL).any(1)
                     return sorted(set(src_of_slot[bad].tolist())) if fmt.sync in ("tff", "sp") else []
             self._wait("low_latency_combine: waiting for expert outputs", poll_rows)
-            # slot (t, k) sits at row t*K + k: unpack the first T*K rows straight into float32
-            tmp = eng.scratch("ll_combine_acc", (T * K, H), torch.float32)
-            eng.unpack_rows_as(fmt, rows[: T * K], tmp, torch.bfloat16, rearm=False)
-            invalid = ~valid.view(-1)
-            if bool(invalid.any()):
-                tmp[invalid] = 0.0          # masked slots hold stale bytes; never let them reach the sum
+            # slot (t, k) sits at row t*K + k; masked slots hold stale bytes and never reach the sum
+            eng.weighted_combine(fmt, rows, topk_idx, weights, result)
             eng.rearm(fmt, rows, slots)
             for s in range(R):
                 self._send_ack(rid, s, epoch)
-            w = torch.where(valid, weights, torch.zeros_like(weights))
-            acc = torch.bmm(w.view(T, 1, K), tmp.view(T, K, H)).view(T, H)
-            result.copy_(acc)
             pending.done = True
             self._pending = [p for p in self._pending if not p.done]
             self._report("low_latency_combine", topk_idx, E, H, H * 2)

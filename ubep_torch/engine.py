@@ -299,9 +299,12 @@ class TorchEngine:
         """Write a control message (int64 ``payload``) into ``dst`` ([nctrl, 512] uint8 peer view)."""
         nctrl = dst.shape[0]
         words = dst.view(torch.int64).view(nctrl, P.BLOCK_WORDS)
+        if payload.numel() > nctrl * P.CTRL_WORDS_PER_BLOCK:
+            raise ValueError(f"control payload of {payload.numel()} words does not fit {nctrl} blocks")
+        body = torch.zeros(nctrl * P.CTRL_WORDS_PER_BLOCK, dtype=torch.int64)
+        body[: payload.numel()] = payload
         buf = torch.zeros(nctrl, P.BLOCK_WORDS, dtype=torch.int64)
-        flat = buf[:, P.HEAD_WORDS:].reshape(-1)
-        flat[: payload.numel()] = payload
+        buf[:, P.HEAD_WORDS:] = body.view(nctrl, P.CTRL_WORDS_PER_BLOCK)
         words.copy_(buf)
         P.memory_fence()
         words[:, 0] = flag
@@ -378,6 +381,47 @@ class TorchEngine:
                 rows.view(torch.int64).view(n, fmt.blocks, P.BLOCK_WORDS)[:, :, 0] = P.SP_SENTINEL
         return meta[:, : fmt.meta_words]
 
+    # ------------------------------------------------------------------ combine reductions
+    def combine_accumulate(self, fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor, acc: torch.Tensor,
+                           x_dtype: torch.dtype, wacc: Optional[torch.Tensor] = None) -> None:
+        """Normal combine, one source: ``acc[index[r]] += float(x_r)`` and ``wacc[index[r]] += w_r``.
+
+        ``index`` holds distinct rows, so the result does not depend on the order rows are added in.
+        SP blocks are not re-armed here (the caller does it once the rows are consumed).
+        """
+        n = rows.shape[0]
+        if n == 0:
+            return
+        tmp = self.scratch("combine_rows", (n, acc.shape[1]), acc.dtype)
+        meta = self.unpack_rows_as(fmt, rows, tmp, x_dtype, rearm=False)
+        acc.index_add_(0, index, tmp)
+        if wacc is not None and wacc.shape[1]:
+            wacc.index_add_(0, index, meta.contiguous().view(wacc.dtype))
+
+    def weighted_combine(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
+                         weights: torch.Tensor, out: torch.Tensor) -> None:
+        """Low-latency combine: ``out[t] = bf16(sum_k w[t, k] * x[t*K + k])`` over the valid slots.
+
+        The sum runs over ``k`` in order, starting from +0.0, one multiply and one add per slot (no fused
+        multiply-add), so every backend produces the same bits.
+        """
+        T, K = topk_idx.shape
+        if T == 0:
+            return
+        H = out.shape[1]
+        tmp = self.scratch("ll_combine_acc", (T * K, H), torch.float32)
+        self.unpack_rows_as(fmt, rows[: T * K], tmp, torch.bfloat16, rearm=False)
+        valid = topk_idx >= 0
+        t3 = tmp.view(T, K, H)
+        w = torch.where(valid, weights, torch.zeros_like(weights))
+        acc = torch.zeros(T, H, dtype=torch.float32)
+        for k in range(K):
+            xk = t3[:, k]
+            if not bool(valid[:, k].all()):
+                xk = torch.where(valid[:, k:k + 1], xk, torch.zeros((), dtype=torch.float32))
+            acc.add_(xk * w[:, k:k + 1])
+        out.copy_(acc)
+
     @staticmethod
     def _restore_escaped(fmt: P.RowFormat, esc: torch.Tensor, outs: Sequence[Optional[torch.Tensor]]) -> None:
         base = 0
@@ -403,11 +447,11 @@ class TorchEngine:
             w0.index_fill_(0, index, P.SP_SENTINEL)
 
 
-def make_engine(backend: str):
+def make_engine(backend: str, num_count_aivs: Optional[int] = None):
     if backend in ("torch", "auto"):
         return TorchEngine()
     if backend == "triton":
         from .triton_engine import TritonEngine
-        return TritonEngine()
+        return TritonEngine(n_count=num_count_aivs)
     raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
 

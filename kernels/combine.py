@@ -1,0 +1,139 @@
+"""Combine kernels: reductions straight from the arrived DataBlocks (paper section 3.2, combine).
+
+The sending half of combine is the same ``kernels.dispatch.send_phase_kernel`` as dispatch (expert
+outputs go back into the source ranks' memory with the same Data-as-Flag protocol); this file holds
+the receiving reductions:
+
+* ``combine_accumulate_kernel`` (normal combine, plain sum): program ``r`` adds row ``r`` of one
+  source into ``acc[index[r]]`` in float32 (float64 for float64 rows), and its float top-k weights
+  (meta items) into ``wacc``. Sources are reduced one after another in rank order by the launcher, so
+  every output element sees the same addition order as the torch path's ``index_add_``.
+* ``weighted_combine_kernel`` (low-latency combine): program ``t`` computes
+  ``bf16(sum_k w[t, k] * x[t*K + k])`` over the token's valid top-k slots, k ascending, in float32.
+
+Both read payload with ``kernels.data_as_flag.load_payload``, so TFF heads are skipped and SP escaped
+words read as the zero bytes they stand for.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ubep_torch import protocol as P
+
+from . import data_as_flag as daf
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+             torch.float64: tl.float64}
+
+
+@triton.jit
+def combine_accumulate_kernel(rows_addr_ptr, index_ptr, acc_ptr, wacc_ptr, nblocks, hidden, n_weights, meta_words,
+                              field_block0, SYNC: tl.constexpr, X_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
+                              W_DTYPE: tl.constexpr, W_BYTES: tl.constexpr, HAS_W: tl.constexpr,
+                              ACC_DTYPE: tl.constexpr,
+                              H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
+    """``acc[index[r], :] += float(x_r)``; ``wacc[index[r], :] += w_r`` (program ``r`` = row ``r``)."""
+    r = tl.program_id(0)
+    row = tl.load(rows_addr_ptr) + r.to(tl.int64) * nblocks * daf.BLOCK_BYTES
+    t = tl.load(index_ptr + r)
+    for h0 in range(0, hidden, H_BLOCK):
+        h = h0 + tl.arange(0, H_BLOCK)
+        m = h < hidden
+        x = daf.load_payload(row, h.to(tl.int64) * ELEM_BYTES, m, field_block0, 0, meta_words, SYNC, X_DTYPE,
+                             ELEM_BYTES)
+        a = tl.load(acc_ptr + t * hidden + h, mask=m, other=0)
+        tl.store(acc_ptr + t * hidden + h, a + x.to(ACC_DTYPE), mask=m)
+    if HAS_W:
+        k = tl.arange(0, K_BLOCK)
+        km = k < n_weights
+        w = tl.load((row + 32 + k * W_BYTES).to(tl.pointer_type(W_DTYPE), bitcast=True), mask=km, other=0)
+        a = tl.load(wacc_ptr + t * n_weights + k, mask=km, other=0)
+        tl.store(wacc_ptr + t * n_weights + k, a + w, mask=km)
+
+
+@triton.jit
+def f32_to_bf16_bits(x):
+    """float32 -> bfloat16 bit pattern (int16), rounded to nearest even like torch (finite inputs).
+
+    Done with integer ops because the CPU interpreter's ``.to(tl.bfloat16)`` truncates, while
+    compiled kernels and torch round to nearest even; this gives the same bits on both.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).to(tl.int16)
+
+
+@triton.jit
+def weighted_combine_kernel(rows_addr_ptr, topk_ptr, w_ptr, out_ptr, n_topk, hidden, nblocks, meta_words,
+                            field_block0, SYNC: tl.constexpr, H_BLOCK: tl.constexpr):
+    """``out[t] = bf16(sum_k w[t, k] * x[t*K + k])`` over valid slots (program ``t`` = token ``t``).
+
+    ``out_ptr`` is the bf16 output viewed as int16 (see :func:`f32_to_bf16_bits`).
+    """
+    t = tl.program_id(0).to(tl.int64)
+    base = tl.load(rows_addr_ptr)
+    for h0 in range(0, hidden, H_BLOCK):
+        h = h0 + tl.arange(0, H_BLOCK)
+        m = h < hidden
+        acc = tl.full([H_BLOCK], 0, tl.float32)
+        for k in range(n_topk):
+            valid = tl.load(topk_ptr + t * n_topk + k) >= 0
+            w = tl.load(w_ptr + t * n_topk + k)
+            row = base + (t * n_topk + k) * nblocks * daf.BLOCK_BYTES
+            x = daf.load_payload(row, h.to(tl.int64) * 2, m, field_block0, 0, meta_words, SYNC,
+                                 tl.bfloat16, 2)
+            x = tl.where(valid, x.to(tl.float32), 0.0)
+            acc += x * tl.where(valid, w, 0.0)
+        tl.store(out_ptr + t * hidden + h, f32_to_bf16_bits(acc), mask=m)
+
+
+def combine_accumulate(fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor, acc: torch.Tensor,
+                       x_dtype: torch.dtype, wacc: torch.Tensor | None = None) -> None:
+    """Launcher of :func:`combine_accumulate_kernel` for one source's arrived rows.
+
+    Args:
+        fmt: row format with one field ``x`` of ``H * x_dtype.itemsize`` bytes and ``K`` weights (or 0).
+        rows: ``[n, blocks, 512]`` uint8 contiguous view of the rows.
+        index: ``[n]`` int64 output row of every arrived row (distinct).
+        acc: ``[T, H]`` float32 (float64 for float64 x) contiguous accumulator.
+        x_dtype: dtype of the rows' payload.
+        wacc: optional ``[T, K]`` accumulator of the weights carried in the meta items.
+    """
+    n = rows.shape[0]
+    if n == 0:
+        return
+    if not (rows.is_contiguous() and acc.is_contiguous()):
+        raise ValueError("combine_accumulate needs contiguous rows and accumulator")
+    es = torch.empty(0, dtype=x_dtype).element_size()
+    hidden = fmt.fields[0][1] // es
+    has_w = wacc is not None and wacc.shape[1] > 0
+    k = wacc.shape[1] if has_w else 0
+    combine_accumulate_kernel[(n,)](
+        torch.tensor([rows.data_ptr()], dtype=torch.int64), index.to(torch.int64).contiguous(), acc,
+        wacc if has_w else acc, fmt.blocks, hidden, k, fmt.meta_words, fmt.field_offset_blocks(0),
+        SYNC=daf.SYNC_CODE[fmt.sync], X_DTYPE=_TL_DTYPE[x_dtype], ELEM_BYTES=es,
+        W_DTYPE=_TL_DTYPE[wacc.dtype] if has_w else tl.float32,
+        W_BYTES=wacc.element_size() if has_w else 4, HAS_W=has_w, ACC_DTYPE=_TL_DTYPE[acc.dtype],
+        H_BLOCK=min(1024, triton.next_power_of_2(max(hidden, 2))), K_BLOCK=triton.next_power_of_2(max(k, 2)))
+
+
+def weighted_combine(fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
+                     out: torch.Tensor) -> None:
+    """Launcher of :func:`weighted_combine_kernel`.
+
+    Args:
+        fmt: low-latency combine row format (one bf16 field of ``H * 2`` bytes).
+        rows: ``[N*K, blocks, 512]`` uint8 contiguous view; slot ``t*K + k`` holds token ``t``'s slot ``k``.
+        topk_idx: ``[T, K]`` int64 (-1 = masked). weights: ``[T, K]`` float32. out: ``[T, H]`` bf16.
+    """
+    T, K = topk_idx.shape
+    if T == 0:
+        return
+    hidden = fmt.fields[0][1] // 2
+    weighted_combine_kernel[(T,)](
+        torch.tensor([rows.data_ptr()], dtype=torch.int64), topk_idx.contiguous(), weights.contiguous(),
+        out.view(torch.int16), K, hidden, fmt.blocks, fmt.meta_words, fmt.field_offset_blocks(0),
+        SYNC=daf.SYNC_CODE[fmt.sync],
+        H_BLOCK=min(1024, triton.next_power_of_2(max(hidden, 2))))

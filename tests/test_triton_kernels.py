@@ -1,0 +1,250 @@
+"""Kernel unit tests: each kernel against its plain-torch reference, in one process.
+
+Block writers and pollers are compared byte for byte with ``TorchEngine`` on local tensors that play
+the peer's memory; mapper kernels with ``ubep_torch.mapper``; combine kernels with the torch formulas
+the Buffer uses.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ubep_torch import mapper as M
+from ubep_torch import protocol as P
+from ubep_torch import triton_engine as TE
+from ubep_torch.engine import Destination, SendJob, TorchEngine
+
+SYNCS = ("tff", "dc", "sp", "sw")
+
+
+# ----------------------------------------------------------------------------- interpreter policy
+def test_interpreter_is_scoped_to_our_kernels():
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    assert isinstance(TE.kdispatch.send_phase_kernel, InterpretedFunction)
+    assert isinstance(TE.kmapper.quaternary_search_kernel, InterpretedFunction)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        assert isinstance(std.sum, JITFunction), "triton's own library must keep the process's configuration"
+
+
+# ----------------------------------------------------------------------------- mapper
+def test_quaternary_search_matches_searchsorted_and_reference():
+    g = torch.Generator().manual_seed(0)
+    for E in (1, 2, 3, 7, 64, 333, 1024):
+        counts = torch.randint(0, 4, (E,), generator=g)
+        counts[0] += 1
+        cum = torch.cumsum(counts, 0)
+        t = torch.randint(0, int(cum[-1]), (300,), generator=g)
+        idx, steps = TE.quaternary_search(cum, t)
+        assert torch.equal(idx, torch.searchsorted(cum, t, right=True))
+        ridx, rsteps = M.quaternary_search(cum, t)
+        assert torch.equal(idx, ridx) and torch.equal(steps, rsteps)
+        assert int(steps.max()) <= 5, (E, int(steps.max()))
+
+
+def test_quaternary_search_out_of_range_targets():
+    cum = torch.tensor([2, 2, 5])
+    idx, steps = TE.quaternary_search(cum, torch.tensor([-1, 5, 7, 0, 4]))
+    assert idx.tolist() == [3, 3, 3, 0, 2]
+    assert steps[:3].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("mapping", (True, False))
+def test_mapper_kernels_match_reference(mapping):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        E = int(torch.randint(1, 48, (), generator=g))
+        n = int(torch.randint(1, 12, (), generator=g))
+        hop = torch.randint(0, 4, (E,), generator=g)
+        topk = torch.randint(-1, E, (int(torch.randint(0, 20, (), generator=g)), 3), generator=g)
+        ref = M.map_tokens_to_aivs(topk, E, n, hop, mapping)
+        assert torch.equal(TE.remap_experts(E, hop, mapping), ref.order)
+        got = TE.aiv_slices(torch.cumsum(ref.counts[ref.order], 0), n, mapping)
+        for k in ("slice_start_pos", "slice_start_offset", "search_steps", "loads", "slice_bounds"):
+            assert torch.equal(got[k], getattr(ref, k)), k
+        assert int(got["loads"].max() - got["loads"].min()) <= 1     # equal slices: loads differ by <= 1
+
+
+def test_transposition_mixes_hop_classes():
+    """Every AIV gets floor or ceil(V_h / n) copies of every hop class h."""
+    E, n = 32, 6
+    hop = torch.arange(E) // 8 % 4
+    topk = torch.randint(0, E, (40, 4), generator=torch.Generator().manual_seed(2))
+    ref = M.map_tokens_to_aivs(topk, E, n, hop, True)
+    V_h = ref.hop_counts.sum(0)
+    assert bool((ref.hop_counts <= -(-V_h // n)).all()) and bool((ref.hop_counts >= V_h // n).all())
+
+
+# ----------------------------------------------------------------------------- block writers / pollers
+def _job(sync: str, T: int = 5, H: int = 300, R: int = 3, seed: int = 0, collide: bool = True):
+    """A send job of T rows to R fake destinations; returns (job builder, memory, fmt)."""
+    g = torch.Generator().manual_seed(seed)
+    fmt = P.RowFormat(sync, (("x", H * 2), ("scales", 12)), 2)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    if collide:
+        x[0] = 0                     # SP: every data block's first word equals the sentinel
+    sc = torch.randn(T, 3, generator=g)
+    meta = torch.randint(-5, 5, (T, 2), generator=g, dtype=torch.int32)
+    src = torch.arange(T, dtype=torch.int64) + 100
+    staging, checked, row_sums = TorchEngine().pack_rows(fmt, [P.as_bytes(x), P.as_bytes(sc)], meta, src, 0)
+    sels = [torch.randperm(T, generator=g)[: int(torch.randint(0, T + 1, (), generator=g))] for _ in range(R)]
+    flag = P.flag_word(3, P.REGION_DISPATCH)
+
+    def build(mem: torch.Tensor) -> SendJob:
+        job = SendJob(fmt, staging, checked, row_sums, flag, sync_all=lambda: None)
+        for d in range(R):
+            rows = mem[d, : T * fmt.row_bytes].view(T, fmt.blocks, P.BLOCK_BYTES)
+            ctrl = mem[d, T * fmt.row_bytes:].view(-1, P.BLOCK_BYTES)[:1]
+            pay = torch.tensor([sels[d].numel(), fmt.signature(), 0, 0, 0, 0, 7 * d], dtype=torch.int64)
+            job.dests.append(Destination(d, sels[d], rows, ctrl, pay,
+                                         meta_patch=torch.arange(sels[d].numel(), dtype=torch.int32) + 40))
+        return job
+
+    mem_shape = (R, (T * fmt.blocks + 1) * P.BLOCK_BYTES)
+    return build, mem_shape, fmt, (x, sc, meta, sels, flag)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_send_phase_memory_is_byte_identical(sync):
+    build, shape, fmt, _ = _job(sync)
+    mem_t = torch.zeros(shape, dtype=torch.uint8)
+    mem_k = torch.zeros(shape, dtype=torch.uint8)
+    TorchEngine().send_phase(build(mem_t))
+    TE.TritonEngine(n_aivs=4).send_phase(build(mem_k))
+    assert torch.equal(mem_t, mem_k)
+
+
+@pytest.mark.parametrize("mapping", (True, False))
+@pytest.mark.parametrize("n_count", (1, 3))
+def test_send_phase_independent_of_aiv_split(mapping, n_count):
+    build, shape, fmt, _ = _job("dc", T=7, R=4, seed=3)
+    mem_t = torch.zeros(shape, dtype=torch.uint8)
+    mem_k = torch.zeros(shape, dtype=torch.uint8)
+    TorchEngine().send_phase(build(mem_t))
+    eng = TE.TritonEngine(n_aivs=6, n_count=n_count, mapping=mapping)
+    eng.send_phase(build(mem_k))
+    assert eng.last_launch["n_count"] == n_count and eng.last_launch["grid"] == 6
+    assert torch.equal(mem_t, mem_k)
+
+
+@pytest.mark.parametrize("sync", ("tff", "dc", "sp"))
+def test_pollers_and_token_reorder(sync):
+    build, shape, fmt, (x, sc, meta, sels, flag) = _job(sync, seed=4)
+    mem = torch.zeros(shape, dtype=torch.uint8)
+    eng = TE.TritonEngine(n_aivs=4)
+    job = build(mem)
+    d = next(i for i in range(len(sels)) if sels[i].numel())
+    n = sels[d].numel()
+    rows = job.dests[d].rows[:n]
+    expected = int(P.wrapping_sum(job.row_sums.index_select(0, sels[d]))) if sync == "dc" else 0
+    assert eng.ctrl_arrived(job.dests[d].ctrl, flag) is False
+    if sync != "dc" or expected != 0:
+        assert eng.rows_arrived(fmt, rows, flag, expected) is False
+    eng.send_phase(job)
+    assert eng.ctrl_arrived(job.dests[d].ctrl, flag)
+    assert eng.rows_arrived(fmt, rows, flag, expected)
+    assert torch.equal(eng.read_ctrl(job.dests[d].ctrl)[:7], job.dests[d].ctrl_payload[:7]) or sync == "dc"
+    ox = torch.empty(n, x.shape[1], dtype=torch.bfloat16)
+    osc = torch.empty(n, 3)
+    got_meta = eng.unpack_rows(fmt, rows, [P.as_bytes(ox), P.as_bytes(osc)])
+    assert torch.equal(ox, x[sels[d]]) and torch.equal(osc, sc[sels[d]])
+    assert torch.equal(got_meta[:, 0], torch.arange(n, dtype=torch.int32) + 40)
+    assert torch.equal(got_meta[:, 1], meta[sels[d], 1])
+    if sync == "sp":   # re-armed: every block holds the sentinel again
+        w0 = rows.view(torch.int64).view(n, fmt.blocks, P.BLOCK_WORDS)[:, :, 0]
+        assert bool((w0 == P.SP_SENTINEL).all())
+        assert eng.rows_arrived(fmt, rows, flag) is False
+
+
+# ----------------------------------------------------------------------------- combine
+@pytest.mark.parametrize("sync", ("tff", "sp"))
+def test_combine_accumulate_equals_index_add(sync):
+    g = torch.Generator().manual_seed(5)
+    T, H, K, n = 6, 272, 3, 4
+    fmt = P.RowFormat(sync, (("x", H * 2),), K)
+    x = torch.randn(n, H, generator=g).bfloat16()
+    x[1] = 0
+    w = torch.rand(n, K, generator=g)
+    staging, checked, _ = TorchEngine().pack_rows(fmt, [P.as_bytes(x)], w.view(torch.int32), torch.arange(n), 0)
+    rows = torch.zeros(n, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    TorchEngine().write_rows(fmt, staging, checked, None, rows, P.flag_word(1, P.REGION_COMBINE))
+    idx = torch.tensor([4, 0, 5, 2])
+    acc0 = torch.randn(T, H, generator=g)
+    w0 = torch.randn(T, K, generator=g)
+    ref, wref = acc0.clone(), w0.clone()
+    ref.index_add_(0, idx, x.float())
+    wref.index_add_(0, idx, w)
+    got, wgot = acc0.clone(), w0.clone()
+    TE.TritonEngine().combine_accumulate(fmt, rows, idx, got, torch.bfloat16, wgot)
+    assert torch.equal(got, ref) and torch.equal(wgot, wref)
+
+
+def test_weighted_combine_equals_torch_formula():
+    g = torch.Generator().manual_seed(6)
+    T, K, H = 5, 3, 256
+    fmt = P.RowFormat("tff", (("x", H * 2),), 0)
+    topk = torch.randint(-1, 8, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g)
+    tmp = torch.randn(T * K, H, generator=g).bfloat16()
+    staging, checked, _ = TorchEngine().pack_rows(fmt, [P.as_bytes(tmp)], None, torch.arange(T * K), 0)
+    rows = torch.zeros(T * K, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    TorchEngine().write_rows(fmt, staging, checked, None, rows, 1)
+    valid = topk >= 0
+    tmp_ref = torch.where(valid.view(-1, 1), tmp, torch.zeros_like(tmp))
+    ww = torch.where(valid, w, torch.zeros_like(w))
+    ref = (tmp_ref.view(T, K, H).float() * ww.unsqueeze(-1)).sum(1).bfloat16()
+    out = torch.empty(T, H, dtype=torch.bfloat16)
+    TE.TritonEngine().weighted_combine(fmt, rows, topk, w, out)
+    assert torch.equal(out, ref)
+
+
+# ----------------------------------------------------------------------------- decomposed LL receive
+@pytest.mark.parametrize("sync", ("tff", "sp"))
+def test_cal_cumsum_reorder_point_to_point(sync):
+    """CalCumSum AIVs publish offsets with a release store; reorder AIVs poll them and copy rows."""
+    g = torch.Generator().manual_seed(7)
+    R, El, N, H = 3, 4, 4, 256
+    fmt = P.RowFormat(sync, (("x", H * 2),), 1)
+    flag = P.flag_word(2, P.REGION_LL_DISPATCH)
+    cnt = torch.randint(0, N + 1, (R, El), generator=g)
+    eng = TE.TritonEngine()
+    ctrls, rowsv, xs = [], [], []
+    for s in range(R):
+        n = int(cnt[s].sum())
+        x = torch.randn(n, H, generator=g).bfloat16()
+        xs.append(x)
+        ctrl = torch.zeros(1, P.BLOCK_BYTES, dtype=torch.uint8)
+        eng.write_ctrl(ctrl, torch.cat([torch.tensor([n, 0, 0, 0, 0, 0]), cnt[s]]), flag)
+        st, ck, _ = TorchEngine().pack_rows(fmt, [P.as_bytes(x)], torch.zeros(n, 1, dtype=torch.int32),
+                                            torch.arange(n), s)
+        rows = torch.zeros(max(n, 1), fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+        TorchEngine().write_rows(fmt, st, ck, None, rows, flag)
+        ctrls.append(ctrl)
+        rowsv.append(rows)
+    out = torch.zeros(El, R * N, H, dtype=torch.bfloat16)
+    sig = eng.ll_receive(fmt, ctrls, rowsv, flag, El, out, n_count=2)
+    begin = torch.cumsum(cnt, 0) - cnt
+    assert torch.equal(sig[:, :El], begin) and torch.equal(sig[:, El:2 * El], cnt)
+    assert bool((sig[:, 2 * El] == flag).all())
+    ref = torch.zeros_like(out)
+    for s in range(R):
+        off = 0
+        for e in range(El):
+            c = int(cnt[s, e])
+            ref[e, int(begin[s, e]):int(begin[s, e]) + c] = xs[s][off:off + c]
+            off += c
+    assert torch.equal(out, ref)
+
+
+def test_ll_receive_times_out_instead_of_hanging():
+    from ubep_torch.errors import UBEPTimeoutError
+    fmt = P.RowFormat("tff", (("x", 512),), 1)
+    eng = TE.TritonEngine(max_spins=3)
+    ctrl = torch.zeros(1, P.BLOCK_BYTES, dtype=torch.uint8)      # never written
+    rows = torch.zeros(1, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    with pytest.raises(UBEPTimeoutError):
+        eng.ll_receive(fmt, [ctrl], [rows], 5, 2, torch.zeros(2, 4, 256, dtype=torch.bfloat16))
