@@ -11,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+TORCHRUN = ["torchrun"]
 
 
 def _buffer_available() -> bool:
@@ -25,10 +25,14 @@ def _buffer_available() -> bool:
 needs_buffer = pytest.mark.skipif(not _buffer_available(), reason="ubep_torch.buffer is not importable")
 
 
-def _run(cmd, timeout=90):
+def _run(cmd, timeout=150):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    if cmd[0] == "torchrun":   # own process group + fixed loopback port: a timeout leaves no rank behind
+        from ubep_torch.testing import run_torchrun
+        proc = run_torchrun(cmd[1], cmd[2:], nproc=2, timeout_s=timeout, env=env, cwd=ROOT)
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+                              check=False)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
