@@ -24,7 +24,7 @@ from . import protocol as P
 from .engine import Destination, SendJob, make_engine
 from .errors import UBEPBrokenError, UBEPError
 from .ugas import SymmetricHeap
-from .utils import Config, EventOverlap
+from .utils import Config, EventOverlap, TensorCache
 
 _AUX_REGIONS = 8          # ack table rows (indexed by region id)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -240,6 +240,7 @@ class Buffer:
         self._waiter.world_size = R
         self._in_call = False
         self._destroyed = False
+        self._out = TensorCache()   # output tensors are reused once the caller has dropped them
         self.delay_hook: Optional[Callable[[str], None]] = None  # test-only: called at every protocol step
 
     # ================================================================== housekeeping
@@ -609,11 +610,11 @@ class Buffer:
         rows_out = num_worst_tokens if num_worst_tokens else num_recv
         if num_worst_tokens and num_recv > num_worst_tokens:
             raise UBEPError(f"rank {self.rank} received {num_recv} tokens > num_worst_tokens={num_worst_tokens}")
-        recv_x = torch.zeros(rows_out, H, dtype=xd.dtype) if num_worst_tokens else torch.empty(num_recv, H,
-                                                                                               dtype=xd.dtype)
+        recv_x = self._out.zeros((rows_out, H), xd.dtype) if num_worst_tokens else \
+            self._out.empty((num_recv, H), xd.dtype)
         recv_scales = None
         if scales is not None:
-            recv_scales = torch.zeros(rows_out, scales.shape[1], dtype=torch.float32)
+            recv_scales = self._out.zeros((rows_out, scales.shape[1]), torch.float32)
         recv_meta = torch.zeros(rows_out, fmt.meta_words, dtype=torch.int32)
         recv_src_idx = torch.zeros(num_recv, dtype=torch.int32)
         outs = [P.as_bytes(recv_x)] + ([P.as_bytes(recv_scales)] if recv_scales is not None else [])
@@ -715,8 +716,9 @@ class Buffer:
                             f"handle expects {base.recv_counts.tolist()} (handles from different calls?)")
         num_recv = base.num_recv
         rows_out = base.num_worst_tokens or num_recv
-        recv_x = torch.zeros(rows_out, H, dtype=xd.dtype)
-        recv_scales = torch.zeros(rows_out, scales.shape[1], dtype=torch.float32) if scales is not None else None
+        recv_x = self._out.zeros((rows_out, H), xd.dtype) if base.num_worst_tokens else \
+            self._out.empty((rows_out, H), xd.dtype)
+        recv_scales = self._out.zeros((rows_out, scales.shape[1]), torch.float32) if scales is not None else None
         outs = [P.as_bytes(recv_x)] + ([P.as_bytes(recv_scales)] if scales is not None else [])
         self._receive_rows(P.REGION_DISPATCH, fmt, recv, base.recv_offsets, outs, None, None)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
@@ -925,7 +927,8 @@ class Buffer:
             raise UBEPError(f"combine on rank {self.rank}: peers returned {recv['nrows'].tolist()} rows, the handle "
                             f"sent {expect.tolist()} (was the handle from the latest matching dispatch?)")
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        acc = torch.zeros(T, H, dtype=acc_dtype)
+        eng = self.engine
+        acc = eng.scratch("combine_acc", (T, H), acc_dtype).zero_()
         wacc = torch.zeros(T, K, dtype=topk_weights.dtype) if K else None
         eng = self.engine
 
@@ -939,7 +942,9 @@ class Buffer:
         for b in biases:
             acc += b.to(acc_dtype)
         self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size())
-        return acc.to(x.dtype), wacc, EventOverlap(None)
+        out = self._out.empty((T, H), x.dtype)
+        out.copy_(acc)
+        return out, wacc, EventOverlap(None)
 
     # ================================================================== low-latency dispatch
     @_collective
@@ -1050,10 +1055,10 @@ class Buffer:
         eng.send_phase(job)
 
         if use_fp8:
-            recv_x = torch.empty(E_local, R * N, H, dtype=_FP8)
-            recv_sc = torch.zeros(E_local, R * N, H // 128, dtype=torch.float32)
+            recv_x = self._out.empty((E_local, R * N, H), _FP8)
+            recv_sc = self._out.zeros((E_local, R * N, H // 128), torch.float32)
         else:
-            recv_x = torch.empty(E_local, R * N, H, dtype=torch.bfloat16)
+            recv_x = self._out.empty((E_local, R * N, H), torch.bfloat16)
             recv_sc = None
         recv_count = torch.zeros(E_local, dtype=torch.int32)
         src_info = torch.full((E_local, R * N), -1, dtype=torch.int32)
@@ -1258,7 +1263,7 @@ class Buffer:
                                          payload, dst_index=per_src[s][1]))
         eng.send_phase(job)
 
-        result = out if out is not None else torch.empty(T, H, dtype=torch.bfloat16)
+        result = out if out is not None else self._out.empty((T, H), torch.bfloat16)
         pending = _Pending("low_latency_combine", epoch)
         weights = topk_weights.contiguous()
 

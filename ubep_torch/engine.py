@@ -205,7 +205,11 @@ class TorchEngine:
         torch.index_select(st.meta, 0, sel, out=out[:, 0, :])
         T = st.n
         for off, full, data, tail in st.parts:
-            if full:
+            if full and start == 0:
+                # raw blocks (dc, sw): the field is one contiguous run in the row, copied as such
+                torch.index_select(data[:, : full * pay], 0, sel,
+                                   out=out[:, off:off + full].reshape(n, full * P.BLOCK_BYTES))
+            elif full:
                 src = data[:, : full * pay].view(T, full, pay)
                 lo = start - (P.FLAG_BYTES if sync == "tff" else 0)
                 torch.index_select(src[:, :, lo:], 0, sel, out=out[:, off:off + full, start:start + pay - lo])
@@ -241,9 +245,10 @@ class TorchEngine:
             else:
                 torch.index_select(src, 0, sel, out=out)
         else:
-            src = staging.view(staging.shape[0], fmt.row_bytes)
+            # int64 words: index_copy_ moves element by element, so wide elements are much faster
+            src = staging.view(torch.int64).view(staging.shape[0], fmt.row_bytes // 8)
             rows = src if sel is None else src.index_select(0, sel)
-            dst.view(dst.shape[0], fmt.row_bytes).index_copy_(0, dst_index, rows)
+            dst.view(torch.int64).view(dst.shape[0], fmt.row_bytes // 8).index_copy_(0, dst_index, rows)
         if meta_patch is not None:
             items = dst[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
             if dst_index is None:
@@ -414,7 +419,7 @@ class TorchEngine:
         valid = topk_idx >= 0
         t3 = tmp.view(T, K, H)
         w = torch.where(valid, weights, torch.zeros_like(weights))
-        acc = torch.zeros(T, H, dtype=torch.float32)
+        acc = self.scratch("ll_combine_out", (T, H), torch.float32).zero_()
         for k in range(K):
             xk = t3[:, k]
             if not bool(valid[:, k].all()):

@@ -222,7 +222,9 @@ def unpack_field(blocks: torch.Tensor, out: torch.Tensor, sync: str) -> None:
     p = payload_per_block(sync)
     start = FLAG_BYTES if sync == "tff" else 0
     full = nbytes // p
-    if full:
+    if full and start == 0 and p == BLOCK_BYTES:
+        out[:, : full * p].copy_(blocks[:, :full].reshape(n, full * p))   # raw blocks: one run per row
+    elif full:
         out[:, : full * p].view(n, full, p).copy_(blocks[:, :full, start:start + p])
     rem = nbytes - full * p
     if rem:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import torch
+
 
 class EventOverlap:
     """A handle on work that may still be in flight, as in DeepEP.
@@ -61,3 +63,58 @@ class Config:
         return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens="
                 f"{self.num_max_nvl_chunked_send_tokens}, num_max_nvl_chunked_recv_tokens="
                 f"{self.num_max_nvl_chunked_recv_tokens})")
+
+
+class TensorCache:
+    """Reuses output tensors that their users have dropped.
+
+    A fresh multi-MB tensor is faulted in page by page on first touch, which costs several times the copy
+    that fills it. The cache keeps the flat tensors it handed out; one is reused only when nothing outside
+    the cache refers to it any more: no Python reference to the tensor object and no other tensor (view,
+    detach, numpy array) on its storage. That is exact under CPython reference counting, so a result the
+    caller still holds is never overwritten, and any number of results can be alive at once.
+    """
+
+    def __init__(self, max_entries: int = 6):
+        self.max_entries = max_entries
+        self._entries: dict = {}   # dtype -> list of flat tensors
+        self._use_count = getattr(torch._C, "_storage_Use_Count", None)
+        probe = [torch.empty(1)]
+        self._base_refs = self._refs(probe, 0)          # the list entry alone, as this interpreter counts it
+        self._base_uses = self._uses(probe, 0)          # the tensor alone on its storage
+
+    @staticmethod
+    def _refs(pool: list, i: int) -> int:
+        import sys
+        return sys.getrefcount(pool[i])
+
+    def _uses(self, pool: list, i: int) -> int:
+        return self._use_count(pool[i].untyped_storage()._cdata)
+
+    def _free(self, pool: list, i: int) -> bool:
+        return self._refs(pool, i) <= self._base_refs and self._uses(pool, i) <= self._base_uses
+
+    def empty(self, shape, dtype: "torch.dtype") -> "torch.Tensor":
+        n = 1
+        for d in shape:
+            n *= int(d)
+        if n == 0 or self._use_count is None:
+            return torch.empty(*shape, dtype=dtype)
+        pool = self._entries.setdefault(dtype, [])
+        best = None
+        for i in range(len(pool)):
+            size = pool[i].numel()
+            if size >= n and (best is None or size < pool[best].numel()) and self._free(pool, i):
+                best = i
+        if best is None:
+            if len(pool) >= self.max_entries:
+                victims = [i for i in range(len(pool)) if self._free(pool, i)]
+                if not victims:
+                    return torch.empty(*shape, dtype=dtype)
+                pool.pop(min(victims, key=lambda i: pool[i].numel()))
+            pool.append(torch.empty(n + n // 4, dtype=dtype))
+            best = len(pool) - 1
+        return pool[best][:n].view(*shape)
+
+    def zeros(self, shape, dtype: "torch.dtype") -> "torch.Tensor":
+        return self.empty(shape, dtype).zero_()

@@ -1,0 +1,260 @@
+"""``python -m ubep_torch.sim``: what a dispatch or combine would cost on a CloudMatrix384.
+
+Sub-commands::
+
+    dispatch --ranks R --batch B --hidden H --topk K --experts E [--ranks-per-node N] [--hot-experts N]
+             [--sync tff|dc|sp|sw] [--no-mapping] [--count-aivs N] [--seed S] [--json]
+    combine  (same options)
+    sweep    [calibration|batch|ranks|experts|granularity|sync|ncount|topk|aivs|fig10|all]
+             [--plot FILE.png] [--json]
+
+``--sync``, ``--no-mapping`` and ``--count-aivs`` configure the UBEP side; CANN EP is always BSP with
+stop-and-wait flags. ``--model NAME`` fills ``--hidden/--experts/--topk`` from a preset.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import (
+    PRESETS,
+    calibration_points,
+    fig10_case,
+    run_case,
+    sweep_aivs,
+    sweep_batch,
+    sweep_count_aivs,
+    sweep_experts,
+    sweep_granularity,
+    sweep_ranks,
+    sweep_sync,
+    sweep_topk,
+)
+
+
+def _report_json(r) -> dict:
+    return {"total_us": r.total_us, "phases_us": dict(r.phases_us), "aiv_send_us": list(r.aiv_send_us),
+            "worst_aiv_us": r.worst_aiv_us, "effective_gbs": r.effective_gbs, "bytes": r.bytes,
+            "sync": r.sync, "mapping": r.mapping, "n_count": r.n_count}
+
+
+def _add_case_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, required=True, help="EP ranks (NPU dies)")
+    p.add_argument("--batch", type=int, required=True, help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size H")
+    p.add_argument("--topk", type=int, default=None, help="experts per token K")
+    p.add_argument("--experts", type=int, default=None, help="routed experts E (multiple of ranks)")
+    p.add_argument("--model", choices=sorted(PRESETS), default=None, help="fill H/E/K from a model preset")
+    p.add_argument("--ranks-per-node", type=int, default=16, help="dies per node (CM384: 16)")
+    p.add_argument("--hot-experts", type=int, default=0, help="number of hot experts (0: uniform routing)")
+    p.add_argument("--zipf", type=float, default=None, help="Zipf exponent of expert popularity")
+    p.add_argument("--sync", choices=("tff", "dc", "sp", "sw"), default="tff", help="UBEP Data-as-Flag variant")
+    p.add_argument("--no-mapping", action="store_true", help="UBEP without topology-aware mapping")
+    p.add_argument("--count-aivs", type=int, default=None, help="UBEP count-group AIVs (default: Appendix 9)")
+    p.add_argument("--bytes-per-token", type=int, default=None,
+                   help="payload per token copy (default: int8+scales for dispatch, bf16 for combine)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _fill(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.model:
+        pre = PRESETS[args.model]
+        args.hidden = args.hidden or pre.hidden
+        args.experts = args.experts or pre.experts
+        args.topk = args.topk or pre.topk
+    missing = [n for n in ("hidden", "topk", "experts") if getattr(args, n) is None]
+    if missing:
+        parser.error(f"missing --{' --'.join(missing)} (or give --model)")
+
+
+def _print_case(kind: str, args: argparse.Namespace, res: dict) -> None:
+    u, c = res["ubep"], res["cann_ep"]
+    print(f"{kind}: {args.ranks} ranks ({args.ranks_per_node} per node), batch {args.batch}, H {args.hidden}, "
+          f"top-{args.topk} of {args.experts} experts, {u.bytes // max(1, args.batch * args.topk)} B per copy")
+    for name, r in (("CANN EP", c), ("UBEP", u)):
+        extra = ""
+        if name == "UBEP":
+            extra = f"  [{r.sync}, mapping {'on' if r.mapping else 'off'}, n_count {r.n_count}]"
+        print(f"  {name:8s} {r.total_us:8.1f} us  {r.effective_gbs:6.1f} GB/s  "
+              f"worst AIV {r.worst_aiv_us:6.1f} us{extra}")
+        print("           " + "  ".join(f"{k} {v:.1f}" for k, v in r.phases_us.items()))
+    print(f"  reduction {100 * res['reduction']:.1f}%")
+
+
+def _table(rows: list[dict], cols: list[str], title: str) -> None:
+    print(title)
+    print("  " + "".join(f"{c:>14s}" for c in cols))
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c, "")
+            if isinstance(v, bool):
+                cells.append(f"{'*' if v else '':>14s}")
+            elif isinstance(v, float):
+                cells.append(f"{100 * v:13.1f}%" if "reduction" in c else f"{v:14.1f}")
+            else:
+                cells.append(f"{v!s:>14s}")
+        print("  " + "".join(cells))
+    print()
+
+
+def _plot(path: str, batch_rows: list[dict], fig10: dict) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("--plot needs matplotlib: pip install 'ubep_torch[plot]' (or pip install matplotlib)")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
+    phases = ["init", "token_sending", "send_flag_verification", "cal_cumsum", "token_reordering", "sync_all"]
+    colors = dict(zip(phases, ["#bbbbbb", "#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52"]))
+    x = 0.0
+    ticks, labels, seen = [], [], set()
+    for row in batch_rows:
+        ax1.text(x + 0.5, row["cann_ep"].total_us + 2, f"-{100 * row['reduction']:.0f}%", ha="center", fontsize=8)
+        for name, rep in (("CANN EP", row["cann_ep"]), ("UBEP", row["ubep"])):
+            bottom = 0.0
+            for ph in phases:
+                v = rep.phases_us.get(ph, 0.0)
+                if v <= 0:
+                    continue
+                ax1.bar(x, v, 0.8, bottom=bottom, color=colors[ph], label=None if ph in seen else ph)
+                seen.add(ph)
+                bottom += v
+            ticks.append(x)
+            labels.append(f"{name}\nBS {row['batch']}")
+            x += 1.0
+        x += 0.6
+    ax1.set_xticks(ticks)
+    ax1.set_xticklabels(labels, fontsize=7)
+    ax1.set_ylabel("dispatch latency (us)")
+    ax1.set_title("Dispatch latency breakdown, EP 64, one expert per die (Fig. 9 setting)")
+    ax1.legend(fontsize=7)
+    width = 0.27
+    for i, (name, key) in enumerate((("CANN EP", "cann_ep"), ("UBEP w/o mapping", "ubep_no_mapping"),
+                                     ("UBEP", "ubep"))):
+        vals = fig10[key].aiv_send_us
+        ax2.bar([j + (i - 1) * width for j in range(len(vals))], vals, width,
+                label=f"{name} (this die max {max(vals):.1f} us, any die {fig10[key].worst_aiv_us:.1f} us)")
+    ax2.set_xlabel("AIV")
+    ax2.set_ylabel("token-sending latency (us)")
+    ax2.set_title("Per-AIV sending latency, 4x16 dies, 256 experts, 8 hot (Fig. 10 setting)")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def _sweep(args: argparse.Namespace) -> None:
+    what = args.what
+    kw = {"seed": args.seed}
+    out = {}
+    if what in ("calibration", "all"):
+        rows = calibration_points(seed=args.seed)
+        out["calibration"] = rows
+        print("Calibration points: model against the published numbers")
+        print(f"  {'point':42s} {'paper':>12s} {'model':>10s} {'error':>8s}")
+        for r in rows:
+            model = r["model"]
+            m = f"{100 * model:9.1f}%" if isinstance(r["paper"], str) else f"{model:10.1f}"
+            paper = r["paper"] if isinstance(r["paper"], str) else f"{r['paper']:.1f}"
+            print(f"  {r['point']:42s} {paper:>12s} {m:>10s} {100 * r['error']:+7.1f}%")
+        print()
+        if what == "calibration":
+            if args.json:
+                print(json.dumps({"calibration": rows}))
+            return
+    if what in ("batch", "all") or args.plot:
+        rows = sweep_batch(ranks=64, **kw)
+        out["batch"] = rows
+        _table(rows, ["batch", "n_count", "cann_ep_us", "ubep_us", "reduction"],
+               "Batch sweep: dispatch, EP 64, one expert per die, DeepSeek H 7168 top-8 (Fig. 9)")
+        rows128 = sweep_batch(ranks=128, **kw)
+        out["batch_128"] = rows128
+        _table(rows128, ["batch", "n_count", "cann_ep_us", "ubep_us", "reduction"],
+               "Batch sweep: dispatch, 128 ranks, one expert per die (Fig. 8a)")
+    if what in ("ranks", "all"):
+        rows = sweep_ranks(**kw)
+        out["ranks"] = rows
+        _table(rows, ["ranks", "n_count", "cann_ep_us", "ubep_us", "reduction"],
+               "Rank sweep: dispatch, batch 64, one expert per die (Fig. 8b)")
+    if what in ("experts", "all"):
+        rows = sweep_experts(**kw)
+        out["experts"] = rows
+        _table(rows, ["experts", "n_count", "cann_ep_us", "ubep_us", "reduction"],
+               "Expert sweep: dispatch, 128 ranks, batch 64 (Fig. 8c)")
+    if what in ("granularity", "all"):
+        rows = sweep_granularity(**kw)
+        out["granularity"] = rows
+        _table(rows, ["bytes", "cann_ep_us", "tff_us", "dc_us", "sp_us", "tff_reduction", "sp_reduction"],
+               "Sync-granularity sweep: bytes per synchronised row, combine path, EP 64, batch 64 (Fig. 11)")
+    if what in ("sync", "all"):
+        rows = sweep_sync(**kw)
+        out["sync"] = rows
+        _table(rows, ["ranks", "cann_ep_us", "tff_us", "dc_us", "sp_us"],
+               "Data-as-Flag variants over rank counts, 2 KB rows, batch 16, combine path (Fig. 11)")
+    if what in ("ncount", "all"):
+        for r in (64, 128, 256):
+            for b in (16, 64, 128):
+                rows = sweep_count_aivs(ranks=r, batch=b, **kw)
+                out[f"ncount_{r}_{b}"] = rows
+                _table(rows[:-1], ["n_count", "ubep_us", "extra_us", "best"],
+                       f"n_count sweep: {r} ranks, batch {b} (Fig. 15; Appendix 9 suggests {rows[-1]['n_count']})")
+    if what in ("topk", "all"):
+        rows = sweep_topk(**kw)
+        out["topk"] = rows
+        _table(rows, ["topk", "n_count", "cann_ep_us", "ubep_us", "reduction"], "Top-k sweep (Fig. 14)")
+    if what in ("aivs", "all"):
+        rows = sweep_aivs(seed=args.seed)
+        out["aivs"] = rows
+        _table(rows, ["aivs", "token_sending_us", "total_us", "effective_gbs"],
+               "CANN EP dispatch with fewer AIVs, EP 64, batch 128 (Fig. 3b)")
+    f10 = fig10_case(seed=args.seed)
+    if what in ("fig10", "all") or args.plot:
+        print("Fig. 10: worst AIV token-sending latency (us): " + ", ".join(
+            f"{k} {v.worst_aiv_us:.1f}" for k, v in f10.items()) + "  (paper 62.2 / 48.1 / 43.5)")
+    if args.plot:
+        _plot(args.plot, out["batch"], f10)
+    if args.json:
+        def clean(rows):
+            return [{k: v for k, v in r.items() if k not in ("cann_ep", "ubep")} for r in rows]
+        print(json.dumps({k: clean(v) for k, v in out.items()}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ubep_torch.sim", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for kind in ("dispatch", "combine"):
+        _add_case_args(sub.add_parser(kind, help=f"model one {kind} call: CANN EP against UBEP"))
+    sw = sub.add_parser("sweep", help="paper-style sweeps as tables (and a plot)")
+    sw.add_argument("what", nargs="?", default="all",
+                    choices=("all", "calibration", "batch", "ranks", "experts", "granularity", "sync",
+                             "ncount", "topk", "aivs", "fig10"))
+    sw.add_argument("--plot", default=None, metavar="FILE.png", help="draw the latency breakdown and per-AIV bars")
+    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.cmd == "sweep":
+        _sweep(args)
+        return 0
+    _fill(args, sub.choices[args.cmd])
+    try:
+        res = run_case(args.cmd, args.ranks, args.batch, args.hidden, args.topk, args.experts,
+                       ranks_per_node=args.ranks_per_node, hot_experts=args.hot_experts, zipf=args.zipf,
+                       sync=args.sync, mapping=not args.no_mapping, count_aivs=args.count_aivs,
+                       seed=args.seed, bytes_per_token=args.bytes_per_token)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.json:
+        print(json.dumps({"cann_ep": _report_json(res["cann_ep"]), "ubep": _report_json(res["ubep"]),
+                          "reduction": res["reduction"]}))
+    else:
+        _print_case(args.cmd, args, res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""CM384 topology and the one set of hardware constants the cost model uses.
+
+Ranks are NPU *dies*. Two dies make an NPU, ``npus_per_node`` NPUs share a node's level-1 UB switch
+tier, and nodes are joined by the level-2 tier. Every (source, destination) pair of dies falls in one
+hop class (paper section 2.3, "Terminology"):
+
+* ``SAME_DIE``  : source == destination (local HBM; the paper does not model it separately),
+* ``INTRA_NPU`` : the other die of the same NPU (cross-die link),
+* ``ONE_HOP``   : another NPU of the same node (through the L1 tier),
+* ``TWO_HOP``   : an NPU of another node (through L1 and L2).
+
+The same function applies to the small worlds of the real ``Buffer`` (rank ``r`` is die ``r``).
+
+Every number below cites the line of ``../shared/reference/cm384-calibration.md`` (``CAL``) or the
+paper section it comes from. Numbers marked *calibrated* are not published: they are physical
+quantities (a per-core bandwidth, a barrier cost) whose value was chosen once so that the model
+reproduces the public calibration points listed in ``docs/reproducing.md``; nothing in the model is
+specific to one figure.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Union
+
+import numpy as np
+import torch
+
+from .protocol import BLOCK_BYTES, FLAG_BYTES, TFF_PAYLOAD_BYTES
+
+SAME_DIE = 0
+INTRA_NPU = 1
+ONE_HOP = 2
+TWO_HOP = 3
+NUM_HOP_CLASSES = 4
+HOP_NAMES = {SAME_DIE: "same_die", INTRA_NPU: "intra_npu", ONE_HOP: "one_hop", TWO_HOP: "two_hop"}
+
+ArrayLike = Union[np.ndarray, torch.Tensor, int]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Dies, NPUs and nodes of a (possibly partial) CloudMatrix-style superpod.
+
+    Args:
+        dies_per_npu: compute dies per NPU (CAL line 7: "each NPU has 2 compute dies").
+        npus_per_node: NPUs behind one level-1 switch tier (CAL line 7: "48 nodes of 8 NPUs").
+        nodes: nodes joined by the level-2 tier (CAL lines 7-8).
+    """
+
+    dies_per_npu: int = 2
+    npus_per_node: int = 8
+    nodes: int = 48
+
+    @property
+    def dies_per_node(self) -> int:
+        return self.dies_per_npu * self.npus_per_node
+
+    @property
+    def num_dies(self) -> int:
+        return self.dies_per_node * self.nodes
+
+    @classmethod
+    def for_ranks(cls, world_size: int, ranks_per_node: int = 16, dies_per_npu: int = 2) -> Topology:
+        """The smallest topology holding ``world_size`` dies with ``ranks_per_node`` dies per node."""
+        if ranks_per_node % dies_per_npu:
+            raise ValueError(f"ranks_per_node={ranks_per_node} must be a multiple of dies_per_npu={dies_per_npu}")
+        nodes = max(1, -(-int(world_size) // int(ranks_per_node)))
+        return cls(dies_per_npu=dies_per_npu, npus_per_node=ranks_per_node // dies_per_npu, nodes=nodes)
+
+    def hop_class(self, src: ArrayLike, dst: ArrayLike) -> ArrayLike:
+        """Hop class of every (src, dst) die pair; broadcasts like ``src == dst``.
+
+        Args:
+            src, dst: int ranks (die ids); python ints, numpy arrays or torch tensors of any
+                (broadcastable) shape.
+        Returns:
+            Codes ``SAME_DIE``/``INTRA_NPU``/``ONE_HOP``/``TWO_HOP`` with the broadcast shape, as the
+            same array type as the inputs (int64 for tensors and arrays).
+        """
+        if isinstance(src, torch.Tensor) or isinstance(dst, torch.Tensor):
+            s = torch.as_tensor(src, dtype=torch.int64)
+            d = torch.as_tensor(dst, dtype=torch.int64)
+            same_npu = (s // self.dies_per_npu) == (d // self.dies_per_npu)
+            same_node = (s // self.dies_per_node) == (d // self.dies_per_node)
+            out = torch.full(torch.broadcast_shapes(s.shape, d.shape), TWO_HOP, dtype=torch.int64)
+            out = torch.where(same_node, torch.full_like(out, ONE_HOP), out)
+            out = torch.where(same_npu, torch.full_like(out, INTRA_NPU), out)
+            return torch.where(s == d, torch.full_like(out, SAME_DIE), out)
+        s = np.asarray(src, dtype=np.int64)
+        d = np.asarray(dst, dtype=np.int64)
+        out = np.where(s // self.dies_per_node == d // self.dies_per_node, ONE_HOP, TWO_HOP)
+        out = np.where(s // self.dies_per_npu == d // self.dies_per_npu, INTRA_NPU, out)
+        out = np.where(s == d, SAME_DIE, out).astype(np.int64)
+        return int(out) if out.ndim == 0 and isinstance(src, int) and isinstance(dst, int) else out
+
+    def hop_matrix(self, world_size: int) -> np.ndarray:
+        """``[world_size, world_size]`` int64 hop classes of all die pairs."""
+        r = np.arange(int(world_size), dtype=np.int64)
+        return self.hop_class(r[:, None], r[None, :])
+
+
+CM384_TOPOLOGY = Topology(dies_per_npu=2, npus_per_node=8, nodes=48)  # CAL line 7: 384 NPUs, 768 dies
+
+
+@dataclass(frozen=True)
+class CM384Params:
+    """Every latency, bandwidth and overhead of the cost model, in µs and GB/s (1 GB/s = 1e3 B/µs).
+
+    Published hardware facts
+        ``hop_latency_us``: Table 2 of the UBEP paper (CAL lines 25-26: intra-NPU 218 ns, one-hop 929 ns,
+        two-hop 2500 ns). Same-die access is given the intra-NPU value: the paper does not model it
+        separately (paper section 2.3, "Terminology").
+        ``ub_link_gbs``: measured NPU->NPU write bandwidth per die at 512 B (CAL line 13: 137 GB/s intra
+        node, 135 GB/s inter node); cross-die link: CAL lines 11-12 (270 GB/s); ``hbm_gbs``: CAL line 10.
+        ``aivs_per_die``: CAL line 10. Block sizes come from ``ubep_torch.protocol`` (CAL line 29).
+
+    Calibrated physical parameters (see ``docs/reproducing.md`` for the points they were set on)
+        ``aiv_issue_gbs``: how fast one AIV streams stores out of its UBuf.
+        ``store_depth``: token stores an AIV keeps in flight; a token copy exposes ``latency / depth``.
+        ``token_overhead_us``: CANN EP's scalar work per token copy (destination lookup, UBuf staging).
+        ``vector_token_overhead_us``: the same work in UBEP, done with vector instructions (section 4).
+        ``syncall_us``: one SyncAll of all AIVs of a die (the "synchronization tax", CAL line 27).
+        ``launch_us``: kernel launch and argument load.
+        ``route_us_per_copy``: reading one top-k entry and bucketing it (Init phase), per AIV.
+        ``flag_issue_us``: issuing one flag/count/checksum store (its flight time is the hop latency).
+        ``poll_us``: one poll of a flag entry in local HBM.
+        ``count_us_per_expert``: VectorCount of one expert over the batch (TokenCnt).
+        ``cumsum_us_per_entry``: CalCumSum work per (source rank, local expert) count entry.
+        ``qs_step_us``: one quaternary-search step of the mapper (paper: 4-5 steps, < 1 µs).
+        ``block_check_us``: receiver-side verification of one DataBlock (flag compare / DC marker sum /
+        SP re-arm), folded into the reorder read.
+    """
+
+    hop_latency_us: dict[int, float] = field(default_factory=lambda: {
+        SAME_DIE: 0.218,     # CAL lines 25-26 (intra-NPU value; same-die not modelled separately, paper 2.3)
+        INTRA_NPU: 0.218,    # CAL lines 25-26
+        ONE_HOP: 0.929,      # CAL lines 25-26
+        TWO_HOP: 2.500,      # CAL lines 25-26
+    })
+    ub_link_gbs: dict[int, float] = field(default_factory=lambda: {
+        SAME_DIE: 1600.0,    # CAL line 10: HBM 1.6 TB/s (no fabric link involved)
+        INTRA_NPU: 270.0,    # CAL lines 11-12: cross-die link 270 GB/s per direction
+        ONE_HOP: 137.0,      # CAL line 13: measured write, intra node, 512 B
+        TWO_HOP: 135.0,      # CAL line 13: measured write, inter node, 512 B
+    })
+    hbm_gbs: float = 1600.0            # CAL line 10
+    aivs_per_die: int = 48             # CAL line 10
+    block_bytes: int = BLOCK_BYTES     # CAL line 29 (512 B atomic DataBlock)
+    flag_bytes: int = FLAG_BYTES       # CAL line 29 (32 B flag)
+    tff_payload_bytes: int = TFF_PAYLOAD_BYTES  # CAL line 29 (480 B payload)
+    # --- calibrated once, jointly, on the public points of docs/reproducing.md ("What is calibrated")
+    aiv_issue_gbs: float = 9.1         # store stream of one AIV out of its UBuf
+    store_depth: float = 1.21          # stores in flight per AIV; sets the hop-latency share of a copy
+    token_overhead_us: float = 0.91    # CANN EP scalar per-copy bookkeeping
+    vector_token_overhead_us: float = 0.38  # UBEP's vectorised per-copy bookkeeping (paper section 4)
+    syncall_us: float = 5.0            # one SyncAll; ~13% of CANN EP dispatch at EP 64 (CAL line 27: ~15%)
+    launch_us: float = 12.0            # kernel launch + argument load
+    route_us_per_copy: float = 0.04    # Init: read and bucket one top-k entry, per AIV
+    flag_issue_us: float = 0.06        # issue one flag / count / checksum store
+    poll_us: float = 0.2               # one poll of a remotely written GM entry (cf. 218 ns, CAL line 25)
+    count_us_per_expert: float = 0.7   # TokenCnt of one expert: VectorCount + count-block staging
+    cumsum_us_per_entry: float = 0.04  # CalCumSum per (source, local expert) entry
+    qs_step_us: float = 0.15           # CAL lines 30-31: 4-5 quaternary-search steps in under 1 us
+    block_check_us: float = 0.004      # receiver check of one DataBlock (flag / marker / sentinel)
+
+    def with_(self, **kw) -> CM384Params:
+        """A copy with some fields replaced (for sweeps and what-if studies)."""
+        return replace(self, **kw)
+
+    @property
+    def aiv_copy_gbs(self) -> float:
+        """Local HBM->HBM copy rate of one AIV when all AIVs copy at once (read + write share HBM)."""
+        return self.hbm_gbs / (2.0 * self.aivs_per_die)
+
+
+CM384 = CM384Params()
