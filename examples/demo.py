@@ -59,10 +59,11 @@ def main() -> None:
             x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk_idx,
             topk_weights=topk_w)
         t1 = time.perf_counter()
+        disp_report = buf.last_report
         combined, _, _ = buf.combine(recv_x, handle)
         t2 = time.perf_counter()
         times.append((t1 - t0, t2 - t1))
-    disp_report = buf.last_report
+    comb_report = buf.last_report
     expect = x.float() * itr.sum(1, keepdim=True)
     ok_normal = torch.allclose(combined.float(), expect, rtol=2e-2, atol=2e-2)
     moved = recv_x.numel() * recv_x.element_size()
@@ -93,9 +94,11 @@ def main() -> None:
               f"{ll_moved / 1e6:.2f} MB")
         print(f"  results correct on every rank: normal {all(o[0] for o in oks)}, low-latency {all(o[1] for o in oks)}")
         if disp_report is not None and format_report is not None:
-            print("  modeled CloudMatrix384 latency of rank 0's dispatch:")
-            print("   ", format_report(disp_report).replace("\n", "\n    "))
+            print("  modeled CloudMatrix384 latency of rank 0's calls (same routing, UBEP vs CANN EP):")
+            for rep in (disp_report, comb_report):
+                print("   ", format_report(rep).replace("\n", "\n    "))
     buf.destroy()
+    dist.barrier()   # every rank is done with the group before any tears it down
     dist.destroy_process_group()
     if not (ok_normal and ok_ll):
         raise SystemExit(1)
