@@ -249,7 +249,8 @@ def rank_dispatch_roundtrip(ctx, kind: str, layout: str, dtype_name: str):
         mult = torch.stack([((dest == d) & (idx >= 0)).any(1) for d in range(world)], 1).sum(1)
     else:
         mult = (idx >= 0).sum(1)
-    ok_fwd = torch.allclose(out.float(), x.float() * mult[:, None].float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    rtol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    ok_fwd = torch.allclose(out.float(), x.float() * mult[:, None].float(), rtol=rtol)
     (out.float().sum() + (recv_w * 2).sum()).backward()
     ok_gx = torch.allclose(x.grad.float(), mult[:, None].float().expand(t, h))
     ok_gw = torch.equal(wr.grad, torch.where(idx >= 0, 2.0, 0.0))
