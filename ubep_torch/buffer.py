@@ -618,7 +618,17 @@ class Buffer:
         recv_meta = torch.zeros(rows_out, fmt.meta_words, dtype=torch.int32)
         recv_src_idx = torch.zeros(num_recv, dtype=torch.int32)
         outs = [P.as_bytes(recv_x)] + ([P.as_bytes(recv_scales)] if recv_scales is not None else [])
-        self._receive_rows(P.REGION_DISPATCH, fmt, recv, offsets, outs, recv_meta, recv_src_idx)
+        def local_copy(o: int, n: int) -> None:
+            sel = send_idx[self.rank]
+            torch.index_select(xd, 0, sel, out=recv_x[o:o + n])
+            if recv_scales is not None:
+                torch.index_select(scales, 0, sel, out=recv_scales[o:o + n])
+            if meta is not None:
+                recv_meta[o:o + n] = meta.index_select(0, sel)
+            recv_src_idx[o:o + n] = sel.to(torch.int32)
+
+        self._receive_rows(P.REGION_DISPATCH, fmt, recv, offsets, outs, recv_meta, recv_src_idx,
+                           local_copy=local_copy)
 
         recv_topk_idx = recv_topk_weights = None
         if K:
@@ -720,7 +730,14 @@ class Buffer:
             self._out.empty((rows_out, H), xd.dtype)
         recv_scales = self._out.zeros((rows_out, scales.shape[1]), torch.float32) if scales is not None else None
         outs = [P.as_bytes(recv_x)] + ([P.as_bytes(recv_scales)] if scales is not None else [])
-        self._receive_rows(P.REGION_DISPATCH, fmt, recv, base.recv_offsets, outs, None, None)
+        def local_copy(o: int, n: int) -> None:
+            sel = send_idx[self.rank]
+            torch.index_select(xd, 0, sel, out=recv_x[o:o + n])
+            if recv_scales is not None:
+                torch.index_select(scales, 0, sel, out=recv_scales[o:o + n])
+
+        self._receive_rows(P.REGION_DISPATCH, fmt, recv, base.recv_offsets, outs, None, None,
+                           local_copy=local_copy)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         if handle.layout == "expert_major":
             row_index = handle.row_index
@@ -756,10 +773,13 @@ class Buffer:
         nctrl = P.ctrl_blocks(extra_ctrl)
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after Token-Sending"))
+        none = torch.zeros(0, dtype=torch.int64)
         for i in range(R):
             d = (me + i) % R
             peer = self._heap.peer(d)
-            job.dests.append(Destination(d, send_idx[d], region.rows(peer, half, me, fmt),
+            # rows for this rank itself skip the slots: the receive side copies them straight from the source
+            sel = none if d == me else send_idx[d]
+            job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt),
                                          region.ctrl(peer, half, me)[:nctrl], ctrl_payload(d)))
         eng.send_phase(job)
         # receive the control messages of every source (verification of flags and counts)
@@ -799,11 +819,14 @@ class Buffer:
         return out
 
     def _receive_rows(self, rid: int, fmt: P.RowFormat, recv: dict, offsets: torch.Tensor, outs, recv_meta,
-                      recv_src_idx, accumulate: Optional[Callable] = None) -> None:
+                      recv_src_idx, accumulate: Optional[Callable] = None,
+                      local_copy: Optional[Callable] = None) -> None:
         """Token-Reordering: copy each source's rows out as soon as that source's blocks are all there.
 
         ``accumulate(s, rows_view)`` replaces the copy (combine). Sources are then processed in rank order,
-        so floating-point reductions are identical for every sync mode and arrival order.
+        so floating-point reductions are identical for every sync mode and arrival order. This rank's own
+        rows never went through the slots: ``local_copy(offset, n)`` (or ``accumulate(rank, None)``)
+        takes them from the source tensors.
         """
         R = self.group_size
         region = self._region(rid)
@@ -822,6 +845,14 @@ class Buffer:
                     missing.append(s)
                     continue
                 n = int(recv["nrows"][s])
+                if s == self.rank:
+                    if accumulate is not None:
+                        accumulate(s, None)
+                    elif n:
+                        local_copy(int(offsets[s]), n)
+                    done.add(s)
+                    self._send_ack(rid, s, epoch)
+                    continue
                 rows = region.rows(local, half, s, fmt, n)
                 expected = int(recv["ctrl"][s][P.CTRL_CHECKSUM])
                 if not eng.rows_arrived(fmt, rows, flag, expected):
@@ -932,7 +963,14 @@ class Buffer:
         wacc = torch.zeros(T, K, dtype=topk_weights.dtype) if K else None
         eng = self.engine
 
-        def accumulate(s: int, rows: torch.Tensor) -> None:
+        def accumulate(s: int, rows: Optional[torch.Tensor]) -> None:
+            if rows is None:   # this rank's own rows: straight from x
+                lo, hi = int(offsets[s]), int(offsets[s + 1])
+                if hi > lo:
+                    acc.index_add_(0, base.send_idx[s], x[lo:hi].to(acc_dtype))
+                    if K:
+                        wacc.index_add_(0, base.send_idx[s], topk_weights[lo:hi])
+                return
             if rows.shape[0] == 0:
                 return
             eng.combine_accumulate(fmt, rows, base.send_idx[s], acc, x.dtype, wacc)
