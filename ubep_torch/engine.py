@@ -247,7 +247,8 @@ class TorchEngine:
         else:
             # int64 words: index_copy_ moves element by element, so wide elements are much faster
             src = staging.view(torch.int64).view(staging.shape[0], fmt.row_bytes // 8)
-            rows = src if sel is None else src.index_select(0, sel)
+            rng = _as_range(sel)
+            rows = src if sel is None else (src[rng[0]:rng[1]] if rng else src.index_select(0, sel))
             dst.view(torch.int64).view(dst.shape[0], fmt.row_bytes // 8).index_copy_(0, dst_index, rows)
         if meta_patch is not None:
             items = dst[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
@@ -450,6 +451,16 @@ class TorchEngine:
             w0.fill_(P.SP_SENTINEL)
         else:
             w0.index_fill_(0, index, P.SP_SENTINEL)
+
+
+def _as_range(sel: Optional[torch.Tensor]):
+    """(start, stop) when ``sel`` is a run of consecutive indices, else None."""
+    if sel is None or sel.numel() == 0:
+        return None
+    a, b = int(sel[0]), int(sel[-1])
+    if b - a + 1 == sel.numel() and (sel.numel() == 1 or bool((sel[1:] - sel[:-1] == 1).all())):
+        return a, b + 1
+    return None
 
 
 def make_engine(backend: str, num_count_aivs: Optional[int] = None):
