@@ -26,7 +26,9 @@ from .errors import UBEPBrokenError, UBEPError
 from .ugas import SymmetricHeap
 from .utils import Config, EventOverlap, TensorCache
 
-_AUX_REGIONS = 8          # ack table rows (indexed by region id)
+_AUX_REGIONS = 8          # region ids that have an ack table
+# aux words: acks [region][half][source] | SyncAll counters [rank] | abort flags [rank]
+_ACK_WORDS = 2 * _AUX_REGIONS
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _LL_MAX_TOPK = 16         # top-k the low-latency size hint provisions for
@@ -216,7 +218,7 @@ class Buffer:
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = int(num_rdma_bytes)
 
-        aux = _round((_AUX_REGIONS + 2) * R * 8, 4096)   # acks, SyncAll counters, abort flags
+        aux = _round((_ACK_WORDS + 2) * R * 8, 4096)   # acks, SyncAll counters, abort flags
         base = aux
         half_nvl = self.num_nvl_bytes // 2 // 4096 * 4096
         self._regions = {
@@ -321,30 +323,37 @@ class Buffer:
             self._fail(e)
             raise
 
+    def _ack_base(self, rid: int, half: int) -> int:
+        return (rid * 2 + half) * self.group_size
+
     def _wait_acks(self, rid: int, epoch: int) -> None:
-        """Before writing call ``epoch`` into half ``epoch % 2`` of every peer: they consumed ``epoch - 2``."""
+        """Before writing call ``epoch`` into half ``epoch % 2`` of every peer: they consumed ``epoch - 2``.
+
+        Acks are kept per half, so recv hooks completed in any order never move an ack backwards."""
         need = epoch - 2
         if need <= 0:
             return
         words = self._aux_words
         R = self.group_size
+        base = self._ack_base(rid, epoch % 2)
 
         def poll():
-            acks = words[rid * R:(rid + 1) * R]
+            acks = words[base:base + R]
             return [r for r in range(R) if int(acks[r]) < need]
         self._wait(f"{P.REGION_NAMES[rid]}: waiting for peers to release buffer half {epoch % 2}", poll)
 
     def _send_ack(self, rid: int, src: int, epoch: int) -> None:
+        """Tell ``src`` that this rank has consumed its call-``epoch`` rows (that half may be reused)."""
         peer_words = self._heap.peer(src)[: self._aux_words.numel() * 8].view(torch.int64)
         P.memory_fence()
-        peer_words[rid * self.group_size + self.rank] = epoch
+        peer_words[self._ack_base(rid, epoch % 2) + self.rank] = epoch
 
     def _sync_all(self, phase: str) -> None:
         """SyncAll emulation for the "sw" baseline: a barrier through shared memory, not through gloo."""
         self._barrier_count += 1
         count = self._barrier_count
         R = self.group_size
-        off = _AUX_REGIONS * R
+        off = _ACK_WORDS * R
         for r in range(R):
             pw = self._heap.peer(r)[: self._aux_words.numel() * 8].view(torch.int64)
             pw[off + self.rank] = count
@@ -361,11 +370,11 @@ class Buffer:
         return self._epoch[rid]
 
     def _peer_aborted(self, r: int) -> bool:
-        return r != self.rank and int(self._aux_words[(_AUX_REGIONS + 1) * self.group_size + r]) != 0
+        return r != self.rank and int(self._aux_words[(_ACK_WORDS + 1) * self.group_size + r]) != 0
 
     def _signal_abort(self) -> None:
         """Tell every peer that this rank failed inside a call, so they fail fast instead of timing out."""
-        slot = (_AUX_REGIONS + 1) * self.group_size + self.rank
+        slot = (_ACK_WORDS + 1) * self.group_size + self.rank
         for r in range(self.group_size):
             try:
                 self._heap.peer(r)[: self._aux_words.numel() * 8].view(torch.int64)[slot] = 1
@@ -586,7 +595,7 @@ class Buffer:
             meta = torch.empty(T, fmt.meta_words, dtype=torch.int32)
             meta[:, :K] = topk_idx.to(torch.int32)
             if weights is not None:
-                meta[:, K:].copy_(weights.view(torch.int32).view(T, K * wsz))
+                meta[:, K:].copy_(P.fresh(weights).view(torch.int32).view(T, K * wsz))
         fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
         src_index = torch.arange(T, dtype=torch.int64)
         counts = None
@@ -639,7 +648,7 @@ class Buffer:
             if num_worst_tokens:
                 recv_topk_idx[num_recv:] = -1
             if weights is not None:
-                w = recv_meta[:, K:].contiguous().view(weights.dtype)
+                w = P.fresh(recv_meta[:, K:]).view(weights.dtype)
                 recv_topk_weights = torch.where(ok, w, torch.zeros_like(w))
         per_expert = recv["counts"].sum(0)
         if num_worst_tokens:
@@ -681,7 +690,9 @@ class Buffer:
             rows_list.append(torch.cat([r, torch.full((pad,), -1, dtype=torch.int64)]))
             expert_list.append(torch.cat([torch.full((n,), e, dtype=torch.int64),
                                           torch.full((pad,), -1, dtype=torch.int64)]))
-            weight_list.append(torch.cat([recv_topk_weights[r, k], torch.zeros(pad, dtype=recv_topk_weights.dtype)]))
+            if recv_topk_weights is not None:
+                weight_list.append(torch.cat([recv_topk_weights[r, k],
+                                              torch.zeros(pad, dtype=recv_topk_weights.dtype)]))
             counts.append(n + pad)
         row_index = torch.cat(rows_list) if rows_list else torch.zeros(0, dtype=torch.int64)
         valid = row_index >= 0
@@ -695,7 +706,8 @@ class Buffer:
         em_x = (gather(out_x[0]), gather(out_x[1])) if isinstance(out_x, tuple) else gather(out_x)
         em_h = DispatchHandle(tuple(h), **{**h.__dict__, "layout": "expert_major", "row_index": row_index,
                                            "base_handle": h})
-        return (em_x, torch.cat(expert_list), torch.cat(weight_list), counts, em_h, EventOverlap(None))
+        em_w = torch.cat(weight_list) if recv_topk_weights is not None else None
+        return (em_x, torch.cat(expert_list), em_w, counts, em_h, EventOverlap(None))
 
     def _cached_dispatch(self, xd, scales, handle, x_orig):
         if not isinstance(handle, DispatchHandle):
@@ -945,7 +957,7 @@ class Buffer:
         # destination d gets back the rows that came from d, in d's send order
         offsets = base.recv_offsets
         send_idx = [torch.arange(int(offsets[d]), int(offsets[d + 1]), dtype=torch.int64) for d in range(R)]
-        meta = topk_weights.view(torch.int32).view(-1, K * wsz) if K else None
+        meta = P.fresh(topk_weights).view(torch.int32).view(-1, K * wsz) if K else None
         src_index = torch.arange(base.num_recv, dtype=torch.int64)
 
         def ctrl_payload(d: int, checksum: int = 0) -> torch.Tensor:
@@ -1133,9 +1145,9 @@ class Buffer:
                     self._broken = "layout mismatch"
                     raise UBEPError(f"rank {s} sent low-latency rows of a different layout than rank {me} expects")
             cnt = torch.stack([ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + E_local] for s in range(R)])  # [R, E_l]
-            if cnt.numel() and int(cnt.max()) > N:
+            if cnt.numel() and (int(cnt.max()) > N or int(cnt.min()) < 0):
                 self._broken = "bad counts"
-                raise UBEPError("a peer announced more than N tokens for one expert")
+                raise UBEPError(f"a peer announced per-expert counts outside [0, {N}] (corrupted control message)")
             # CalCumSum: packed begin of every (expert, source) in recv_x
             begin = torch.cumsum(cnt, 0) - cnt                       # [R, E_l]
             layout_range.copy_((begin.t() << 32) | cnt.t())
@@ -1390,5 +1402,5 @@ def _quantize_fp8(x: torch.Tensor, round_scale: bool) -> Tuple[torch.Tensor, tor
 
 def _pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     """Power-of-two float32 scales [.., G] -> UE8M0 exponent bytes packed 4 per int32 [.., G/4]."""
-    exp = ((scales.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-    return exp.contiguous().view(torch.int32)
+    exp = ((P.fresh(scales).view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    return P.fresh(exp).view(torch.int32)

@@ -180,10 +180,10 @@ class TorchEngine:
                 lead[:, 0] = mw[:, :4]
                 for off, full, data, tail in parts:
                     if full:
-                        lead[:, off:off + full] = data[:, : full * pay].view(n, full, pay)[:, :, :32] \
-                            .contiguous().view(torch.int64).view(n, full, 4)
+                        lead[:, off:off + full] = P.fresh(data[:, : full * pay].view(n, full, pay)[:, :, :32]) \
+                            .view(torch.int64).view(n, full, 4)
                     if tail is not None:
-                        lead[:, off + full] = tail[:, :32].contiguous().view(torch.int64)
+                        lead[:, off + full] = P.fresh(tail[:, :32]).view(torch.int64)
                 if sync == "sp":
                     first = lead[:, 1:, 0]
                     mask = P.sp_escape_inplace(first)
@@ -402,7 +402,7 @@ class TorchEngine:
         meta = self.unpack_rows_as(fmt, rows, tmp, x_dtype, rearm=False)
         acc.index_add_(0, index, tmp)
         if wacc is not None and wacc.shape[1]:
-            wacc.index_add_(0, index, meta.contiguous().view(wacc.dtype))
+            wacc.index_add_(0, index, P.fresh(meta).view(wacc.dtype))
 
     def weighted_combine(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
                          weights: torch.Tensor, out: torch.Tensor) -> None:

@@ -231,12 +231,20 @@ def unpack_field(blocks: torch.Tensor, out: torch.Tensor, sync: str) -> None:
         out[:, full * p:].copy_(blocks[:, full, start:start + rem])
 
 
+def fresh(t: torch.Tensor) -> torch.Tensor:
+    """A copy with standard contiguous strides, always (``contiguous()``/``clone()`` may keep odd strides of
+    size-1 dimensions, which a dtype ``view`` then rejects)."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """[n, ...] tensor -> [n, nbytes] uint8 view (contiguous rows required)."""
-    t = t.contiguous()
     row = t.element_size()
     for d in t.shape[1:]:
         row *= d
+    if t.numel() == 0:   # empty tensors may carry strides that no dtype view accepts
+        return torch.empty(t.shape[0] if t.dim() else 0, row, dtype=torch.uint8)
+    t = t.contiguous()
     return t.view(torch.uint8).reshape(t.shape[0], row)
 
 

@@ -48,13 +48,19 @@ def shm_dir() -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (exited, not yet reaped by its parent) counts as dead."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def sweep_stale_segments(directory: Optional[str] = None) -> List[str]:
@@ -138,8 +144,8 @@ class SymmetricHeap:
 
         # 2. create and map our own segment, write the header.
         path = self._create_segment(group_token)
-        paths = _all_gather(path, group, self.world_size)
         try:
+            paths = _all_gather(path, group, self.world_size)
             # 3. map every peer's segment after checking it is what the group announced.
             for r in range(self.world_size):
                 if r == self.rank:

@@ -1,0 +1,347 @@
+"""Fault scenarios: fresh gloo rank processes per scenario, one victim killed or stalled at a chosen phase.
+
+``run_scenario(world, Scenario(...), shm_dir)`` spawns ``world`` processes (multiprocessing spawn, gloo
+over a free TCP port, ``UBEP_SHM_DIR`` = ``shm_dir``), runs a loop of calls on every rank and makes the
+victim SIGKILL itself (``fault="kill"``) or sleep past the deadline (``fault="stall"``) from inside
+``Buffer.delay_hook`` the first time the hook sees a phase containing ``phase`` at or after call
+``fault_call``. ``fault="setup_kill"`` kills the victim inside the Buffer's shared-memory set-up, after it
+created its segment and before the segment is unlinked.
+
+The parent polls the processes (so a killed victim is reaped at once, as a launcher would) unless
+``reap=False``, collects one report per rank and returns an :class:`Outcome`: what every survivor raised
+and when, the processes that had to be killed because they did not exit (must be none) and the entries
+left in ``shm_dir``.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+OPS = ("normal", "ll", "ll_hook")
+
+
+@dataclass
+class Scenario:
+    op: str = "normal"            #: "normal" (dispatch + combine), "ll" (low-latency), "ll_hook" (recv hooks)
+    sync: str = "tff"
+    fault: str = "kill"           #: "kill", "stall", "setup_kill", "none"
+    phase: str = "dispatch: TokenCnt"   #: substring of the phase at which the victim faults
+    victim: int = 1
+    fault_call: int = 2           #: index of the call (0-based) in which the fault happens
+    calls: int = 6                #: calls every rank attempts
+    timeout_s: float = 1.5
+    reap: bool = True
+    stall_extra_s: float = 1.0    #: a stalled victim sleeps timeout_s + this
+
+
+@dataclass
+class Outcome:
+    scenario: Scenario
+    world: int
+    fault_time: Optional[float] = None
+    fault_phase: Optional[str] = None
+    reports: Dict[int, dict] = field(default_factory=dict)
+    exitcodes: Dict[int, Optional[int]] = field(default_factory=dict)
+    spinning: List[int] = field(default_factory=list)
+    leftover: List[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def survivors(self) -> List[int]:
+        if self.scenario.fault in ("kill", "setup_kill"):
+            return [r for r in range(self.world) if r != self.scenario.victim]
+        return list(range(self.world))
+
+    def detection_delays(self) -> Dict[int, float]:
+        """Seconds from the fault to each survivor's error (survivors that raised only)."""
+        out = {}
+        for r in self.survivors:
+            if r == self.scenario.victim:
+                continue
+            rep = self.reports.get(r)
+            if rep and rep.get("kind") == "error" and self.fault_time is not None:
+                out[r] = rep["time"] - self.fault_time
+        return out
+
+    def check(self, slack_s: float = 1.5) -> List[str]:
+        """Every violated guarantee, as text (empty = all held)."""
+        sc = self.scenario
+        problems = []
+        if self.spinning:
+            problems.append(f"ranks {self.spinning} did not exit and were killed")
+        if self.leftover:
+            problems.append(f"segments left in the shm dir: {self.leftover}")
+        if sc.fault == "none":
+            for r in range(self.world):
+                rep = self.reports.get(r)
+                if not rep or rep.get("kind") != "ok":
+                    problems.append(f"rank {r}: {rep}")
+            return problems
+        if self.fault_time is None:
+            problems.append(f"the victim never reached a phase containing {sc.phase!r}")
+            return problems
+        must_raise = [r for r in range(self.world) if r != sc.victim]
+        for r in must_raise:
+            rep = self.reports.get(r)
+            if not rep:
+                problems.append(f"rank {r} sent no report (exit code {self.exitcodes.get(r)})")
+                continue
+            if rep["kind"] != "error":
+                problems.append(f"rank {r} did not raise a ubep error: {rep}")
+                continue
+            if sc.fault == "setup_kill":
+                continue  # the bootstrap (gloo) reports it; checked by the caller
+            if sc.victim not in rep["missing"]:
+                problems.append(f"rank {r} raised without naming rank {sc.victim}: {rep['message']}")
+            if not rep["phase"]:
+                problems.append(f"rank {r} raised without a phase: {rep['message']}")
+            delay = rep["time"] - self.fault_time
+            if delay > sc.timeout_s + slack_s:
+                problems.append(f"rank {r} raised {delay:.2f}s after the fault (timeout_s={sc.timeout_s})")
+        if sc.fault == "stall":
+            rep = self.reports.get(sc.victim)
+            if not rep or rep.get("kind") not in ("error", "ok"):
+                problems.append(f"stalled victim {sc.victim} ended badly: {rep}")
+        return problems
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make_inputs(rank: int, call: int, E: int, T: int, H: int, K: int):
+    import torch
+
+    g = torch.Generator().manual_seed(call * 131 + rank)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(torch.int64)
+    w = torch.rand(T, K, generator=g)
+    return x, topk, w
+
+
+def _one_call(buf, sc: Scenario, rank: int, call: int, E: int, N: int, H: int) -> None:
+    x, topk, w = _make_inputs(rank, call, E, T=6, H=H, K=2)
+    if sc.op == "normal":
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=E)
+        buf.combine(recv_x, handle, topk_weights=recv_w)
+        return
+    hook = sc.op == "ll_hook"
+    recv_x, _, handle, _, hk = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=hook)
+    if hook:
+        hk()
+    _, _, hk2 = buf.low_latency_combine(recv_x, topk, w, handle, return_recv_hook=hook)
+    if hook:
+        hk2()
+
+
+def _rank_main(rank: int, world: int, port: int, shm_dir: str, sc: Scenario, q) -> None:
+    os.environ["UBEP_SHM_DIR"] = shm_dir
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.pop("UBEP_TIMEOUT_S", None)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from ubep_torch import Buffer, ugas
+    from ubep_torch.errors import UBEPError, UBEPPeerLostError, UBEPTimeoutError
+
+    def report(**kw):
+        kw.setdefault("time", time.time())
+        q.put((rank, kw))
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    E, N, H = 2 * world, 8, 128
+    victim = rank == sc.victim
+    if sc.fault == "setup_kill" and victim:
+        real = ugas._all_gather
+        calls = {"n": 0}
+
+        def gather_then_die(obj, group, world_size):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the segment paths: our segment exists and is not unlinked yet
+                q.put((rank, {"kind": "fault", "phase": "setup", "time": time.time() + 0.2}))
+                time.sleep(0.2)  # let the queue's feeder thread flush
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(obj, group, world_size)
+        ugas._all_gather = gather_then_die
+    low_latency = sc.op != "normal"
+    buf = None
+    try:
+        rdma = Buffer.get_low_latency_rdma_size_hint(N, H, world, E) if low_latency else 0
+        buf = Buffer(dist.group.WORLD, 4 << 20, rdma, low_latency_mode=low_latency, sync=sc.sync,
+                     timeout_s=sc.timeout_s)
+        state = {"call": 0, "fired": False}
+
+        def hook(phase: str) -> None:
+            if not victim or state["fired"] or state["call"] < sc.fault_call or sc.phase not in phase:
+                return
+            state["fired"] = True
+            if sc.fault == "kill":
+                report(kind="fault", phase=phase, time=time.time() + 0.2)
+                time.sleep(0.2)  # let the queue's feeder thread flush the report
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif sc.fault == "stall":
+                report(kind="fault", phase=phase)
+                time.sleep(sc.timeout_s + sc.stall_extra_s)
+
+        buf.delay_hook = hook
+        for call in range(sc.calls):
+            state["call"] = call
+            _one_call(buf, sc, rank, call, E, N, H)
+        report(kind="ok", calls=sc.calls)
+    except UBEPError as e:
+        # UBEPTimeoutError / UBEPPeerLostError (and UBEPPeerAbortedError where the library has it) carry
+        # the phase and the ranks that did not deliver; anything else is not a deadline error.
+        known = isinstance(e, (UBEPTimeoutError, UBEPPeerLostError)) or type(e).__name__ == "UBEPPeerAbortedError"
+        report(kind="error" if known else "other_ubep", type=type(e).__name__, phase=getattr(e, "phase", ""),
+               missing=list(getattr(e, "missing_ranks", [])), dead=list(getattr(e, "dead_ranks", [])),
+               aborted=list(getattr(e, "aborted_ranks", [])), message=str(e))
+    except Exception as e:  # noqa: BLE001 - the bootstrap (gloo) fails for set-up faults
+        own = sorted(n for n in os.listdir(shm_dir) if n.startswith(f"ubep-{os.getpid()}-"))
+        report(kind="error" if sc.fault == "setup_kill" else "crash", type=type(e).__name__, phase="setup",
+               missing=[], own_segments_after_error=own, message=f"{e}\n{traceback.format_exc()}")
+    finally:
+        if buf is not None:
+            buf.destroy()
+    q.put((rank, {"kind": "exit", "time": time.time()}))
+    q.close()
+    q.join_thread()
+    atexit._run_exitfuncs()  # what a normal interpreter exit runs (ubep's pending-segment cleanup) ...
+    os._exit(0)              # ... without gloo's teardown, whose peers may be gone
+
+
+def run_scenario(world: int, sc: Scenario, shm_dir: str, exit_timeout_s: Optional[float] = None) -> Outcome:
+    """Run one scenario in fresh processes and report what happened (see the module docstring)."""
+    ctx = _context(sc.reap)
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, shm_dir, sc, q), daemon=True)
+             for r in range(world)]
+    out = Outcome(sc, world)
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    limit = exit_timeout_s if exit_timeout_s is not None else 60.0 + 4 * sc.timeout_s
+    deadline = time.monotonic() + limit
+
+    def drain(block: float) -> None:
+        try:
+            rank, msg = q.get(timeout=block)
+        except queue.Empty:
+            return
+        kind = msg["kind"]
+        if kind == "fault":
+            out.fault_time, out.fault_phase = msg["time"], msg["phase"]
+        elif kind != "exit":
+            out.reports[rank] = msg
+
+    while time.monotonic() < deadline:
+        if sc.reap:
+            alive = [p.is_alive() for p in procs]   # is_alive() reaps exited children
+        else:
+            alive = [_running(p.pid) for p in procs]   # a zombie stays unreaped, as under a slow launcher
+        if not any(alive):
+            break
+        drain(0.01)
+    for r, p in enumerate(procs):
+        p.join(timeout=max(0.0, deadline - time.monotonic()) + 2.0)
+        if p.is_alive():
+            out.spinning.append(r)
+            p.kill()
+            p.join(timeout=10)
+        out.exitcodes[r] = p.exitcode
+    while True:
+        try:
+            rank, msg = q.get(timeout=0.2)
+        except queue.Empty:
+            break
+        if msg["kind"] == "fault":
+            out.fault_time, out.fault_phase = msg["time"], msg["phase"]
+        elif msg["kind"] != "exit":
+            out.reports.setdefault(rank, msg)
+    q.close()
+    out.wall_s = time.monotonic() - t0
+    out.leftover = sorted(n for n in os.listdir(shm_dir) if n.startswith("ubep-"))
+    return out
+
+
+_FORKSERVER = None
+
+
+def _context(reap: bool):
+    """A forkserver that has imported torch and ubep_torch once (rank start-up costs ~no CPU), or plain
+    spawn when the victim must stay an unreaped zombie (the forkserver reaps its children at once)."""
+    global _FORKSERVER
+    if not reap:
+        return mp.get_context("spawn")
+    if _FORKSERVER is None:
+        _FORKSERVER = mp.get_context("forkserver")
+        _FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "ubep_torch", __name__])
+    return _FORKSERVER
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` has not exited (a zombie counts as exited), without reaping it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+#: (op, sync, phase substring) for every wait a rank can be killed or stalled at.
+PHASES = {
+    "normal": ["dispatch: waiting for peers to release", "dispatch: TokenCnt", "dispatch: Token-Reordering",
+               "combine: waiting for peers to release", "combine: TokenCnt", "combine: Token-Reordering"],
+    "ll": ["low_latency_dispatch: waiting for peers to release", "low_latency_dispatch: TokenCnt",
+           "low_latency_dispatch: Token-Reordering", "low_latency_combine: waiting for peers to release",
+           "low_latency_combine: waiting for the count messages", "low_latency_combine: waiting for expert outputs"],
+    "sw": ["dispatch: SyncAll after Token-Sending", "dispatch: SyncAll after flag verification",
+           "combine: SyncAll after Token-Sending", "combine: SyncAll after flag verification"],
+    "ll_sw": ["low_latency_dispatch: SyncAll after Token-Sending",
+              "low_latency_dispatch: SyncAll after flag verification",
+              "low_latency_combine: SyncAll after Token-Sending",
+              "low_latency_combine: SyncAll after flag verification"],
+}
+
+
+def all_phase_scenarios(fault: str, timeout_s: float = 1.5) -> List[Scenario]:
+    """One scenario per phase (every region, the SyncAll phases of sync="sw", recv hooks)."""
+    out = []
+    for ph in PHASES["normal"]:
+        out.append(Scenario("normal", "tff", fault, ph, timeout_s=timeout_s))
+    for ph in PHASES["ll"]:
+        out.append(Scenario("ll", "tff", fault, ph, timeout_s=timeout_s))
+    for ph in PHASES["sw"]:
+        out.append(Scenario("normal", "sw", fault, ph, timeout_s=timeout_s))
+    for ph in PHASES["ll_sw"]:
+        out.append(Scenario("ll", "sw", fault, ph, timeout_s=timeout_s))
+    out.append(Scenario("ll_hook", "sp", fault, "low_latency_dispatch: Token-Reordering", timeout_s=timeout_s))
+    out.append(Scenario("normal", "dc", fault, "combine: Token-Reordering", timeout_s=timeout_s))
+    return out
+
+
+def run_many(world: int, scenarios: List[Scenario], base_dir: str, parallel: int = 4) -> List[Outcome]:
+    """Run scenarios concurrently (``parallel`` process groups at a time), each with its own shm dir."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i_sc):
+        i, sc = i_sc
+        d = os.path.join(base_dir, f"scenario-{i}")
+        os.makedirs(d, exist_ok=True)
+        return run_scenario(world, sc, d)
+
+    with ThreadPoolExecutor(max_workers=parallel) as ex:
+        return list(ex.map(one, enumerate(scenarios)))

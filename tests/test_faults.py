@@ -1,0 +1,151 @@
+"""Vanished and stalled peers: every survivor raises within ``timeout_s`` naming the phase and the missing
+rank, every process exits, and no segment is left in the shared-memory directory.
+
+Every scenario runs in fresh processes (``fault_rank_fns.run_scenario``), one victim per scenario, killed
+(SIGKILL) or stalled past the deadline from inside ``Buffer.delay_hook`` at a chosen phase: each wait of
+normal dispatch and combine, of the low-latency pair (plain and with recv hooks), and the SyncAll phases
+of ``sync="sw"``. The stale-segment sweep is tested on planted files.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import fault_rank_fns as FR  # noqa: E402
+
+from ubep_torch import ugas  # noqa: E402
+
+TIMEOUT_S = 1.5
+SLACK_S = 1.5
+
+
+def _explain(outcomes):
+    lines = []
+    for o in outcomes:
+        probs = o.check(SLACK_S)
+        if probs:
+            sc = o.scenario
+            lines.append(f"{sc.op}/{sc.sync}/{sc.fault} at {sc.phase!r} (victim {sc.victim}): {probs}; "
+                         f"reports {o.reports}")
+    return "\n".join(lines)
+
+
+def _phase_ids(scenarios):
+    return [f"{s.op}-{s.sync}-{s.phase}" for s in scenarios]
+
+
+def test_kill_at_every_phase(tmp_path):
+    scenarios = FR.all_phase_scenarios("kill", timeout_s=TIMEOUT_S)
+    outcomes = FR.run_many(2, scenarios, str(tmp_path), parallel=4)
+    assert not _explain(outcomes), _explain(outcomes)
+    for o in outcomes:
+        rep = o.reports[0]
+        # the launcher reaps the victim, so the loss is seen by liveness long before the deadline
+        assert rep["type"] in ("UBEPPeerLostError", "UBEPPeerAbortedError"), rep
+        assert o.detection_delays()[0] < TIMEOUT_S, (o.scenario, o.detection_delays())
+        assert rep["phase"].split(":")[0] in ("dispatch", "combine", "low_latency_dispatch",
+                                              "low_latency_combine"), rep["phase"]
+        assert "rank 0" in rep["message"] and "[1]" in rep["message"]
+
+
+def test_stall_at_every_phase(tmp_path):
+    scenarios = FR.all_phase_scenarios("stall", timeout_s=1.0)
+    for sc in scenarios:
+        sc.stall_extra_s = 0.5
+    outcomes = FR.run_many(2, scenarios, str(tmp_path), parallel=6)
+    assert not _explain(outcomes), _explain(outcomes)
+    for o in outcomes:
+        assert o.reports[0]["type"] == "UBEPTimeoutError", o.reports[0]
+        assert o.reports[0]["missing"] == [1]
+        # the stalled rank itself wakes up and fails fast instead of spinning
+        assert o.reports[1]["kind"] in ("error", "ok"), o.reports[1]
+
+
+@pytest.mark.parametrize("victim,phase,op", [
+    (0, "dispatch: Token-Reordering", "normal"),         # rank 0 also hosts the bootstrap store
+    (1, "combine: TokenCnt", "normal"),
+    (2, "low_latency_combine: waiting for expert outputs", "ll"),
+])
+def test_kill_three_ranks(tmp_path, victim, phase, op):
+    o = FR.run_scenario(3, FR.Scenario(op, "tff", "kill", phase, victim=victim, timeout_s=TIMEOUT_S), str(tmp_path))
+    assert not o.check(SLACK_S), _explain([o])
+    for r in o.survivors:
+        assert victim in o.reports[r]["missing"] + o.reports[r].get("aborted", []), o.reports[r]
+
+
+def test_stall_three_ranks_names_the_stalled_rank(tmp_path):
+    o = FR.run_scenario(3, FR.Scenario("normal", "sp", "stall", "dispatch: TokenCnt", victim=2, timeout_s=1.0,
+                                       stall_extra_s=0.5), str(tmp_path))
+    assert not o.check(SLACK_S), _explain([o])
+    timed_out = [r for r in (0, 1) if o.reports[r]["type"] == "UBEPTimeoutError"]
+    assert timed_out, o.reports
+    for r in timed_out:
+        assert o.reports[r]["missing"] == [2], o.reports[r]
+
+
+def test_unreaped_victim_is_still_detected_by_the_deadline(tmp_path):
+    """A killed rank that nobody reaps stays a zombie; the survivor must still fail by its deadline."""
+    o = FR.run_scenario(2, FR.Scenario("ll", "tff", "kill", "low_latency_combine: waiting for expert outputs",
+                                       timeout_s=TIMEOUT_S, reap=False), str(tmp_path))
+    assert not o.check(SLACK_S), _explain([o])
+    assert o.reports[0]["type"] in ("UBEPTimeoutError", "UBEPPeerLostError")
+
+
+def test_no_fault_baseline(tmp_path):
+    outcomes = FR.run_many(2, [FR.Scenario(op, sync, "none", "-", timeout_s=5.0)
+                               for op, sync in [("normal", "tff"), ("ll", "dc"), ("ll_hook", "sw")]],
+                           str(tmp_path), parallel=3)
+    assert not _explain(outcomes), _explain(outcomes)
+
+
+def test_crash_during_setup_is_swept_by_the_next_start(tmp_path):
+    """The victim dies after creating its segment, before anyone unlinks it: the survivor gets the
+    bootstrap error and exits cleanly (its own segment goes), the victim's file is left and the next
+    start's sweep removes it."""
+    o = FR.run_scenario(2, FR.Scenario("normal", "tff", "setup_kill", "setup", timeout_s=TIMEOUT_S), str(tmp_path))
+    assert not o.spinning
+    assert o.reports[0]["kind"] == "error", o.reports
+    assert len(o.leftover) == 1 and o.leftover[0].startswith("ubep-"), o.leftover
+    removed = ugas.sweep_stale_segments(str(tmp_path))
+    assert [os.path.basename(p) for p in removed] == o.leftover
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")]
+
+
+def test_setup_failure_unlinks_own_segment_before_raising(tmp_path):
+    o = FR.run_scenario(2, FR.Scenario("normal", "tff", "setup_kill", "setup", timeout_s=TIMEOUT_S), str(tmp_path))
+    assert o.reports[0].get("own_segments_after_error") == [], o.reports[0]
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_sweep_removes_only_dead_owners_segments(tmp_path):
+    d = str(tmp_path)
+    dead = os.path.join(d, f"ubep-{_dead_pid()}-{'ab' * 16}")
+    live = os.path.join(d, f"ubep-{os.getpid()}-{'cd' * 16}")
+    other = os.path.join(d, f"ubep-{_dead_pid()}-short")          # not our naming scheme
+    unrelated = os.path.join(d, "something-else")
+    for p in (dead, live, other, unrelated):
+        with open(p, "wb") as f:
+            f.write(b"\0" * 4096)
+        os.chmod(p, 0o600)
+    foreign = None
+    if os.getuid() == 0:
+        foreign = os.path.join(d, f"ubep-{_dead_pid()}-{'ef' * 16}")
+        with open(foreign, "wb") as f:
+            f.write(b"\0")
+        os.chown(foreign, 12345, 12345)                           # another user's file: never touched
+    removed = ugas.sweep_stale_segments(d)
+    assert removed == [dead]
+    left = set(os.listdir(d))
+    assert {os.path.basename(p) for p in (live, other, unrelated)} <= left
+    if foreign:
+        assert os.path.basename(foreign) in left
+    assert ugas.sweep_stale_segments(os.path.join(d, "missing-dir")) == []

@@ -1,0 +1,270 @@
+"""Hostile and odd input: exact results or clear errors, never a hang or a crash, Buffer usable after.
+
+Property-based (hypothesis) over shapes, dtypes, top-k, expert counts, routing modes (uniform, hot,
+-1 masks, every slot -1), zero-token ranks, NaN/inf/-0/denormals in payloads and whole zero rows
+(SP sentinel collisions), for every sync mode; every 16-bit pattern through dispatch and combine; bad
+ids and shapes on every rank raise ValueError/TypeError and the Buffer keeps working. Each hypothesis
+example is one ``pool.run`` that rebuilds the example's inputs on every rank from its parameters.
+"""
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import stress_rank_fns as S  # noqa: E402
+
+from ubep_torch import Buffer  # noqa: E402
+from ubep_torch import protocol as P  # noqa: E402
+from ubep_torch.testing import RankPool  # noqa: E402
+
+SYNCS = ["tff", "dc", "sp", "sw"]
+R = 2
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("shm"))
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": d}
+    with RankPool(R, env=env) as p:
+        yield p
+
+
+# ----------------------------------------------------------------------------- rank functions
+def _buffers(ctx, sync):
+    return S.get_buffers(ctx, (sync, sync), 20.0)
+
+
+def run_case(ctx, p, seed):
+    """One example: a normal or low-latency round trip checked bit for bit. Returns the failures."""
+    bufs = _buffers(ctx, p["sync"])
+    chk = S.Checker(0, p["op"])
+    me = ctx.rank
+    if p["op"] == "normal":
+        S.run_normal(bufs[p["buffer"]], p, seed, 0, me, ctx.world_size, chk)
+    else:
+        S.run_ll(bufs["B"], p, seed, 0, me, ctx.world_size, chk)
+    return chk.failures
+
+
+def bad_case(ctx, sync, kind):
+    """Every rank passes the same bad input: all raise ValueError/TypeError, then a valid call works."""
+    bufs = _buffers(ctx, sync)
+    buf = bufs["B"]
+    T, H, K, E = 4, 128, 2, 2 * ctx.world_size
+    x = torch.randn(T, H).bfloat16()
+    topk = torch.tensor([[0, 1], [1, 2], [-1, -1], [3, 0]])
+    cases = {
+        "id too large": lambda: buf.dispatch(x, topk_idx=topk + E, num_experts=E),
+        "id < -1": lambda: buf.dispatch(x, topk_idx=topk.clamp(max=0) - 2, num_experts=E),
+        "float ids": lambda: buf.dispatch(x, topk_idx=topk.float(), num_experts=E),
+        "3-d ids": lambda: buf.dispatch(x, topk_idx=topk.view(T, K, 1), num_experts=E),
+        "E not divisible": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E + 1),
+        "E zero": lambda: buf.get_dispatch_layout(topk, 0),
+        "x rows": lambda: buf.dispatch(x[:3], topk_idx=topk, num_experts=E),
+        "x int": lambda: buf.dispatch(x.to(torch.int16), topk_idx=topk, num_experts=E),
+        "x 3-d": lambda: buf.dispatch(x.view(T, H, 1), topk_idx=topk, num_experts=E),
+        "weights int": lambda: buf.dispatch(x, topk_idx=topk, topk_weights=topk, num_experts=E),
+        "alignment 0": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E, expert_alignment=0),
+        "worst < 0": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E, num_worst_tokens=-1),
+        "layout": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E, layout="nope"),
+        "ll T > N": lambda: buf.low_latency_dispatch(torch.randn(S.N_LL + 1, H).bfloat16(),
+                                                     torch.zeros(S.N_LL + 1, 1, dtype=torch.int64), S.N_LL, E),
+        "ll N <= 0": lambda: buf.low_latency_dispatch(x, topk, 0, E),
+        "ll duplicate": lambda: buf.low_latency_dispatch(x, torch.zeros(T, K, dtype=torch.int64), S.N_LL, E),
+        "ll fp8 H": lambda: buf.low_latency_dispatch(torch.randn(T, 100).bfloat16(), topk, S.N_LL, E),
+        "ll hidden too big": lambda: buf.low_latency_dispatch(torch.randn(T, 64 * 1024).bfloat16(), topk,
+                                                              S.N_LL, E),
+        "ll top-k 17": lambda: buf.low_latency_dispatch(x, torch.full((T, 17), -1, dtype=torch.int64),
+                                                        S.N_LL, E),
+        "combine handle": lambda: buf.combine(x, ("not", "a", "handle")),
+        "ll combine handle": lambda: buf.low_latency_combine(x, topk, torch.rand(T, K), ("x",)),
+    }
+    fn = cases[kind]
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+    else:
+        return f"{kind}: accepted"
+    if not buf.is_available():
+        return f"{kind}: Buffer unusable after a local error"
+    p = S.call_params(5, 0, ctx.world_size, True)
+    p.update(op="normal", buffer="B", H=64, dtype="bfloat16", K=2, T=[3] * ctx.world_size, weights=True,
+             layout="rank_major", worst=False, cached=False, wdtype="f32")
+    chk = S.Checker(0, "after")
+    S.run_normal(buf, p, 5, 0, ctx.rank, ctx.world_size, chk)
+    return chk.failures or msg
+
+
+def all_16bit_patterns(ctx, sync, dtype_name):
+    """Every 16-bit pattern as bf16/fp16 payload, dispatched to every rank and combined back."""
+    bufs = _buffers(ctx, sync)
+    buf = bufs["A"]
+    dtype = getattr(torch, dtype_name)
+    R_, me = ctx.world_size, ctx.rank
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    bits = bits.roll(me * 977)                     # each rank sends them in a different order
+    x = bits.view(dtype).view(256, 256).clone()
+    x[::17] = 0                                    # whole zero rows: every block collides with the sentinel
+    E = R_
+    topk = torch.arange(R_).repeat(256, 1)         # every token to every rank
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+    ref = []
+    for s in range(R_):
+        b = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).roll(s * 977).view(dtype).view(256, 256)
+        b = b.clone()
+        b[::17] = 0
+        ref.append(b)
+    ref = torch.cat(ref)
+    if not torch.equal(recv_x.view(torch.int16), ref.view(torch.int16)):
+        bad = (recv_x.view(torch.int16) != ref.view(torch.int16)).nonzero()[:5].tolist()
+        return f"dispatch bits differ at {bad}"
+    comb, _, _ = buf.combine(recv_x, handle)
+    acc = torch.zeros(256, 256)
+    for _ in range(R_):
+        acc += x.float()
+    exp = acc.to(dtype)
+    if not torch.equal(comb.view(torch.int16), exp.view(torch.int16)):
+        return "combine bits differ"
+    return None
+
+
+def sp_words(ctx, sync):
+    """float64 payload words equal to the sentinel, the escape value and the row magic."""
+    bufs = _buffers(ctx, sync)
+    buf = bufs["A"]
+    T, H = 6, 64 * 4
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(ctx.rank)).double()
+    w = x.view(torch.int64)
+    w[0, :] = 0
+    w[1, ::64] = P.SP_ESCAPE
+    w[2, ::64] = P.ROW_MAGIC
+    w[3, ::2] = P.SP_SENTINEL
+    w[4, :] = P.SP_ESCAPE
+    topk = torch.tensor([[r] for r in range(T)]) % ctx.world_size
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=ctx.world_size)
+    n = recv_x.shape[0]
+    if not torch.isfinite(recv_x).any() and n:
+        return "no finite data"
+    comb, _, _ = buf.combine(recv_x, handle)
+    if not torch.equal(comb.view(torch.int64), (x + 0.0).view(torch.int64)) and not torch.equal(
+            comb.view(torch.int64), x.view(torch.int64)):
+        return "sp special words corrupted"
+    return None
+
+
+# ----------------------------------------------------------------------------- strategies
+@st.composite
+def normal_params(draw):
+    K = draw(st.integers(0, 4))
+    E = R * draw(st.sampled_from([1, 2, 4]))
+    K = min(K, E)
+    dtype = draw(st.sampled_from(["bfloat16", "float16", "float32", "float64", "fp8"]))
+    H = draw(st.sampled_from([128, 256])) if dtype == "fp8" else draw(st.sampled_from([1, 3, 8, 64, 200, 256]))
+    layout = draw(st.sampled_from(["rank_major", "expert_major"])) if K else "rank_major"
+    wdtype = draw(st.sampled_from(["f32", "f64"]))
+    return {
+        "op": "normal", "sync": draw(st.sampled_from(SYNCS)), "buffer": draw(st.sampled_from(["A", "B"])),
+        "E": E, "K": K, "H": H, "dtype": dtype,
+        "T": draw(st.lists(st.sampled_from([0, 0, 1, 2, 7, 24]), min_size=R, max_size=R)),
+        "mode": draw(st.sampled_from(["uniform", "hot", "masked", "all_masked"])),
+        "wdtype": wdtype, "weights": True if layout == "expert_major" else draw(st.booleans()),
+        "layout": layout, "align": draw(st.sampled_from([1, 3, 8])),
+        "worst": draw(st.booleans()), "cached": draw(st.booleans()),
+        "use_fp8": False, "round_scale": False, "hook": False,
+        "special": draw(st.sampled_from([0.0, 0.05, 0.5])), "zero_rows": draw(st.booleans()),
+    }
+
+
+@st.composite
+def ll_params(draw):
+    E = R * draw(st.sampled_from([1, 2, 4]))
+    T = draw(st.lists(st.sampled_from([0, 1, 5, S.N_LL]), min_size=R, max_size=R))
+    return {
+        "op": "ll", "sync": draw(st.sampled_from(SYNCS)), "buffer": "B", "E": E,
+        "K": min(E, draw(st.integers(1, 4))), "H": 256 if 0 in T else draw(st.sampled_from([128, 256])),
+        "dtype": "bfloat16", "T": T, "mode": draw(st.sampled_from(["uniform", "hot", "masked", "all_masked"])),
+        "wdtype": "f32", "weights": True, "layout": "rank_major", "align": 1, "worst": False, "cached": False,
+        "use_fp8": draw(st.booleans()), "round_scale": draw(st.booleans()), "hook": draw(st.booleans()),
+        "special": draw(st.sampled_from([0.0, 0.05, 0.5])), "zero_rows": draw(st.booleans()),
+    }
+
+
+_SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
+                 database=None)
+
+
+@settings(max_examples=40, **_SETTINGS)
+@given(p=normal_params(), seed=st.integers(0, 2 ** 20))
+def test_normal_dispatch_combine_property(pool, p, seed):
+    out = pool.run(run_case, p, seed)
+    assert out == [[], []], (p, out)
+
+
+@settings(max_examples=30, **_SETTINGS)
+@given(p=ll_params(), seed=st.integers(0, 2 ** 20))
+def test_low_latency_property(pool, p, seed):
+    out = pool.run(run_case, p, seed)
+    assert out == [[], []], (p, out)
+
+
+BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible", "E zero", "x rows", "x int",
+             "x 3-d", "weights int", "alignment 0", "worst < 0", "layout", "ll T > N", "ll N <= 0",
+             "ll duplicate", "ll fp8 H", "ll hidden too big", "ll top-k 17", "combine handle",
+             "ll combine handle"]
+
+
+@pytest.mark.parametrize("sync", ["tff", "sp"])
+def test_bad_input_raises_and_buffer_stays_usable(pool, sync):
+    for kind in BAD_KINDS:
+        out = pool.run(bad_case, sync, kind)
+        assert all(isinstance(o, str) and "accepted" not in o and "unusable" not in o for o in out), (kind, out)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_every_16bit_pattern_round_trips(pool, sync, dtype):
+    assert pool.run(all_16bit_patterns, sync, dtype) == [None, None]
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_payload_words_equal_to_protocol_constants(pool, sync):
+    assert pool.run(sp_words, sync) == [None, None]
+
+
+# ----------------------------------------------------------------------------- known library bugs
+def known_bug(ctx, kind):
+    """Reproducers of bugs in ubep_torch (every rank hits the same condition, so nobody hangs)."""
+    buf = Buffer(ctx.group, 1 << 20, Buffer.get_low_latency_rdma_size_hint(8, 128, ctx.world_size, 2 * ctx.world_size),
+                 low_latency_mode=True, timeout_s=3.0)
+    E = 2 * ctx.world_size
+    try:
+        if kind == "f64-weights-odd-k":       # one received row, K = 1, float64 weights
+            topk = torch.tensor([[ctx.rank * 2]])
+            buf.dispatch(torch.randn(1, 64), topk_idx=topk, topk_weights=torch.rand(1, 1).double(), num_experts=E)
+        elif kind == "empty-nonunit-stride":  # no tokens; x made by an elementwise op has strides (1, 0)
+            x = torch.rand(0, 1) + 0.5
+            buf.dispatch(x, topk_idx=torch.zeros(0, 1, dtype=torch.int64), num_experts=E)
+        elif kind == "ll-fp8-zero-tokens-h128":
+            buf.low_latency_dispatch(torch.zeros(0, 128).bfloat16(), torch.zeros(0, 1, dtype=torch.int64), 8, E,
+                                     use_fp8=True)
+        elif kind == "expert-major-without-weights":
+            buf.dispatch(torch.randn(3, 64), topk_idx=torch.tensor([[0], [1], [2]]), num_experts=E,
+                         layout="expert_major")
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    finally:
+        buf.destroy()
+
+
+@pytest.mark.parametrize("kind", ["f64-weights-odd-k", "empty-nonunit-stride", "ll-fp8-zero-tokens-h128",
+                                  "expert-major-without-weights"])
+def test_former_bug_stays_fixed(pool, kind):
+    assert pool.run(known_bug, kind) == [None, None]
