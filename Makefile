@@ -23,7 +23,7 @@ demo: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/demo.py
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest tests
 
 bench: install
 	$(PY) benchmarks/bench_buffer.py
