@@ -415,17 +415,19 @@ class TorchEngine:
         if T == 0:
             return
         H = out.shape[1]
-        tmp = self.scratch("ll_combine_acc", (T * K, H), torch.float32)
-        self.unpack_rows_as(fmt, rows[: T * K], tmp, torch.bfloat16, rearm=False)
+        raw = self.scratch("ll_combine_raw", (T * K, H), torch.bfloat16)
+        self.unpack_rows(fmt, rows[: T * K], [P.as_bytes(raw)], rearm=False)
         valid = topk_idx >= 0
-        t3 = tmp.view(T, K, H)
+        invalid = ~valid.view(-1)
+        if bool(invalid.any()):
+            raw[invalid] = 0     # masked slots hold stale bytes (maybe NaN); 0 * w adds +0.0 like the kernels
+        r3 = raw.view(T, K, H)
         w = torch.where(valid, weights, torch.zeros_like(weights))
         acc = self.scratch("ll_combine_out", (T, H), torch.float32).zero_()
+        prod = self.scratch("ll_combine_prod", (T, H), torch.float32)
         for k in range(K):
-            xk = t3[:, k]
-            if not bool(valid[:, k].all()):
-                xk = torch.where(valid[:, k:k + 1], xk, torch.zeros((), dtype=torch.float32))
-            acc.add_(xk * w[:, k:k + 1])
+            torch.mul(r3[:, k], w[:, k:k + 1], out=prod)   # bf16 * f32 -> f32: exact upcast, one rounding
+            acc.add_(prod)
         out.copy_(acc)
 
     @staticmethod
