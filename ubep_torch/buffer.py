@@ -1154,6 +1154,10 @@ class Buffer:
             recv_count.copy_(cnt.sum(0).to(torch.int32))
             src_off = torch.cumsum(cnt, 1) - cnt                     # row offset of expert e in source s's part
             done = set()
+            # Kernel engines run CalCumSum + Token-Reordering as one launch (count AIVs publish each source's
+            # offsets, reorder AIVs start on that point-to-point signal); the wait for arrival stays here,
+            # with its deadline, so the launch never spins on a slow peer.
+            in_kernel = getattr(eng, "ll_receive", None) is not None and not use_fp8 and self.sync in ("tff", "sp")
 
             def poll_rows():
                 missing = []
@@ -1166,6 +1170,9 @@ class Buffer:
                         missing.append(s)
                         continue
                     state["wait_ns"][s] += time.perf_counter_ns() - t0
+                    if in_kernel:
+                        done.add(s)
+                        continue
                     for e in range(E_local):
                         c = int(cnt[s, e])
                         if c == 0:
@@ -1183,6 +1190,24 @@ class Buffer:
                     self._send_ack(rid, s, epoch)
                 return missing
             self._wait("low_latency_dispatch: Token-Reordering (waiting for token blocks)", poll_rows)
+            if in_kernel:
+                views = [region.rows(local, half, s, fmt, int(cnt[s].sum())) for s in range(R)]
+                sig_table = eng.ll_receive(fmt, [region.ctrl(local, half, s)[:nctrl] for s in range(R)], views, flag,
+                                           E_local, recv_x.view(E_local, R * N, H))
+                if not (torch.equal(sig_table[:, :E_local], begin) and torch.equal(sig_table[:, E_local:2 * E_local],
+                                                                                   cnt)):
+                    raise UBEPError("low_latency_dispatch: the CalCumSum kernel disagrees with the control messages")
+                for s in range(R):
+                    rows = views[s]
+                    for e in range(E_local):
+                        c = int(cnt[s, e])
+                        if c:
+                            r0, b0 = int(src_off[s, e]), int(begin[s, e])
+                            head = rows[r0:r0 + c, 0, :].view(torch.int64)
+                            src_info[e, b0:b0 + c] = head[:, 1].to(torch.int32)
+                            src_k[e, b0:b0 + c] = rows[r0:r0 + c, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
+                    eng.rearm(fmt, rows)
+                    self._send_ack(rid, s, epoch)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count.to(cumulative_local_expert_recv_stats.dtype))
             if dispatch_wait_recv_cost_stats is not None:
