@@ -201,7 +201,7 @@ class Buffer:
         if num_count_aivs is not None and (not isinstance(num_count_aivs, int) or num_count_aivs < 1):
             raise ValueError(f"num_count_aivs must be a positive int, got {num_count_aivs!r}")
         self.engine = make_engine(backend, num_count_aivs)
-        self._default_n_count = num_count_aivs
+        self._default_n_count = getattr(self.engine, "n_count", None)   # includes UBEP_TRITON_COUNT_AIVS
         self.backend = self.engine.name
         self.cost_model = cost_model
         self.on_report = on_report
