@@ -598,10 +598,7 @@ class Buffer:
                 meta[:, K:].copy_(P.fresh(weights).view(torch.int32).view(T, K * wsz))
         fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
         src_index = torch.arange(T, dtype=torch.int64)
-        counts = None
-        if K:
-            _, _, ntpe, _, _ = self.get_dispatch_layout(topk_idx, E)
-            counts = ntpe.view(R, E_local).to(torch.int64)
+        counts = ntpe.view(R, E_local).to(torch.int64) if K else None
         ntpr = torch.tensor([s.numel() for s in send_idx], dtype=torch.int64)
 
         def ctrl_payload(d: int, checksum: int = 0) -> torch.Tensor:

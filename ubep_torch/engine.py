@@ -202,22 +202,29 @@ class TorchEngine:
         sync = fmt.sync
         pay = P.payload_per_block(sync)
         start = P.FLAG_BYTES if sync == "tff" else (8 if sync == "sp" else 0)
-        torch.index_select(st.meta, 0, sel, out=out[:, 0, :])
+        rng = _as_range(sel)
+
+        def take(src: torch.Tensor, dst: torch.Tensor) -> None:
+            if rng is not None:   # consecutive rows: a strided copy, no gather
+                dst.copy_(src[rng[0]:rng[1]])
+            else:
+                torch.index_select(src, 0, sel, out=dst)
+
+        take(st.meta, out[:, 0, :])
         T = st.n
         for off, full, data, tail in st.parts:
             if full and start == 0:
                 # raw blocks (dc, sw): the field is one contiguous run in the row, copied as such
-                torch.index_select(data[:, : full * pay], 0, sel,
-                                   out=out[:, off:off + full].reshape(n, full * P.BLOCK_BYTES))
+                take(data[:, : full * pay], out[:, off:off + full].view(n, full * P.BLOCK_BYTES))
             elif full:
                 src = data[:, : full * pay].view(T, full, pay)
                 lo = start - (P.FLAG_BYTES if sync == "tff" else 0)
-                torch.index_select(src[:, :, lo:], 0, sel, out=out[:, off:off + full, start:start + pay - lo])
+                take(src[:, :, lo:], out[:, off:off + full, start:start + pay - lo])
             if tail is not None:
-                torch.index_select(tail[:, start:], 0, sel, out=out[:, off + full, start:])
+                take(tail[:, start:], out[:, off + full, start:])
         if st.hdr is not None:
             words = out.view(torch.int64).view(n, fmt.blocks, P.BLOCK_WORDS)
-            torch.index_select(st.hdr, 0, sel, out=words[:, 1:, 1:4])
+            take(st.hdr, words[:, 1:, 1:4])
 
     def write_rows(self, fmt: P.RowFormat, staging: torch.Tensor, checked: Optional[torch.Tensor],
                    sel: Optional[torch.Tensor], dst: torch.Tensor, flag: int,
