@@ -968,24 +968,36 @@ class Buffer:
                             f"sent {expect.tolist()} (was the handle from the latest matching dispatch?)")
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         eng = self.engine
-        acc = eng.scratch("combine_acc", (T, H), acc_dtype).zero_()
+        acc = eng.scratch("combine_acc", (T, H), acc_dtype)
         wacc = torch.zeros(T, K, dtype=topk_weights.dtype) if K else None
-        eng = self.engine
+        state = {"init": False}   # acc is written by the first source in rank order, then accumulated into
 
         def accumulate(s: int, rows: Optional[torch.Tensor]) -> None:
+            idx = base.send_idx[s]
             if rows is None:   # this rank's own rows: straight from x
                 lo, hi = int(offsets[s]), int(offsets[s + 1])
-                if hi > lo:
-                    acc.index_add_(0, base.send_idx[s], x[lo:hi].to(acc_dtype))
-                    if K:
-                        wacc.index_add_(0, base.send_idx[s], topk_weights[lo:hi])
+                if hi == lo:
+                    return
+                if not state["init"] and idx.numel() == T:   # every token, in order: 0 + x without a gather
+                    acc.copy_(x[lo:hi])
+                    acc.add_(0.0)
+                else:
+                    if not state["init"]:
+                        acc.zero_()
+                    acc.index_add_(0, idx, x[lo:hi].to(acc_dtype))
+                state["init"] = True
+                if K:
+                    wacc.index_add_(0, idx, topk_weights[lo:hi])
                 return
             if rows.shape[0] == 0:
                 return
-            eng.combine_accumulate(fmt, rows, base.send_idx[s], acc, x.dtype, wacc)
+            eng.combine_accumulate(fmt, rows, idx, acc, x.dtype, wacc, first=not state["init"])
+            state["init"] = True
             eng.rearm(fmt, rows)
 
         self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None, accumulate=accumulate)
+        if not state["init"]:
+            acc.zero_()
         for b in biases:
             acc += b.to(acc_dtype)
         self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size())

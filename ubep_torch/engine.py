@@ -396,15 +396,29 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ combine reductions
     def combine_accumulate(self, fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor, acc: torch.Tensor,
-                           x_dtype: torch.dtype, wacc: Optional[torch.Tensor] = None) -> None:
+                           x_dtype: torch.dtype, wacc: Optional[torch.Tensor] = None, first: bool = False) -> None:
         """Normal combine, one source: ``acc[index[r]] += float(x_r)`` and ``wacc[index[r]] += w_r``.
 
-        ``index`` holds distinct rows, so the result does not depend on the order rows are added in.
-        SP blocks are not re-armed here (the caller does it once the rows are consumed).
+        ``index`` holds distinct rows in ascending order, so the result does not depend on the order rows
+        are added in. ``first``: ``acc`` holds nothing yet and counts as zeros (``0 + x``, so ``-0.0``
+        becomes ``+0.0`` exactly as an accumulation from zeros would). SP blocks are not re-armed here
+        (the caller does it once the rows are consumed).
         """
         n = rows.shape[0]
         if n == 0:
+            if first:
+                acc.zero_()
             return
+        if first and n == acc.shape[0]:   # every token, in order: write 0 + x, no zeroing, no gather
+            raw = self.scratch("unpack", (n, acc.shape[1]), x_dtype)
+            meta = self.unpack_rows(fmt, rows, [P.as_bytes(raw)], rearm=False)
+            acc.copy_(raw)
+            acc.add_(0.0)
+            if wacc is not None and wacc.shape[1]:
+                wacc.index_add_(0, index, P.fresh(meta).view(wacc.dtype))
+            return
+        if first:
+            acc.zero_()
         tmp = self.scratch("combine_rows", (n, acc.shape[1]), acc.dtype)
         meta = self.unpack_rows_as(fmt, rows, tmp, x_dtype, rearm=False)
         acc.index_add_(0, index, tmp)

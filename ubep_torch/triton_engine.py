@@ -296,12 +296,14 @@ class TritonEngine(TorchEngine):
 
     # ------------------------------------------------------------------ combine reductions
     def combine_accumulate(self, fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor, acc: torch.Tensor,
-                           x_dtype: torch.dtype, wacc: torch.Tensor | None = None) -> None:
+                           x_dtype: torch.dtype, wacc: torch.Tensor | None = None, first: bool = False) -> None:
         """``acc[index[r]] += x_r`` (and ``wacc[index[r]] += w_r``) straight from arrived rows.
 
         Equal to ``acc.index_add_(0, index, unpacked_x.to(acc.dtype))`` bit for bit (one row per
-        output index per source, as in the normal combine).
+        output index per source, as in the normal combine). ``first``: ``acc`` counts as zeros.
         """
+        if first:
+            acc.zero_()
         kcombine.combine_accumulate(fmt, rows, index, acc, x_dtype, wacc)
 
     def weighted_combine(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
