@@ -348,6 +348,23 @@ class Buffer:
         P.memory_fence()
         peer_words[self._ack_base(rid, epoch % 2) + self.rank] = epoch
 
+    def _wait_ctrl(self, region: "_Region", half: int, nctrl: int, flag: int, phase: str) -> dict:
+        """Wait (with the deadline) for every source's control message of this call; returns their words."""
+        local, eng, words = self._heap.local, self.engine, {}
+
+        def poll():
+            missing = []
+            for s in range(self.group_size):
+                if s not in words:
+                    c = region.ctrl(local, half, s)[:nctrl]
+                    if eng.ctrl_arrived(c, flag):
+                        words[s] = eng.read_ctrl(c)
+                    else:
+                        missing.append(s)
+            return missing
+        self._wait(phase, poll)
+        return words
+
     def _sync_all(self, phase: str) -> None:
         """SyncAll emulation for the "sw" baseline: a barrier through shared memory, not through gloo."""
         self._barrier_count += 1
@@ -792,21 +809,8 @@ class Buffer:
                                          region.ctrl(peer, half, me)[:nctrl], ctrl_payload(d)))
         eng.send_phase(job)
         # receive the control messages of every source (verification of flags and counts)
-        local = self._heap.local
-        ctrl_words = {}
-
-        def poll_ctrl():
-            missing = []
-            for s in range(R):
-                if s in ctrl_words:
-                    continue
-                c = region.ctrl(local, half, s)[:nctrl]
-                if eng.ctrl_arrived(c, flag):
-                    ctrl_words[s] = eng.read_ctrl(c)
-                else:
-                    missing.append(s)
-            return missing
-        self._wait(f"{P.REGION_NAMES[rid]}: TokenCnt (waiting for the count messages)", poll_ctrl)
+        ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
+                                     f"{P.REGION_NAMES[rid]}: TokenCnt (waiting for the count messages)")
         if self.sync == "sw":
             self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after flag verification")
         sig = fmt.signature()
@@ -1132,21 +1136,10 @@ class Buffer:
             if pending.done:
                 return
             self._check_usable()
-            ctrl_words = {}
             local = self._heap.local
-
-            def poll_ctrl():
-                missing = []
-                for s in range(R):
-                    if s not in ctrl_words:
-                        c = region.ctrl(local, half, s)[:nctrl]
-                        if eng.ctrl_arrived(c, flag):
-                            ctrl_words[s] = eng.read_ctrl(c)
-                        else:
-                            missing.append(s)
-                return missing
             t0 = time.perf_counter_ns()
-            self._wait("low_latency_dispatch: TokenCnt (waiting for the count messages)", poll_ctrl)
+            ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
+                                         "low_latency_dispatch: TokenCnt (waiting for the count messages)")
             if self.sync == "sw":
                 self._sync_all("low_latency_dispatch: SyncAll after flag verification")
             for s in range(R):
@@ -1356,19 +1349,8 @@ class Buffer:
                 return
             self._check_usable()
             local = self._heap.local
-            ctrl_words = {}
-
-            def poll_ctrl():
-                missing = []
-                for s in range(R):
-                    if s not in ctrl_words:
-                        c = region.ctrl(local, half, s)[:nctrl]
-                        if eng.ctrl_arrived(c, flag):
-                            ctrl_words[s] = eng.read_ctrl(c)
-                        else:
-                            missing.append(s)
-                return missing
-            self._wait("low_latency_combine: waiting for the count messages", poll_ctrl)
+            ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
+                                         "low_latency_combine: waiting for the count messages")
             if self.sync == "sw":
                 self._sync_all("low_latency_combine: SyncAll after flag verification")
             for s in range(R):
