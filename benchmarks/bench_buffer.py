@@ -1,12 +1,28 @@
-"""DeepEP-style benchmark of ubep_torch on this machine, side by side with a naive gloo EP.
+"""DeepEP-style benchmark of ubep_torch on this machine, side by side with naive gloo EPs, in one run.
 
     python benchmarks/bench_buffer.py [--ranks 2 --tokens 128 --hidden 7168 --topk 8 --experts 16]
 
-For each implementation it prints the median time per dispatch and per combine (slowest rank), the
-bytes one rank receives per dispatch and the resulting GB/s, and the ratio to the naive EP, which
-moves the same rows with ``torch.distributed.all_to_all_single`` over gloo (counts first, then rows).
-The physical reference is the bandwidth of a plain tensor copy of the same size, measured on every rank
-at the same time (so it sees the same memory contention as the exchange).
+What is timed
+-------------
+Every path runs ``--iters`` calls back to back after a barrier, and a rank's time per call is its loop
+time divided by the number of calls; the slowest rank counts, and the median of ``--rounds`` rounds is
+printed. Back-to-back calls are what an MoE layer issues; a barrier before every single call would add
+the barrier's release skew between processes (often milliseconds for gloo) to every measurement.
+
+* ``ubep normal``: ``dispatch`` (with ``get_dispatch_layout``'s outputs) and ``combine``.
+* ``ubep low_latency``: ``low_latency_dispatch`` (bf16) and ``low_latency_combine``.
+* ``naive gloo (rank rows)``: what an EP without a shared address space does for normal mode: counts with
+  one ``all_to_all_single``, one row per (token, destination rank) with a second, the rows back with a
+  third, summed with ``index_add_``. Same rows as normal-mode dispatch.
+* ``naive gloo (expert rows)``: the same for the low-latency layout: one row per (token, expert) each way,
+  and the weighted sum. Same rows as low-latency dispatch.
+* Physical references, measured on every rank at once: a plain tensor copy of the bytes one rank receives
+  per dispatch (source and destination stay in cache), the same copy through 64 MiB buffers (memory
+  bandwidth), and a store of those bytes into the peer's shared memory followed by the peer loading them
+  back out (what moving bytes between two processes costs here at least).
+
+Bandwidth is the bytes one rank receives per dispatch (``recv_x`` rows, its own included, as DeepEP
+counts them) over the dispatch time.
 """
 from __future__ import annotations
 
@@ -23,42 +39,66 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ubep_torch import Buffer  # noqa: E402
 from ubep_torch.testing import RankPool  # noqa: E402
+from ubep_torch.ugas import SymmetricHeap  # noqa: E402
 
 
-def _timeit(fn, iters, warmup=2):
-    out = []
-    for i in range(warmup + iters):
-        dist.barrier()
-        t0 = time.perf_counter()
+def _loop(fn, iters: int) -> float:
+    """Seconds per call of ``iters`` back-to-back calls, started together on every rank."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
         fn()
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            out.append(dt)
-    return out
+    return (time.perf_counter() - t0) / iters
 
 
-def _naive_ep(x, topk_idx, E, R):
-    """Dispatch + combine with all_to_all_single over gloo (what an EP without a UGAS does)."""
-    T = x.shape[0]
-    El = E // R
+def _rank_rows(topk_idx, R, El):
+    T = topk_idx.shape[0]
     in_rank = torch.zeros(T, R, dtype=torch.bool)
     valid = topk_idx >= 0
     in_rank[torch.arange(T).unsqueeze(1).expand_as(topk_idx)[valid], (topk_idx[valid] // El)] = True
-    dest_rows = [in_rank[:, d].nonzero().squeeze(1) for d in range(R)]
+    return [in_rank[:, d].nonzero().squeeze(1) for d in range(R)]
+
+
+def naive_rank_rows(x, topk_idx, E, R):
+    """Normal-mode EP over gloo: one row per (token, destination rank), back, summed."""
+    T = x.shape[0]
+    dest_rows = _rank_rows(topk_idx, R, E // R)
     send_counts = torch.tensor([r.numel() for r in dest_rows], dtype=torch.int64)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts)
-    send = x.index_select(0, torch.cat(dest_rows))
+    order = torch.cat(dest_rows)
+    send = x.index_select(0, order)
     recv = torch.empty(int(recv_counts.sum()), x.shape[1], dtype=x.dtype)
     dist.all_to_all_single(recv, send, recv_counts.tolist(), send_counts.tolist())
     back = torch.empty_like(send)
     dist.all_to_all_single(back, recv, send_counts.tolist(), recv_counts.tolist())
     out = torch.zeros(T, x.shape[1], dtype=torch.float32)
-    out.index_add_(0, torch.cat(dest_rows), back.float())
+    out.index_add_(0, order, back.float())
     return recv, out.to(x.dtype)
 
 
-def bench_rank(ctx, T, H, K, E, iters, sync):
+def naive_expert_rows(x, topk_idx, weights, E, R):
+    """Low-latency-layout EP over gloo: one row per (token, expert) each way, weighted sum."""
+    T, K = topk_idx.shape
+    El = E // R
+    t_idx, k_idx = (topk_idx >= 0).nonzero(as_tuple=True)
+    g = topk_idx[t_idx, k_idx]
+    order = torch.argsort(g, stable=True)
+    t_idx, k_idx, g = t_idx[order], k_idx[order], g[order]
+    send_counts = torch.bincount(g // El, minlength=R)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts)
+    send = x.index_select(0, t_idx)
+    recv = torch.empty(int(recv_counts.sum()), x.shape[1], dtype=x.dtype)
+    dist.all_to_all_single(recv, send, recv_counts.tolist(), send_counts.tolist())
+    back = torch.empty_like(send)
+    dist.all_to_all_single(back, recv, send_counts.tolist(), recv_counts.tolist())
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32)
+    out.index_add_(0, t_idx, back.float() * weights[t_idx, k_idx].unsqueeze(1))
+    return recv, out.to(x.dtype)
+
+
+def bench_rank(ctx, T, H, K, E, iters, rounds, sync):
     torch.manual_seed(ctx.rank)
     R = ctx.world_size
     x = torch.randn(T, H).bfloat16()
@@ -67,46 +107,73 @@ def bench_rank(ctx, T, H, K, E, iters, sync):
     nvl = Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R)
     rdma = Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
     buf = Buffer(ctx.group, nvl, rdma, low_latency_mode=True, sync=sync)
-    res = {}
-
     ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
-    state = {}
+    st = {}
 
     def disp():
-        state["d"] = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
-                                  topk_idx=topk, topk_weights=w)
+        st["d"] = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                               topk_idx=topk, topk_weights=w)
 
     def comb():
-        buf.combine(state["d"][0], state["d"][4])
-    dts, cts = [], []
-    for _ in range(iters + 2):
-        dts += _timeit(disp, 1, 0)
-        cts += _timeit(comb, 1, 0)
-    res["normal"] = (statistics.median(dts[2:]), statistics.median(cts[2:]), state["d"][0].numel() * 2)
+        st["c"] = buf.combine(st["d"][0], st["d"][4])
 
     def lld():
-        state["l"] = buf.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+        st["l"] = buf.low_latency_dispatch(x, topk, T, E, use_fp8=False)
 
     def llc():
-        buf.low_latency_combine(state["l"][0], topk, w, state["l"][2])
-    dts, cts = [], []
-    for _ in range(iters + 2):
-        dts += _timeit(lld, 1, 0)
-        cts += _timeit(llc, 1, 0)
-    res["low_latency"] = (statistics.median(dts[2:]), statistics.median(cts[2:]), int(state["l"][1].sum()) * H * 2)
+        st["lc"] = buf.low_latency_combine(st["l"][0], topk, w, st["l"][2])
 
-    def naive():
-        state["n"] = _naive_ep(x, topk, E, R)
-    nts = _timeit(naive, iters)
-    res["naive_gloo"] = (statistics.median(nts), 0.0, state["n"][0].numel() * 2)
+    def naive_n():
+        st["n"] = naive_rank_rows(x, topk, E, R)
 
-    nbytes = res["normal"][2]
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    def naive_l():
+        st["nl"] = naive_expert_rows(x, topk, w, E, R)
+
+    disp(), comb(), lld(), llc(), naive_n(), naive_l()          # warm up every path once
+    recv_bytes = st["d"][0].numel() * 2
+    ll_bytes = int(st["l"][1].sum()) * H * 2
+    src = torch.empty(recv_bytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
-    cts = _timeit(lambda: dst.copy_(src), iters * 3)
-    res["copy"] = (statistics.median(cts), 0.0, nbytes)
+    big_src = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+    big_dst = torch.empty_like(big_src)
+    nbig = (64 << 20) // recv_bytes
+    heap = SymmetricHeap(ctx.group, 2 * recv_bytes + 4096)
+    peer = heap.peer((ctx.rank + 1) % R)
+    mine = heap.local
+    pos = {"i": 0}
+
+    def big_copy():   # walk through 64 MiB so every copy misses the cache
+        i = pos["i"] = (pos["i"] + 1) % nbig
+        big_dst[i * recv_bytes:(i + 1) * recv_bytes].copy_(big_src[i * recv_bytes:(i + 1) * recv_bytes])
+
+    def cross_copy():  # store into the peer's memory, then (after the barrier) load own memory back out
+        h = pos["i"] = (pos["i"] + 1) % 2
+        peer[h * recv_bytes:(h + 1) * recv_bytes].copy_(src)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dst.copy_(mine[h * recv_bytes:(h + 1) * recv_bytes])
+        return time.perf_counter() - t0
+
+    res = {k: [] for k in ("disp", "comb", "rt", "lld", "llc", "llrt", "naive_n", "naive_l", "copy", "bigcopy",
+                           "cross")}
+    for _ in range(rounds):
+        res["disp"].append(_loop(disp, iters))
+        res["comb"].append(_loop(comb, iters))
+        res["rt"].append(_loop(lambda: (disp(), comb()), iters))
+        res["lld"].append(_loop(lld, iters))
+        res["llc"].append(_loop(llc, iters))
+        res["llrt"].append(_loop(lambda: (lld(), llc()), iters))
+        res["naive_n"].append(_loop(naive_n, max(2, iters // 2)))
+        res["naive_l"].append(_loop(naive_l, max(2, iters // 2)))
+        res["copy"].append(_loop(lambda: dst.copy_(src), iters * 4))
+        res["bigcopy"].append(_loop(big_copy, iters * 4))
+        # cross-process: the store and the load each timed around the barrier between them
+        t_store = _loop(lambda: peer[:recv_bytes].copy_(src), iters * 4)
+        loads = [cross_copy() for _ in range(iters)]
+        res["cross"].append(t_store + statistics.median(loads))
+    heap.close()
     buf.destroy()
-    return res
+    return res, recv_bytes, ll_bytes
 
 
 def main() -> None:
@@ -116,30 +183,39 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sync", default="tff", choices=["tff", "dc", "sp", "sw"])
     a = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     with RankPool(a.ranks, env={"PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])}) as pool:
-        per_rank = pool.run(bench_rank, a.tokens, a.hidden, a.topk, a.experts, a.iters, a.sync, timeout_s=600)
-    res = {k: (max(r[k][0] for r in per_rank), max(r[k][1] for r in per_rank), per_rank[0][k][2])
-           for k in per_rank[0]}
+        per_rank = pool.run(bench_rank, a.tokens, a.hidden, a.topk, a.experts, a.iters, a.rounds, a.sync,
+                            timeout_s=1800)
+    recv_bytes, ll_bytes = per_rank[0][1], per_rank[0][2]
+    # slowest rank of every round, then the median over rounds
+    t = {k: statistics.median(max(r[0][k][i] for r in per_rank) for i in range(a.rounds)) for k in per_rank[0][0]}
     print(f"ubep_torch benchmark: {a.ranks} ranks, {a.tokens} tokens/rank, hidden {a.hidden}, top-{a.topk}, "
-          f"{a.experts} experts, bf16, sync={a.sync} (median of {a.iters}, slowest rank)")
-    copy_t, _, copy_b = res["copy"]
-    copy_bw = copy_b / copy_t / 1e9
-    naive_t = res["naive_gloo"][0]
-    print(f"{'path':<22}{'dispatch ms':>12}{'combine ms':>12}{'round trip':>12}{'recv MB':>9}"
-          f"{'disp GB/s':>11}{'vs naive':>10}{'vs copy':>9}")
-    for name in ("normal", "low_latency"):
-        d, c, b = res[name]
-        bw = b / d / 1e9
-        print(f"{'ubep ' + name:<22}{d * 1e3:>12.3f}{c * 1e3:>12.3f}{(d + c) * 1e3:>12.3f}{b / 1e6:>9.2f}"
-              f"{bw:>11.2f}{naive_t / (d + c):>9.1f}x{bw / copy_bw:>9.2f}")
-    nb = res["naive_gloo"][2]
-    print(f"{'naive gloo all_to_all':<22}{'':>12}{'':>12}{naive_t * 1e3:>12.3f}{nb / 1e6:>9.2f}{'':>11}{'1.0x':>10}")
-    print(f"{'plain tensor copy':<22}{copy_t * 1e3:>12.3f}{'':>12}{'':>12}{copy_b / 1e6:>9.2f}{copy_bw:>11.2f}"
-          f"{'':>10}{1.0:>9.2f}")
+          f"{a.experts} experts, bf16, sync={a.sync}")
+    print(f"  (back-to-back calls: {a.iters} per round, slowest rank, median of {a.rounds} rounds)")
+    hdr = (f"{'path':<28}{'dispatch ms':>12}{'combine ms':>12}{'round trip':>12}{'recv MB':>9}"
+           f"{'disp GB/s':>11}{'vs naive':>10}")
+    print(hdr)
+    rows = [("ubep normal", t["disp"], t["comb"], t["rt"], recv_bytes, t["naive_n"]),
+            ("ubep low_latency", t["lld"], t["llc"], t["llrt"], ll_bytes, t["naive_l"])]
+    for name, d, c, rt, b, naive in rows:
+        print(f"{name:<28}{d * 1e3:>12.3f}{c * 1e3:>12.3f}{rt * 1e3:>12.3f}{b / 1e6:>9.2f}"
+              f"{b / d / 1e9:>11.2f}{naive / rt:>9.1f}x")
+    print(f"{'naive gloo (rank rows)':<28}{'':>24}{t['naive_n'] * 1e3:>12.3f}{recv_bytes / 1e6:>9.2f}"
+          f"{'':>11}{'1.0x':>10}   <- baseline of ubep normal")
+    print(f"{'naive gloo (expert rows)':<28}{'':>24}{t['naive_l'] * 1e3:>12.3f}{ll_bytes / 1e6:>9.2f}"
+          f"{'':>11}{'1.0x':>10}   <- baseline of ubep low_latency")
+    print(f"\nphysical references for {recv_bytes / 1e6:.2f} MB (every rank at once)   ms      GB/s   "
+          f"normal dispatch / reference")
+    disp_bw = recv_bytes / t["disp"] / 1e9
+    for name, key in (("plain copy, in cache", "copy"), ("plain copy, 64 MiB buffers", "bigcopy"),
+                      ("store to peer + load back", "cross")):
+        bw = recv_bytes / t[key] / 1e9
+        print(f"  {name:<40}{t[key] * 1e3:>8.3f}{bw:>10.2f}{disp_bw / bw:>12.2f}")
 
 
 if __name__ == "__main__":

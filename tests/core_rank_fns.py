@@ -368,3 +368,36 @@ def mismatched_hidden(ctx):
         return type(e).__name__, str(e)
     buf.destroy()
     return None, ""
+
+
+def combine_pair_exact(ctx, sync, dtype=torch.bfloat16, T=12, H=256, seed=5):
+    """Every token on both ranks (the two-rank single-pass combine): the result has exactly the bits of a
+    float32 accumulator that starts at +0.0 and adds the ranks' rows in rank order, signed zeros and
+    all-zero rows (SP sentinel collisions) included."""
+    buf = get_buffer(ctx, sync)
+    R, r = ctx.world_size, ctx.rank
+    E = 2 * R
+    g = torch.Generator().manual_seed(seed + r)
+    topk = torch.stack([torch.arange(0, E, 2), torch.arange(1, E, 2)], 1)[:R].reshape(1, -1)
+    topk = topk.repeat(T, 1)[:, :E].to(torch.int64)            # every token picks every expert
+    x = torch.randn(T, H, generator=g).to(dtype)
+    x[0] = -0.0                                                 # (-0) + (-0) must come back as +0
+    x[1] = 0.0                                                  # a whole row of zero bytes (SP escapes)
+    x[2, ::3] = -0.0
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+    y = recv_x.clone()
+    y[recv_x.shape[0] // 2:] = y[recv_x.shape[0] // 2:] * -1  # make the two ranks' rows differ
+    comb, _, _ = buf.combine(y, handle)
+    # reference: rows from rank s are y_s[t] where y_s is what rank s computed for our tokens
+    all_y = gather((y, handle[3].clone(), handle.recv_offsets.clone()))
+    acc = torch.zeros(T, H, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    for s in range(R):
+        ys, src_idx, offs = all_y[s]
+        rows = ys[int(offs[r]):int(offs[r + 1])]
+        assert torch.equal(src_idx[int(offs[r]):int(offs[r + 1])].to(torch.int64), torch.arange(T))
+        acc = acc + rows.to(acc.dtype)
+    ref = acc.to(dtype)
+    same = torch.equal(comb.view(torch.uint8), ref.view(torch.uint8))
+    assert same, f"rank {r}: combine bits differ from the rank-order float32 sum ({dtype}, {sync})"
+    assert not torch.signbit(comb[0]).any(), "(-0) + (-0) must give +0 as an accumulator from +0.0 does"
+    return True

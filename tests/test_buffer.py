@@ -44,6 +44,13 @@ def test_normal_dispatch_combine_matches_reference(pool2, sync):
 
 
 @pytest.mark.parametrize("sync", SYNCS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_two_rank_combine_is_bit_exact(pool2, sync, dtype):
+    import torch
+    assert pool2.run(F.combine_pair_exact, sync, getattr(torch, dtype)) == [True, True]
+
+
+@pytest.mark.parametrize("sync", SYNCS)
 def test_dispatch_variants(pool2, sync):
     pool2.run(F.dispatch_variants, sync)
 

@@ -57,6 +57,16 @@ class TorchEngine:
         # Reused scratch tensors. Fresh multi-MB allocations are mmap'ed and faulted in page by page on
         # every call, which costs more than the copies themselves; staging never outlives a call.
         self._scratch: dict = {}
+        self._aranges: dict = {}
+
+    def arange(self, n: int) -> torch.Tensor:
+        """A shared ``arange(n)`` int64 (read-only by convention): staging keyed on it is reused."""
+        t = self._aranges.get(n)
+        if t is None:
+            if len(self._aranges) > 64:
+                self._aranges.clear()
+            t = self._aranges[n] = torch.arange(n, dtype=torch.int64)
+        return t
 
     def scratch(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         n = 1
@@ -168,10 +178,16 @@ class TorchEngine:
         hdr = checked = row_sums = None
         if sync == "tff":
             if nb > 1:
-                hdr = torch.empty(n, nb - 1, 3, dtype=torch.int64)
-                hdr[:, :, 0] = src_index.unsqueeze(1)
-                hdr[:, :, 1] = torch.arange(1, nb, dtype=torch.int64)
-                hdr[:, :, 2] = rank
+                # head words 1..3 of the data blocks depend only on (token, block, rank): kept between calls
+                key = ("hdr", n, nb, rank)
+                hdr = self._scratch.get(key) if src_index is self._aranges.get(n) else None
+                if hdr is None:
+                    hdr = torch.empty(n, nb - 1, 3, dtype=torch.int64)
+                    hdr[:, :, 0] = src_index.unsqueeze(1)
+                    hdr[:, :, 1] = torch.arange(1, nb, dtype=torch.int64)
+                    hdr[:, :, 2] = rank
+                    if src_index is self._aranges.get(n):
+                        self._scratch[key] = hdr
         else:
             mw[:, 0] = P.ROW_MAGIC
             if sync in ("sp", "dc"):
@@ -425,6 +441,27 @@ class TorchEngine:
         if wacc is not None and wacc.shape[1]:
             wacc.index_add_(0, index, P.fresh(meta).view(wacc.dtype))
 
+    def combine_pair(self, fmt: P.RowFormat, own: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> bool:
+        """Normal combine when every token came back from exactly two ranks, in token order.
+
+        ``out = (0 + own) + payload(rows)`` rounded once to ``out``'s dtype: the same bits as accumulating
+        the two sources in float32 (float64 for float64 payloads), in one pass that reads the peer's rows
+        straight from the slots. Returns False (nothing written) when the payload cannot be read in
+        place (an SP row with escaped words); the caller then takes the general path.
+        """
+        views = P.field_views(rows, fmt, 0, own.dtype)
+        if views is None:
+            return False
+        if fmt.sync == "sp" and fmt.bitmap_words and rows.shape[0]:
+            bm = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, fmt.meta_words:fmt.meta_words + fmt.bitmap_words]
+            if bool(bm.any()):
+                return False
+        for lo, hi, v in views:
+            # a + b is computed in float32 and rounded once, as the float32 accumulator would be
+            torch.add(own[:, lo:hi].view(v.shape), v, out=out[:, lo:hi].view(v.shape))
+        out.add_(0.0)   # an accumulator starting at +0.0 turns (-0.0) + (-0.0) into +0.0
+        return True
+
     def weighted_combine(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
                          weights: torch.Tensor, out: torch.Tensor) -> None:
         """Low-latency combine: ``out[t] = bf16(sum_k w[t, k] * x[t*K + k])`` over the valid slots.
@@ -436,6 +473,8 @@ class TorchEngine:
         if T == 0:
             return
         H = out.shape[1]
+        if self._weighted_combine_in_place(fmt, rows, topk_idx, weights, out):
+            return
         raw = self.scratch("ll_combine_raw", (T * K, H), torch.bfloat16)
         self.unpack_rows(fmt, rows[: T * K], [P.as_bytes(raw)], rearm=False)
         valid = topk_idx >= 0
@@ -450,6 +489,40 @@ class TorchEngine:
             torch.mul(r3[:, k], w[:, k:k + 1], out=prod)   # bf16 * f32 -> f32: exact upcast, one rounding
             acc.add_(prod)
         out.copy_(acc)
+
+    def _weighted_combine_in_place(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
+                                   weights: torch.Tensor, out: torch.Tensor) -> bool:
+        """:meth:`weighted_combine` reading every slot's bf16 payload straight from the blocks (no unpacked
+        copy of all T*K rows): per top-k column one widening copy, one multiply, one add. Same operations
+        in the same order, so the same bits. False when the payload cannot be read in place (SP escapes)."""
+        T, K = topk_idx.shape
+        H = out.shape[1]
+        slots = rows[: T * K]
+        views = P.field_views(slots, fmt, 0, torch.bfloat16)
+        if views is None:
+            return False
+        if fmt.sync == "sp" and fmt.bitmap_words:
+            bm = slots[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, fmt.meta_words:fmt.meta_words + fmt.bitmap_words]
+            if bool(bm.any()):
+                return False
+        valid = topk_idx >= 0
+        w = torch.where(valid, weights, torch.zeros_like(weights))
+        any_invalid = [bool(c) for c in (~valid).any(0).tolist()]
+        acc = self.scratch("ll_combine_out", (T, H), torch.float32)
+        prod = self.scratch("ll_combine_prod", (T, H), torch.float32)
+        for k in range(K):
+            for lo, hi, v in views:
+                vk = v.view(T, K, *v.shape[1:])[:, k]          # slot (t, k) is row t*K + k
+                prod[:, lo:hi].view(vk.shape).copy_(vk)         # bf16 -> f32 is exact
+            if any_invalid[k]:
+                prod[~valid[:, k]] = 0       # masked slots hold stale bytes (maybe NaN): they add +0.0
+            prod.mul_(w[:, k:k + 1])         # one rounding, as bf16 * f32 in float32
+            if k == 0:
+                torch.add(prod, 0.0, out=acc)   # the sum starts from +0.0
+            else:
+                acc.add_(prod)
+        out.copy_(acc)
+        return True
 
     @staticmethod
     def _restore_escaped(fmt: P.RowFormat, esc: torch.Tensor, outs: Sequence[Optional[torch.Tensor]]) -> None:

@@ -58,11 +58,13 @@ successful poll; it is a no-op on x86-64.
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import threading
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
@@ -150,27 +152,27 @@ class RowFormat:
     fields: Tuple[Tuple[str, int], ...]
     meta_words: int
 
-    @property
+    @cached_property
     def field_blocks(self) -> Tuple[int, ...]:
         return tuple(blocks_for(n, self.sync) for _, n in self.fields)
 
-    @property
+    @cached_property
     def data_blocks(self) -> int:
         return sum(self.field_blocks)
 
-    @property
+    @cached_property
     def bitmap_words(self) -> int:
         return -(-self.data_blocks // 32) if self.sync == "sp" else 0
 
-    @property
+    @cached_property
     def meta_blocks(self) -> int:
         return 1
 
-    @property
+    @cached_property
     def blocks(self) -> int:
         return self.meta_blocks + self.data_blocks
 
-    @property
+    @cached_property
     def row_bytes(self) -> int:
         return self.blocks * BLOCK_BYTES
 
@@ -178,6 +180,10 @@ class RowFormat:
         return self.meta_blocks + sum(self.field_blocks[:i])
 
     def signature(self) -> int:
+        return self._signature
+
+    @cached_property
+    def _signature(self) -> int:
         """A 62-bit digest of the layout; peers compare it to catch mismatched calls."""
         h = 1469598103934665603
         for item in (self.sync, self.meta_words) + tuple(x for f in self.fields for x in f):
@@ -191,6 +197,12 @@ class RowFormat:
                 f"row metadata needs {(self.meta_words + self.bitmap_words) * 4} bytes but a meta block holds "
                 f"{META_PAYLOAD_BYTES}: reduce top-k (at most {META_PAYLOAD_BYTES // 8 - 8}) or the hidden size"
             )
+
+
+@functools.lru_cache(maxsize=256)
+def row_format(sync: str, fields: Tuple[Tuple[str, int], ...], meta_words: int) -> RowFormat:
+    """The (shared, immutable) RowFormat of these parameters, with its derived sizes computed once."""
+    return RowFormat(sync, tuple(fields), int(meta_words))
 
 
 # ----------------------------------------------------------------------------- packing (torch path)
@@ -229,6 +241,33 @@ def unpack_field(blocks: torch.Tensor, out: torch.Tensor, sync: str) -> None:
     rem = nbytes - full * p
     if rem:
         out[:, full * p:].copy_(blocks[:, full, start:start + rem])
+
+
+def field_views(blocks: torch.Tensor, fmt: "RowFormat", i: int, dtype: torch.dtype):
+    """Typed views of field ``i``'s payload where it lies in ``blocks`` ([n, fmt.blocks, 512] uint8).
+
+    Returns ``[(lo, hi, view)]``: elements ``[lo, hi)`` of every row, as a view shaped like
+    ``out[:, lo:hi]`` or ``[n, k, per]`` (whole blocks), with no copy, so a reduction can read the
+    payload straight from the slots. None when the layout does not split into whole elements.
+    """
+    n = blocks.shape[0]
+    es = torch.empty(0, dtype=dtype).element_size()
+    nbytes = fmt.fields[i][1]
+    off, fb = fmt.field_offset_blocks(i), fmt.field_blocks[i]
+    pay = payload_per_block(fmt.sync)
+    if nbytes % es or pay % es:
+        return None
+    if fmt.sync != "tff":
+        flat = blocks[:, off:off + fb].reshape(n, fb * BLOCK_BYTES)
+        return [(0, nbytes // es, flat[:, :nbytes].view(dtype))]
+    full, rem = divmod(nbytes, pay)
+    per = pay // es
+    views = []
+    if full:
+        views.append((0, full * per, blocks[:, off:off + full, FLAG_BYTES:].view(dtype)))
+    if rem:
+        views.append((full * per, nbytes // es, blocks[:, off + full, FLAG_BYTES:FLAG_BYTES + rem].view(dtype)))
+    return views
 
 
 def fresh(t: torch.Tensor) -> torch.Tensor:
@@ -280,6 +319,9 @@ class Waiter:
     phase and the missing ranks; a missing rank whose process has exited is reported at once.
     """
 
+    #: how long a wait busy-polls (with ``sched_yield``) before it starts sleeping
+    spin_s: float = float(os.environ.get("UBEP_SPIN_S", "0.002"))
+
     def __init__(self, rank: int, timeout_s: float, peer_alive: Optional[Callable[[int], bool]] = None,
                  peer_aborted: Optional[Callable[[int], bool]] = None):
         self.rank = rank
@@ -293,14 +335,17 @@ class Waiter:
             return
         start = time.monotonic()
         deadline = start + self.timeout_s
-        spins = 0
+        spin_until = start + self.spin_s
+        naps = 0
         next_liveness = start + 0.05
         while True:
-            if spins < 64:
+            # Busy-poll (yielding the core to any other runnable rank) while a peer is probably a few
+            # hundred microseconds behind, then back off to sleeps so long waits cost no CPU.
+            if time.monotonic() < spin_until:
                 os.sched_yield()
             else:
-                time.sleep(min(1e-3, 2e-5 * (spins - 63)))
-            spins += 1
+                naps += 1
+                time.sleep(min(1e-3, 2e-5 * naps))
             missing = poll()
             if not missing:
                 memory_fence()
