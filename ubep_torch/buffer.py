@@ -507,7 +507,7 @@ class Buffer:
         if key is not None:
             # the same routing tensor, unmodified (version counters), gets the same answer without a recount
             watched = (user_topk, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
-            self._layout_cache = (key, result, topk_idx, tuple((t, t._version) for t in watched))
+            self._layout_cache = (key, result, topk_idx, tuple((t, t._version) for t in watched), {})
         return result, topk_idx
 
     @staticmethod
@@ -627,7 +627,12 @@ class Buffer:
         E_local = E // R
 
         # ---------------- send
-        send_idx = [is_token_in_rank[:, d].nonzero().squeeze(1) for d in range(R)]
+        # send lists and send_head depend on the routing alone: kept with the cached layout
+        lc = self._layout_cache
+        derived = lc[4] if topk_idx is not None and lc is not None and lc[1][3] is is_token_in_rank else {}
+        if "send_idx" not in derived:
+            derived["send_idx"] = [is_token_in_rank[:, d].nonzero().squeeze(1) for d in range(R)]
+        send_idx = derived["send_idx"]
         meta = None
         if K:
             meta = torch.empty(T, fmt.meta_words, dtype=torch.int32)
@@ -694,9 +699,12 @@ class Buffer:
         # DeepEP-shaped handle
         mat = recv["ntpr_matrix"]  # [R, R]: tokens from rank i to rank j
         rank_prefix = torch.cumsum(mat, 0).to(torch.int32)
-        send_head = torch.full((T, R), -1, dtype=torch.int32)
-        for d in range(R):
-            send_head[send_idx[d], d] = torch.arange(send_idx[d].numel(), dtype=torch.int32)
+        if "send_head" not in derived:
+            head = torch.full((T, R), -1, dtype=torch.int32)
+            for d in range(R):
+                head[send_idx[d], d] = torch.arange(send_idx[d].numel(), dtype=torch.int32)
+            derived["send_head"] = head
+        send_head = derived["send_head"].clone()
         zeros = torch.zeros(R, 1, dtype=torch.int32)
         h = DispatchHandle(
             (rank_prefix, zeros, zeros.clone(), recv_src_idx, is_token_in_rank, send_head),
@@ -1033,7 +1041,7 @@ class Buffer:
                 if rows is None:
                     return
                 lo, hi = int(offsets[me]), int(offsets[me + 1])
-                if eng.combine_pair(fmt, x[lo:hi], rows, out):
+                if eng.combine_pair(fmt, x[lo:hi], rows, out, own_first=me < s):
                     eng.rearm(fmt, rows)
                     return
                 pair = False    # payload not readable in place: accumulate both sources in rank order

@@ -441,13 +441,16 @@ class TorchEngine:
         if wacc is not None and wacc.shape[1]:
             wacc.index_add_(0, index, P.fresh(meta).view(wacc.dtype))
 
-    def combine_pair(self, fmt: P.RowFormat, own: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> bool:
+    def combine_pair(self, fmt: P.RowFormat, own: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+                     own_first: bool = True) -> bool:
         """Normal combine when every token came back from exactly two ranks, in token order.
 
-        ``out = (0 + own) + payload(rows)`` rounded once to ``out``'s dtype: the same bits as accumulating
-        the two sources in float32 (float64 for float64 payloads), in one pass that reads the peer's rows
-        straight from the slots. Returns False (nothing written) when the payload cannot be read in
-        place (an SP row with escaped words); the caller then takes the general path.
+        The same operations as the general path (a float32 accumulator, float64 for float64 payloads,
+        that starts at +0.0 and adds the two sources in rank order, rounded once into ``out``), but the
+        peer's rows are read straight from the slots: no unpacked copy and no scatter. ``own_first``:
+        this rank comes first in rank order (the order decides which NaN survives when both are NaN).
+        Returns False (nothing written) when the payload cannot be read in place (an SP row with escaped
+        words); the caller then takes the general path.
         """
         views = P.field_views(rows, fmt, 0, own.dtype)
         if views is None:
@@ -456,10 +459,20 @@ class TorchEngine:
             bm = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, fmt.meta_words:fmt.meta_words + fmt.bitmap_words]
             if bool(bm.any()):
                 return False
-        for lo, hi, v in views:
-            # a + b is computed in float32 and rounded once, as the float32 accumulator would be
-            torch.add(own[:, lo:hi].view(v.shape), v, out=out[:, lo:hi].view(v.shape))
-        out.add_(0.0)   # an accumulator starting at +0.0 turns (-0.0) + (-0.0) into +0.0
+        acc_dtype = torch.float64 if own.dtype == torch.float64 else torch.float32
+        acc = self.scratch("combine_acc", tuple(out.shape), acc_dtype)
+        if own_first:
+            acc.copy_(own)
+        else:
+            for lo, hi, v in views:
+                acc[:, lo:hi].view(v.shape).copy_(v)      # widening copies are exact
+        acc.add_(0.0)          # 0 + first: -0.0 becomes +0.0, a NaN is quieted, as from a zeroed accumulator
+        if own_first:
+            for lo, hi, v in views:
+                acc[:, lo:hi].view(v.shape).add_(v)
+        else:
+            acc.add_(own)
+        out.copy_(acc)
         return True
 
     def weighted_combine(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
