@@ -59,19 +59,24 @@ def _rank_rows(topk_idx, R, El):
     return [in_rank[:, d].nonzero().squeeze(1) for d in range(R)]
 
 
+def _there_and_back(send, send_counts):
+    """Counts, then the rows to their ranks, then the same rows back (the expert is the identity)."""
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts)
+    recv = torch.empty(int(recv_counts.sum()), send.shape[1], dtype=send.dtype)
+    dist.all_to_all_single(recv, send, recv_counts.tolist(), send_counts.tolist())
+    back = torch.empty_like(send)
+    dist.all_to_all_single(back, recv, send_counts.tolist(), recv_counts.tolist())
+    return recv, back
+
+
 def naive_rank_rows(x, topk_idx, E, R):
     """Normal-mode EP over gloo: one row per (token, destination rank), back, summed."""
     T = x.shape[0]
     dest_rows = _rank_rows(topk_idx, R, E // R)
     send_counts = torch.tensor([r.numel() for r in dest_rows], dtype=torch.int64)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts)
     order = torch.cat(dest_rows)
-    send = x.index_select(0, order)
-    recv = torch.empty(int(recv_counts.sum()), x.shape[1], dtype=x.dtype)
-    dist.all_to_all_single(recv, send, recv_counts.tolist(), send_counts.tolist())
-    back = torch.empty_like(send)
-    dist.all_to_all_single(back, recv, send_counts.tolist(), recv_counts.tolist())
+    recv, back = _there_and_back(x.index_select(0, order), send_counts)
     out = torch.zeros(T, x.shape[1], dtype=torch.float32)
     out.index_add_(0, order, back.float())
     return recv, out.to(x.dtype)
@@ -85,14 +90,7 @@ def naive_expert_rows(x, topk_idx, weights, E, R):
     g = topk_idx[t_idx, k_idx]
     order = torch.argsort(g, stable=True)
     t_idx, k_idx, g = t_idx[order], k_idx[order], g[order]
-    send_counts = torch.bincount(g // El, minlength=R)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts)
-    send = x.index_select(0, t_idx)
-    recv = torch.empty(int(recv_counts.sum()), x.shape[1], dtype=x.dtype)
-    dist.all_to_all_single(recv, send, recv_counts.tolist(), send_counts.tolist())
-    back = torch.empty_like(send)
-    dist.all_to_all_single(back, recv, send_counts.tolist(), recv_counts.tolist())
+    recv, back = _there_and_back(x.index_select(0, t_idx), torch.bincount(g // El, minlength=R))
     out = torch.zeros(T, x.shape[1], dtype=torch.float32)
     out.index_add_(0, t_idx, back.float() * weights[t_idx, k_idx].unsqueeze(1))
     return recv, out.to(x.dtype)
