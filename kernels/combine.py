@@ -9,7 +9,8 @@ the receiving reductions:
   (meta items) into ``wacc``. Sources are reduced one after another in rank order by the launcher, so
   every output element sees the same addition order as the torch path's ``index_add_``.
 * ``weighted_combine_kernel`` (low-latency combine): program ``t`` computes
-  ``bf16(sum_k w[t, k] * x[t*K + k])`` over the token's valid top-k slots, k ascending, in float32.
+  ``bf16(sum_k w[t, k] * x[pos[t, k]])`` over the token's valid top-k slots, k ascending, in float32
+  (``pos[t, k]``: the slot that holds the expert output of pair (t, k)).
 
 Both read payload with ``kernels.data_as_flag.load_payload``, so TFF heads are skipped and SP escaped
 words read as the zero bytes they stand for.
@@ -66,9 +67,9 @@ def f32_to_bf16_bits(x):
 
 
 @triton.jit
-def weighted_combine_kernel(rows_addr_ptr, topk_ptr, w_ptr, out_ptr, n_topk, hidden, nblocks, meta_words,
+def weighted_combine_kernel(rows_addr_ptr, topk_ptr, pos_ptr, w_ptr, out_ptr, n_topk, hidden, nblocks, meta_words,
                             field_block0, SYNC: tl.constexpr, H_BLOCK: tl.constexpr):
-    """``out[t] = bf16(sum_k w[t, k] * x[t*K + k])`` over valid slots (program ``t`` = token ``t``).
+    """``out[t] = bf16(sum_k w[t, k] * x[pos[t, k]])`` over valid slots (program ``t`` = token ``t``).
 
     ``out_ptr`` is the bf16 output viewed as int16 (see :func:`f32_to_bf16_bits`).
     """
@@ -81,7 +82,8 @@ def weighted_combine_kernel(rows_addr_ptr, topk_ptr, w_ptr, out_ptr, n_topk, hid
         for k in range(n_topk):
             valid = tl.load(topk_ptr + t * n_topk + k) >= 0
             w = tl.load(w_ptr + t * n_topk + k)
-            row = base + (t * n_topk + k) * nblocks * daf.BLOCK_BYTES
+            slot = tl.where(valid, tl.load(pos_ptr + t * n_topk + k), 0)
+            row = base + slot * nblocks * daf.BLOCK_BYTES
             x = daf.load_payload(row, h.to(tl.int64) * 2, m, field_block0, 0, meta_words, SYNC,
                                  tl.bfloat16, 2)
             x = tl.where(valid, x.to(tl.float32), 0.0)
@@ -120,20 +122,24 @@ def combine_accumulate(fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor
 
 
 def weighted_combine(fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
-                     out: torch.Tensor) -> None:
+                     out: torch.Tensor, pos: torch.Tensor | None = None) -> None:
     """Launcher of :func:`weighted_combine_kernel`.
 
     Args:
         fmt: low-latency combine row format (one bf16 field of ``H * 2`` bytes).
-        rows: ``[N*K, blocks, 512]`` uint8 contiguous view; slot ``t*K + k`` holds token ``t``'s slot ``k``.
+        rows: ``[n, blocks, 512]`` uint8 contiguous view of the arrived rows.
         topk_idx: ``[T, K]`` int64 (-1 = masked). weights: ``[T, K]`` float32. out: ``[T, H]`` bf16.
+        pos: ``[T, K]`` int64 row of slot (t, k) (default ``t*K + k``).
     """
     T, K = topk_idx.shape
     if T == 0:
         return
+    if pos is None:
+        pos = torch.arange(T * K, dtype=torch.int64).view(T, K)
     hidden = fmt.fields[0][1] // 2
     weighted_combine_kernel[(T,)](
-        torch.tensor([rows.data_ptr()], dtype=torch.int64), topk_idx.contiguous(), weights.contiguous(),
+        torch.tensor([rows.data_ptr()], dtype=torch.int64), topk_idx.contiguous(), pos.contiguous(),
+        weights.contiguous(),
         out.view(torch.int16), K, hidden, fmt.blocks, fmt.meta_words, fmt.field_offset_blocks(0),
         SYNC=daf.SYNC_CODE[fmt.sync],
         H_BLOCK=min(1024, triton.next_power_of_2(max(hidden, 2))))

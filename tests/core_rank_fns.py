@@ -229,7 +229,10 @@ def bad_inputs(ctx, sync):
     T, H, K, E = 4, 256, 2, 8
     topk, w = make_routing(3, ctx.rank, T, K, E, drop=0.0)
     x = torch.randn(T, H).bfloat16()
+    ll_x, _, ll_handle, _, _ = buf.low_latency_dispatch(x, topk, 16, E, use_fp8=False)
     cases = {
+        "ll combine topk differs": (ValueError, lambda: buf.low_latency_combine(
+            ll_x, torch.full_like(topk, -1), w, ll_handle)),
         "id >= E": (ValueError, lambda: buf.get_dispatch_layout(topk + E, E)),
         "id < -1": (ValueError, lambda: buf.get_dispatch_layout(topk - 5, E)),
         "float ids": (TypeError, lambda: buf.get_dispatch_layout(topk.float(), E)),
@@ -264,7 +267,10 @@ def bad_inputs(ctx, sync):
             seen[name] = str(e)
         else:
             raise AssertionError(f"{name}: no {exc.__name__}")
-    # still usable
+    # still usable: the pending low-latency call completes, then a fresh round trip
+    ll_out, _, _ = buf.low_latency_combine(ll_x, topk, w, ll_handle)
+    ref = (x.float().unsqueeze(1) * w.unsqueeze(2)).sum(1)      # identity experts: sum_k w_k * x
+    torch.testing.assert_close(ll_out.float(), ref, rtol=2e-2, atol=2e-2)
     smoke(ctx, sync, seed=11)
     return sorted(seen)
 

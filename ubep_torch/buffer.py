@@ -1176,8 +1176,8 @@ class Buffer:
         sig = fmt.signature()
 
         def ctrl_payload(d, cs=0):
-            return torch.cat([torch.tensor([int(send_idx[d].numel()), sig, cs, 0, 0, 0], dtype=torch.int64),
-                              counts[d]])
+            return torch.cat([torch.tensor([int(send_idx[d].numel()), sig, cs, int(bounds[d]), 0, 0],
+                                           dtype=torch.int64), counts[d]])
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending"))
         for i in range(R):
@@ -1198,8 +1198,10 @@ class Buffer:
         src_info = torch.full((E_local, R * N), -1, dtype=torch.int32)
         src_k = torch.full((E_local, R * N), -1, dtype=torch.int32)
         layout_range = torch.zeros(E_local, R, dtype=torch.int64)
+        return_slot = torch.zeros(R, dtype=torch.int64)   # where each source wants its rows back (combine)
         handle = LowLatencyHandle((src_info, layout_range, N, H, E), src_k=src_k, K=K, epoch=epoch,
-                                  num_tokens=T, recv_count=recv_count)
+                                  num_tokens=T, recv_count=recv_count, return_slot=return_slot,
+                                  sent_counts=counts)
         pending = _Pending("low_latency_dispatch", epoch)
         state = {"wait_ns": torch.zeros(R, dtype=torch.int64)}
 
@@ -1218,9 +1220,14 @@ class Buffer:
                     self._broken = "layout mismatch"
                     raise UBEPError(f"rank {s} sent low-latency rows of a different layout than rank {me} expects")
             cnt = torch.stack([ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + E_local] for s in range(R)])  # [R, E_l]
+            return_slot.copy_(torch.stack([ctrl_words[s][P.CTRL_RETURN_SLOT] for s in range(R)]))
             if cnt.numel() and (int(cnt.max()) > N or int(cnt.min()) < 0):
                 self._broken = "bad counts"
                 raise UBEPError(f"a peer announced per-expert counts outside [0, {N}] (corrupted control message)")
+            if bool(((return_slot < 0) | (return_slot + cnt.sum(1) > N * K)).any()):
+                self._broken = "bad return slots"
+                raise UBEPError("a peer announced return slots outside its low-latency combine slots "
+                                "(corrupted control message, or top-k widths differ between ranks)")
             # CalCumSum: packed begin of every (expert, source) in recv_x
             begin = torch.cumsum(cnt, 0) - cnt                       # [R, E_l]
             layout_range.copy_((begin.t() << 32) | cnt.t())
@@ -1363,6 +1370,17 @@ class Buffer:
             raise ValueError(f"topk_weights must have shape {(T, K)}, got {tuple(topk_weights.shape)}")
         if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H)):
             raise ValueError(f"out must be a [{T}, {H}] bfloat16 tensor")
+        # Every (token, expert) pair comes back into slot pos[t, k]: its place in this rank's dispatch order
+        # (by destination rank, local expert, token), so each host's rows form one contiguous run.
+        valid = topk_idx >= 0
+        t_idx, k_idx = valid.nonzero(as_tuple=True)
+        g = topk_idx[t_idx, k_idx]
+        if T and not torch.equal(torch.bincount(g, minlength=E).view(R, E_local), handle.sent_counts):
+            raise ValueError("topk_idx differs from the one given to the low_latency_dispatch of this handle")
+        order = torch.argsort(g * (N * K) + t_idx * K + k_idx)
+        n_valid = int(order.numel())
+        pos = torch.zeros(T, K, dtype=torch.int64)
+        pos[t_idx[order], k_idx[order]] = torch.arange(n_valid, dtype=torch.int64)
         fmt = P.row_format(self.sync, (("x", H * 2),), 0)
         region = self._region(P.REGION_LL_COMBINE)
         if region.capacity(fmt) < N * K:
@@ -1372,43 +1390,43 @@ class Buffer:
         rid = P.REGION_LL_COMBINE
         cnt = (layout_range & 0xFFFFFFFF)            # [E_local, R]
         begin = layout_range >> 32
-        # rows going back to source s: for every local expert, its packed segment from s
+        # Rows going back to source s: for every local expert, its packed segment from s. They go back as
+        # one contiguous run starting at the slot s named in its dispatch control message, in dispatch
+        # order, so every segment is a strided copy out of x (no gather, no scatter).
         eng = self.engine
         xs = x.view(E_local * R * N, H)
         epoch = self._next_epoch(rid)
         half, flag = P.half_of(epoch), P.flag_word(epoch, rid)
+        seg_start = (torch.arange(E_local, dtype=torch.int64) * (R * N)).unsqueeze(1) + begin   # [E_local, R]
         per_src = []
         for s in range(R):
-            rows_list = []
-            for e in range(E_local):
-                c = int(cnt[e, s])
-                if c:
-                    rows_list.append(torch.arange(c, dtype=torch.int64) + int(begin[e, s]) + e * R * N)
-            ridx = torch.cat(rows_list) if rows_list else torch.zeros(0, dtype=torch.int64)
-            flat_info = src_info.view(-1)
-            flat_k = handle.src_k.view(-1)
-            slot = flat_info[ridx].to(torch.int64) * handle.K + flat_k[ridx].to(torch.int64)
-            per_src.append((ridx, slot))
-        all_rows = torch.cat([p[0] for p in per_src]) if per_src else torch.zeros(0, dtype=torch.int64)
-        gathered = eng.scratch("ll_gather", (all_rows.numel(), H), torch.bfloat16)
-        torch.index_select(xs, 0, all_rows, out=gathered)
-        staging, checked, row_sums = eng.pack_rows(fmt, [P.as_bytes(gathered)], None, all_rows, me)
+            c = cnt[:, s]
+            n = int(c.sum())
+            first = torch.repeat_interleave(seg_start[:, s] - (torch.cumsum(c, 0) - c), c, output_size=n)
+            per_src.append(first + torch.arange(n, dtype=torch.int64))
+        direct = eng.name == "torch"
+        if direct:   # payload is stored straight from x
+            staging, checked, row_sums = eng.stage_rows(fmt, [P.as_bytes(xs)], None, eng.arange(xs.shape[0]), me)
+            sels = per_src
+        else:        # kernels read packed staging rows
+            all_rows = torch.cat(per_src)
+            gathered = eng.scratch("ll_gather", (all_rows.numel(), H), torch.bfloat16)
+            torch.index_select(xs, 0, all_rows, out=gathered)
+            staging, checked, row_sums = eng.pack_rows(fmt, [P.as_bytes(gathered)], None, all_rows, me)
+            starts = torch.cumsum(torch.tensor([0] + [r.numel() for r in per_src], dtype=torch.int64), 0).tolist()
+            sels = [torch.arange(starts[s], starts[s + 1], dtype=torch.int64) for s in range(R)]
         self._wait_acks(rid, epoch)
         nctrl = 1
         sig = fmt.signature()
-        starts = [0]
-        for p in per_src:
-            starts.append(starts[-1] + p[0].numel())
-
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all("low_latency_combine: SyncAll after Token-Sending"))
         for i in range(R):
             s = (me + i) % R
             peer = self._heap.peer(s)
-            payload = torch.tensor([per_src[s][0].numel(), sig, 0, 0, 0, 0], dtype=torch.int64)
-            job.dests.append(Destination(s, torch.arange(starts[s], starts[s + 1], dtype=torch.int64),
-                                         region.rows(peer, half, 0, fmt, N * K), region.ctrl(peer, half, me)[:nctrl],
-                                         payload, dst_index=per_src[s][1]))
+            n, at = per_src[s].numel(), int(handle.return_slot[s])
+            payload = torch.tensor([n, sig, 0, 0, 0, 0], dtype=torch.int64)
+            job.dests.append(Destination(s, sels[s], region.rows(peer, half, 0, fmt, N * K)[at:at + n],
+                                         region.ctrl(peer, half, me)[:nctrl], payload))
         eng.send_phase(job)
 
         result = out if out is not None else self._out.empty((T, H), torch.bfloat16)
@@ -1428,29 +1446,32 @@ class Buffer:
                 if int(ctrl_words[s][P.CTRL_SIGNATURE]) != sig:
                     self._broken = "layout mismatch"
                     raise UBEPError(f"rank {s} sent low-latency combine rows of a different layout")
-            valid = topk_idx >= 0
-            slots = valid.view(-1).nonzero().squeeze(1)
-            rows = region.rows(local, half, 0, fmt, N * K)
-            src_of_slot = (topk_idx.view(-1)[slots] // E_local)
+            per_host = handle.sent_counts.sum(1)
+            nrows = torch.stack([ctrl_words[s][P.CTRL_NROWS] for s in range(R)])
+            if not torch.equal(nrows, per_host):
+                self._broken = "combine row counts"
+                raise UBEPError(f"low_latency_combine on rank {me}: hosts announced {nrows.tolist()} rows, this "
+                                f"rank dispatched {per_host.tolist()} (corrupted control message)")
+            rows = region.rows(local, half, 0, fmt, n_valid)
+            host_of_row = torch.repeat_interleave(torch.arange(R), per_host, output_size=n_valid)
             if self.sync == "dc":
                 total = sum(int(ctrl_words[s][P.CTRL_CHECKSUM]) for s in range(R))
                 total = ((total + (1 << 63)) % (1 << 64)) - (1 << 63)
 
                 def poll_rows():
-                    w = rows.view(torch.int64).view(N * K, fmt.blocks, P.BLOCK_WORDS)
-                    got = int(P.wrapping_sum(w.index_select(0, slots)[:, :, :4].reshape(-1)))
-                    return [] if got == total else sorted(set(src_of_slot.tolist()))
+                    return [] if eng.rows_arrived(fmt, rows, flag, total) else \
+                        sorted(set(host_of_row.tolist()))
             else:
                 def poll_rows():
-                    if eng.rows_arrived(fmt, rows, flag, 0, index=slots):
+                    if eng.rows_arrived(fmt, rows, flag, 0):
                         return []
-                    w0 = rows.view(torch.int64).view(N * K, fmt.blocks, P.BLOCK_WORDS)[:, :, 0].index_select(0, slots)
+                    w0 = rows.view(torch.int64).view(n_valid, fmt.blocks, P.BLOCK_WORDS)[:, :, 0]
                     bad = (w0 != flag).any(1) if fmt.sync == "tff" else (w0 == P.SP_SENTINEL).any(1)
-                    return sorted(set(src_of_slot[bad].tolist())) if fmt.sync in ("tff", "sp") else []
+                    return sorted(set(host_of_row[bad].tolist())) if fmt.sync in ("tff", "sp") else []
             self._wait("low_latency_combine: waiting for expert outputs", poll_rows)
-            # slot (t, k) sits at row t*K + k; masked slots hold stale bytes and never reach the sum
-            eng.weighted_combine(fmt, rows, topk_idx, weights, result)
-            eng.rearm(fmt, rows, slots)
+            # slot (t, k) is row pos[t, k]; masked slots never reach the sum
+            eng.weighted_combine(fmt, rows, topk_idx, weights, result, pos)
+            eng.rearm(fmt, rows)
             for s in range(R):
                 self._send_ack(rid, s, epoch)
             pending.done = True

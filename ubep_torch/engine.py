@@ -149,67 +149,72 @@ class TorchEngine:
                    src_index: torch.Tensor, rank: int) -> tuple:
         """Like :meth:`pack_rows`, without the packed copy: returns a :class:`DirectRows` that keeps the
         payload in the caller's tensors, so :meth:`write_rows` stores each payload byte exactly once,
-        straight from the source tensor into the peer's slots. Only the meta block and the last
-        (partial) block of every field are staged. Memory contents after the write are identical."""
+        straight from the source tensor into the peer's slots (the last, partial block of a field too,
+        with its padding zeroed there). Only the meta blocks are staged. Memory contents after the write
+        are identical."""
         n = src_index.shape[0]
         nb = fmt.blocks
         sync = fmt.sync
         pay = P.payload_per_block(sync)
-        start = P.FLAG_BYTES if sync == "tff" else 0
-        meta_blk = torch.zeros(n, P.BLOCK_BYTES, dtype=torch.uint8)
+        # head words and meta blocks that depend only on (token, block, rank): kept between calls
+        reusable = src_index is self._aranges.get(n)
+        constant_meta = reusable and meta is None and sync != "sp"
+        key = ("meta", n, nb, rank, sync, fmt.meta_words)
+        meta_blk = self._scratch.get(key) if constant_meta else None
+        if meta_blk is None:
+            meta_blk = torch.zeros(n, P.BLOCK_BYTES, dtype=torch.uint8)
+            mw = meta_blk.view(torch.int64)
+            mw[:, 1] = src_index
+            mw[:, 3] = rank
+            if sync != "tff":
+                mw[:, 0] = P.ROW_MAGIC
+            if fmt.meta_words and meta is not None:
+                meta_blk[:, P.FLAG_BYTES:].view(torch.int32)[:, : fmt.meta_words] = meta
+            if constant_meta:
+                self._scratch[key] = meta_blk
         mw = meta_blk.view(torch.int64)
-        mw[:, 1] = src_index
-        mw[:, 3] = rank
-        meta_area = meta_blk[:, P.FLAG_BYTES:].view(torch.int32)
-        if fmt.meta_words:
-            meta_area[:, : fmt.meta_words] = meta
-        parts = []          # per field: (first block, full blocks, data, tail block [n, 512] or None)
+        parts = []          # per field: (first block, full blocks, data, bytes in the last partial block)
         for i, data in enumerate(fields):
             fb = fmt.field_blocks[i]
             if fb == 0:
                 continue
             nbytes = fmt.fields[i][1]
             full = nbytes // pay
-            tail = None
-            if full < fb:
-                tail = torch.zeros(n, P.BLOCK_BYTES, dtype=torch.uint8)
-                tail[:, start:start + nbytes - full * pay] = data[:, full * pay:]
-            parts.append((fmt.field_offset_blocks(i), full, data, tail))
+            parts.append((fmt.field_offset_blocks(i), full, data, nbytes - full * pay))
         hdr = checked = row_sums = None
         if sync == "tff":
             if nb > 1:
-                # head words 1..3 of the data blocks depend only on (token, block, rank): kept between calls
                 key = ("hdr", n, nb, rank)
-                hdr = self._scratch.get(key) if src_index is self._aranges.get(n) else None
+                hdr = self._scratch.get(key) if reusable else None
                 if hdr is None:
                     hdr = torch.empty(n, nb - 1, 3, dtype=torch.int64)
                     hdr[:, :, 0] = src_index.unsqueeze(1)
                     hdr[:, :, 1] = torch.arange(1, nb, dtype=torch.int64)
                     hdr[:, :, 2] = rank
-                    if src_index is self._aranges.get(n):
+                    if reusable:
                         self._scratch[key] = hdr
-        else:
-            mw[:, 0] = P.ROW_MAGIC
-            if sync in ("sp", "dc"):
-                # the leading 32 B of every block, read from where the payload lives
-                lead = torch.zeros(n, nb, 4, dtype=torch.int64)
-                lead[:, 0] = mw[:, :4]
-                for off, full, data, tail in parts:
-                    if full:
-                        lead[:, off:off + full] = P.fresh(data[:, : full * pay].view(n, full, pay)[:, :, :32]) \
-                            .view(torch.int64).view(n, full, 4)
-                    if tail is not None:
-                        lead[:, off + full] = P.fresh(tail[:, :32]).view(torch.int64)
-                if sync == "sp":
-                    first = lead[:, 1:, 0]
-                    mask = P.sp_escape_inplace(first)
-                    if fmt.bitmap_words and bool(mask.any()):
-                        meta_area[:, fmt.meta_words: fmt.meta_words + fmt.bitmap_words] = \
-                            P.pack_bitmap(mask, fmt.bitmap_words)
-                    checked = lead[:, :, 0].clone()
-                    mw[:, 0] = P.SP_SENTINEL
-                else:
-                    row_sums = P.wrapping_sum(lead.view(n, nb * 4))
+        elif sync in ("sp", "dc"):
+            # the leading 32 B of every block, read from where the payload lives
+            lead = torch.zeros(n, nb, 4, dtype=torch.int64)
+            lead[:, 0] = mw[:, :4]
+            for off, full, data, rem in parts:
+                if full:
+                    lead[:, off:off + full] = P.fresh(data[:, : full * pay].view(n, full, pay)[:, :, :32]) \
+                        .view(torch.int64).view(n, full, 4)
+                if rem:
+                    head = torch.zeros(n, 32, dtype=torch.uint8)
+                    head[:, : min(rem, 32)] = data[:, full * pay: full * pay + min(rem, 32)]
+                    lead[:, off + full] = head.view(torch.int64)
+            if sync == "sp":
+                first = lead[:, 1:, 0]
+                mask = P.sp_escape_inplace(first)
+                if fmt.bitmap_words and bool(mask.any()):
+                    meta_blk[:, P.FLAG_BYTES:].view(torch.int32)[:, fmt.meta_words: fmt.meta_words + fmt.bitmap_words] \
+                        = P.pack_bitmap(mask, fmt.bitmap_words)
+                checked = lead[:, :, 0].clone()
+                mw[:, 0] = P.SP_SENTINEL
+            else:
+                row_sums = P.wrapping_sum(lead.view(n, nb * 4))
         return DirectRows(n, parts, meta_blk, hdr), checked, row_sums
 
     def _write_direct(self, fmt: P.RowFormat, st: "DirectRows", sel: torch.Tensor, out: torch.Tensor) -> None:
@@ -217,27 +222,31 @@ class TorchEngine:
         n = sel.shape[0]
         sync = fmt.sync
         pay = P.payload_per_block(sync)
-        start = P.FLAG_BYTES if sync == "tff" else (8 if sync == "sp" else 0)
-        rng = _as_range(sel)
+        base = P.FLAG_BYTES if sync == "tff" else 0       # where payload starts in a block
+        start = base + (8 if sync == "sp" else 0)          # first byte written in step 1
+        runs = _runs(sel)
 
         def take(src: torch.Tensor, dst: torch.Tensor) -> None:
-            if rng is not None:   # consecutive rows: a strided copy, no gather
-                dst.copy_(src[rng[0]:rng[1]])
-            else:
+            if runs is None:
                 torch.index_select(src, 0, sel, out=dst)
+                return
+            for a, b, o in runs:   # runs of consecutive rows: strided copies, no gather
+                dst[o:o + b - a].copy_(src[a:b])
 
         take(st.meta, out[:, 0, :])
         T = st.n
-        for off, full, data, tail in st.parts:
-            if full and start == 0:
+        for off, full, data, rem in st.parts:
+            if full and base == 0 and start == 0:
                 # raw blocks (dc, sw): the field is one contiguous run in the row, copied as such
                 take(data[:, : full * pay], out[:, off:off + full].view(n, full * P.BLOCK_BYTES))
             elif full:
                 src = data[:, : full * pay].view(T, full, pay)
-                lo = start - (P.FLAG_BYTES if sync == "tff" else 0)
-                take(src[:, :, lo:], out[:, off:off + full, start:start + pay - lo])
-            if tail is not None:
-                take(tail[:, start:], out[:, off + full, start:])
+                take(src[:, :, start - base:], out[:, off:off + full, start:base + pay])
+            if rem:
+                last = out[:, off + full]
+                if rem > start - base:
+                    take(data[:, full * pay + start - base: full * pay + rem], last[:, start:base + rem])
+                last[:, max(start, base + rem):].zero_()     # padding: zero, as in packed rows
         if st.hdr is not None:
             words = out.view(torch.int64).view(n, fmt.blocks, P.BLOCK_WORDS)
             take(st.hdr, words[:, 1:, 1:4])
@@ -476,66 +485,51 @@ class TorchEngine:
         return True
 
     def weighted_combine(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
-                         weights: torch.Tensor, out: torch.Tensor) -> None:
-        """Low-latency combine: ``out[t] = bf16(sum_k w[t, k] * x[t*K + k])`` over the valid slots.
+                         weights: torch.Tensor, out: torch.Tensor, pos: Optional[torch.Tensor] = None) -> None:
+        """Low-latency combine: ``out[t] = bf16(sum_k w[t, k] * x[pos[t, k]])`` over the valid slots.
 
-        The sum runs over ``k`` in order, starting from +0.0, one multiply and one add per slot (no fused
-        multiply-add), so every backend produces the same bits.
+        ``pos`` ([T, K] int64) is the row of ``rows`` holding slot (t, k) (default ``t*K + k``); masked
+        slots (``topk_idx == -1``) are never read. The sum runs over ``k`` in order, starting from +0.0,
+        one multiply and one add per slot (no fused multiply-add), so every backend produces the same bits.
         """
         T, K = topk_idx.shape
         if T == 0:
             return
-        H = out.shape[1]
-        if self._weighted_combine_in_place(fmt, rows, topk_idx, weights, out):
+        if rows.shape[0] == 0:      # every slot masked: the sum of nothing
+            out.zero_()
             return
-        raw = self.scratch("ll_combine_raw", (T * K, H), torch.bfloat16)
-        self.unpack_rows(fmt, rows[: T * K], [P.as_bytes(raw)], rearm=False)
-        valid = topk_idx >= 0
-        invalid = ~valid.view(-1)
-        if bool(invalid.any()):
-            raw[invalid] = 0     # masked slots hold stale bytes (maybe NaN); 0 * w adds +0.0 like the kernels
-        r3 = raw.view(T, K, H)
-        w = torch.where(valid, weights, torch.zeros_like(weights))
-        acc = self.scratch("ll_combine_out", (T, H), torch.float32).zero_()
-        prod = self.scratch("ll_combine_prod", (T, H), torch.float32)
-        for k in range(K):
-            torch.mul(r3[:, k], w[:, k:k + 1], out=prod)   # bf16 * f32 -> f32: exact upcast, one rounding
-            acc.add_(prod)
-        out.copy_(acc)
-
-    def _weighted_combine_in_place(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
-                                   weights: torch.Tensor, out: torch.Tensor) -> bool:
-        """:meth:`weighted_combine` reading every slot's bf16 payload straight from the blocks (no unpacked
-        copy of all T*K rows): per top-k column one widening copy, one multiply, one add. Same operations
-        in the same order, so the same bits. False when the payload cannot be read in place (SP escapes)."""
-        T, K = topk_idx.shape
         H = out.shape[1]
-        slots = rows[: T * K]
-        views = P.field_views(slots, fmt, 0, torch.bfloat16)
-        if views is None:
-            return False
-        if fmt.sync == "sp" and fmt.bitmap_words:
-            bm = slots[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, fmt.meta_words:fmt.meta_words + fmt.bitmap_words]
-            if bool(bm.any()):
-                return False
         valid = topk_idx >= 0
+        if pos is None:
+            pos = torch.arange(T * K, dtype=torch.int64).view(T, K)
+        pos = torch.where(valid, pos, torch.zeros_like(pos))     # masked slots read row 0, then count as 0
         w = torch.where(valid, weights, torch.zeros_like(weights))
         any_invalid = [bool(c) for c in (~valid).any(0).tolist()]
         acc = self.scratch("ll_combine_out", (T, H), torch.float32)
         prod = self.scratch("ll_combine_prod", (T, H), torch.float32)
+        views = P.field_views(rows, fmt, 0, torch.bfloat16) if rows.shape[0] else None
+        if views is not None and fmt.sync == "sp" and fmt.bitmap_words:
+            bm = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, fmt.meta_words:fmt.meta_words + fmt.bitmap_words]
+            if bool(bm.any()):
+                views = None       # escaped words: read through an unpacked copy
+        if views is None:
+            raw = self.scratch("ll_combine_raw", (rows.shape[0], H), torch.bfloat16)
+            self.unpack_rows(fmt, rows, [P.as_bytes(raw)], rearm=False)
+            views = [(0, H, raw)]
         for k in range(K):
             for lo, hi, v in views:
-                vk = v.view(T, K, *v.shape[1:])[:, k]          # slot (t, k) is row t*K + k
-                prod[:, lo:hi].view(vk.shape).copy_(vk)         # bf16 -> f32 is exact
+                # the rows of slot column k, gathered (bf16), then widened into prod (bf16 -> f32 is exact)
+                g = self.scratch(f"ll_combine_gather{lo}", (T,) + tuple(v.shape[1:]), torch.bfloat16)
+                torch.index_select(v, 0, pos[:, k], out=g)
+                prod[:, lo:hi].view(g.shape).copy_(g)
             if any_invalid[k]:
-                prod[~valid[:, k]] = 0       # masked slots hold stale bytes (maybe NaN): they add +0.0
+                prod[~valid[:, k]] = 0       # masked slots (maybe stale NaN bytes) add +0.0
             prod.mul_(w[:, k:k + 1])         # one rounding, as bf16 * f32 in float32
             if k == 0:
                 torch.add(prod, 0.0, out=acc)   # the sum starts from +0.0
             else:
                 acc.add_(prod)
         out.copy_(acc)
-        return True
 
     @staticmethod
     def _restore_escaped(fmt: P.RowFormat, esc: torch.Tensor, outs: Sequence[Optional[torch.Tensor]]) -> None:
@@ -570,6 +564,23 @@ def _as_range(sel: Optional[torch.Tensor]):
     if b - a + 1 == sel.numel() and (sel.numel() == 1 or bool((sel[1:] - sel[:-1] == 1).all())):
         return a, b + 1
     return None
+
+
+def _runs(sel: torch.Tensor):
+    """``[(start, stop, position)]`` when ``sel`` is a few long runs of consecutive indices (then strided
+    copies per run beat a gather), else None."""
+    n = sel.numel()
+    if n == 0:
+        return []
+    if n == 1:
+        a = int(sel[0])
+        return [(a, a + 1, 0)]
+    breaks = ((sel[1:] - sel[:-1]) != 1).nonzero().squeeze(1)
+    if breaks.numel() >= max(8, n // 16):
+        return None
+    pos = [0] + (breaks + 1).tolist() + [n]
+    firsts = sel[pos[:-1]].tolist()
+    return [(a, a + pos[i + 1] - pos[i], pos[i]) for i, a in enumerate(firsts)]
 
 
 def make_engine(backend: str, num_count_aivs: Optional[int] = None):

@@ -105,10 +105,15 @@ REGION_NAMES = {
 
 #: int64 payload words per control block (each control block keeps a TFF head).
 CTRL_WORDS_PER_BLOCK = TFF_PAYLOAD_BYTES // 8
-# control message words: [0] rows sent, [1] layout signature, [2..5] DC checksum, [6..] per-expert counts
+# control message words: [0] rows sent, [1] layout signature, [2] DC checksum, [3] first return slot
+# (low-latency dispatch), [4..5] reserved (0), [6..] per-expert counts
 CTRL_NROWS = 0
 CTRL_SIGNATURE = 1
 CTRL_CHECKSUM = 2
+#: Low-latency dispatch: where the receiver's rows for this sender start in the sender's low-latency
+#: combine slots, i.e. how many of the sender's (token, expert) pairs go to lower ranks. Low-latency
+#: combine returns each host's rows there as one contiguous run, in the order they were dispatched.
+CTRL_RETURN_SLOT = 3
 CTRL_COUNTS = 6
 
 

@@ -307,9 +307,12 @@ class TritonEngine(TorchEngine):
         kcombine.combine_accumulate(fmt, rows, index, acc, x_dtype, wacc)
 
     def weighted_combine(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
-                         weights: torch.Tensor, out: torch.Tensor) -> None:
-        """Low-latency combine: ``out[t] = bf16(sum_k w[t,k] * x[t*K+k])`` over valid slots."""
-        kcombine.weighted_combine(fmt, rows, topk_idx, weights, out)
+                         weights: torch.Tensor, out: torch.Tensor, pos: torch.Tensor | None = None) -> None:
+        """Low-latency combine: ``out[t] = bf16(sum_k w[t,k] * x[pos[t,k]])`` over valid slots."""
+        if rows.shape[0] == 0:      # every slot masked: nothing to read
+            out.zero_()
+            return
+        kcombine.weighted_combine(fmt, rows, topk_idx, weights, out, pos)
 
     def ll_receive(self, fmt: P.RowFormat, ctrl_views: Sequence[torch.Tensor], row_views: Sequence[torch.Tensor],
                    flag: int, n_exp: int, out: torch.Tensor, n_count: int = 1) -> torch.Tensor:
