@@ -1180,13 +1180,19 @@ class Buffer:
                                            dtype=torch.int64), counts[d]])
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending"))
+        # torch path: this rank's own rows skip the slots (the receive side copies them straight from x);
+        # the kernels' decomposed receive reads every source from the slots
+        local_direct = eng.name == "torch"
+        none = torch.zeros(0, dtype=torch.int64)
         for i in range(R):
             d = (me + i) % R
             peer = self._heap.peer(d)
-            job.dests.append(Destination(d, send_idx[d], region.rows(peer, half, me, fmt, send_idx[d].numel()),
+            sel = none if d == me and local_direct else send_idx[d]
+            job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt, send_idx[d].numel()),
                                          region.ctrl(peer, half, me)[:nctrl], ctrl_payload(d),
-                                         meta_patch=pair_k[d].to(torch.int32)))
+                                         meta_patch=pair_k[d][:sel.numel()].to(torch.int32)))
         eng.send_phase(job)
+        local_x = (xq, sc) if use_fp8 else (x, None)
 
         if use_fp8:
             recv_x = self._out.empty((E_local, R * N, H), _FP8)
@@ -1245,6 +1251,21 @@ class Buffer:
                     if s in done:
                         continue
                     n = int(cnt[s].sum())
+                    if s == me and local_direct:
+                        state["wait_ns"][s] += time.perf_counter_ns() - t0
+                        idx, kk = send_idx[me], pair_k[me]
+                        for e in range(E_local):
+                            c = int(cnt[s, e])
+                            if c:
+                                r0, b0 = int(src_off[s, e]), int(begin[s, e])
+                                torch.index_select(local_x[0], 0, idx[r0:r0 + c], out=recv_x[e, b0:b0 + c])
+                                if recv_sc is not None:
+                                    torch.index_select(local_x[1], 0, idx[r0:r0 + c], out=recv_sc[e, b0:b0 + c])
+                                src_info[e, b0:b0 + c] = idx[r0:r0 + c]
+                                src_k[e, b0:b0 + c] = kk[r0:r0 + c]
+                        done.add(s)
+                        self._send_ack(rid, s, epoch)
+                        continue
                     rows = region.rows(local, half, s, fmt, n)
                     if not eng.rows_arrived(fmt, rows, flag, int(ctrl_words[s][P.CTRL_CHECKSUM])):
                         missing.append(s)
