@@ -986,7 +986,8 @@ class Buffer:
                              f"{normal_buffer_bytes(int(base.recv_counts.max()), fmt.row_bytes, R)}")
         # destination d gets back the rows that came from d, in d's send order
         offsets = base.recv_offsets
-        send_idx = [torch.arange(int(offsets[d]), int(offsets[d + 1]), dtype=torch.int64) for d in range(R)]
+        bounds = offsets.tolist()
+        send_idx = [self.engine.span(bounds[d], bounds[d + 1]) for d in range(R)]
         meta = P.fresh(topk_weights).view(torch.int32).view(-1, K * wsz) if K else None
         src_index = self.engine.arange(base.num_recv)
 
@@ -1245,24 +1246,34 @@ class Buffer:
             # with its deadline, so the launch never spins on a slow peer.
             in_kernel = getattr(eng, "ll_receive", None) is not None and not use_fp8 and self.sync in ("tff", "sp")
 
+            cnt_l, off_l, begin_l = cnt.tolist(), src_off.tolist(), begin.tolist()
+            flat_info, flat_k = src_info.view(-1), src_k.view(-1)
+            experts = torch.arange(E_local, dtype=torch.int64)
+
+            def place(s: int, n: int) -> torch.Tensor:
+                """Flat recv_x row of each of source s's n rows (expert-major segments, dispatch order)."""
+                c = cnt[s]
+                seg_first = experts * (R * N) + begin[s] - src_off[s]
+                return torch.repeat_interleave(seg_first, c, output_size=n) + torch.arange(n, dtype=torch.int64)
+
             def poll_rows():
                 missing = []
                 for s in range(R):
                     if s in done:
                         continue
-                    n = int(cnt[s].sum())
+                    n = sum(cnt_l[s])
+                    segs = [(e, off_l[s][e], begin_l[s][e], cnt_l[s][e]) for e in range(E_local) if cnt_l[s][e]]
                     if s == me and local_direct:
                         state["wait_ns"][s] += time.perf_counter_ns() - t0
-                        idx, kk = send_idx[me], pair_k[me]
-                        for e in range(E_local):
-                            c = int(cnt[s, e])
-                            if c:
-                                r0, b0 = int(src_off[s, e]), int(begin[s, e])
-                                torch.index_select(local_x[0], 0, idx[r0:r0 + c], out=recv_x[e, b0:b0 + c])
-                                if recv_sc is not None:
-                                    torch.index_select(local_x[1], 0, idx[r0:r0 + c], out=recv_sc[e, b0:b0 + c])
-                                src_info[e, b0:b0 + c] = idx[r0:r0 + c]
-                                src_k[e, b0:b0 + c] = kk[r0:r0 + c]
+                        idx = send_idx[me]
+                        for e, r0, b0, c in segs:
+                            torch.index_select(local_x[0], 0, idx[r0:r0 + c], out=recv_x[e, b0:b0 + c])
+                            if recv_sc is not None:
+                                torch.index_select(local_x[1], 0, idx[r0:r0 + c], out=recv_sc[e, b0:b0 + c])
+                        if n:
+                            at = place(s, n)
+                            flat_info[at] = idx.to(torch.int32)
+                            flat_k[at] = pair_k[me].to(torch.int32)
                         done.add(s)
                         self._send_ack(rid, s, epoch)
                         continue
@@ -1274,18 +1285,24 @@ class Buffer:
                     if in_kernel:
                         done.add(s)
                         continue
-                    for e in range(E_local):
-                        c = int(cnt[s, e])
-                        if c == 0:
-                            continue
-                        r0, b0 = int(src_off[s, e]), int(begin[s, e])
+                    # payload per (source, expert) segment: one strided copy per field (SP rows and kernel
+                    # engines go through unpack_rows, which restores escaped words / runs the kernel)
+                    plain = eng.name == "torch" and fmt.sync != "sp"
+                    for e, r0, b0, c in segs:
                         seg = rows[r0:r0 + c]
                         outs = [P.as_bytes(recv_x[e, b0:b0 + c])]
                         if recv_sc is not None:
                             outs.append(P.as_bytes(recv_sc[e, b0:b0 + c]))
-                        m = eng.unpack_rows(fmt, seg, outs, rearm=False)
-                        src_info[e, b0:b0 + c] = seg[:, 0, :].view(torch.int64)[:, 1].to(torch.int32)
-                        src_k[e, b0:b0 + c] = m[:, 0]
+                        if plain:
+                            for i, o in enumerate(outs):
+                                fo = fmt.field_offset_blocks(i)
+                                P.unpack_field(seg[:, fo:fo + fmt.field_blocks[i]], o, fmt.sync)
+                        else:
+                            eng.unpack_rows(fmt, seg, outs, rearm=False)
+                    if n:
+                        at = place(s, n)
+                        flat_info[at] = rows[:, 0, :].view(torch.int64)[:, 1].to(torch.int32)
+                        flat_k[at] = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
                     eng.rearm(fmt, rows)
                     done.add(s)
                     self._send_ack(rid, s, epoch)

@@ -9,6 +9,7 @@ checked word withheld; step 2: the checked words), and :meth:`TorchEngine.write_
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
@@ -58,6 +59,8 @@ class TorchEngine:
         # every call, which costs more than the copies themselves; staging never outlives a call.
         self._scratch: dict = {}
         self._aranges: dict = {}
+        self._spans: dict = {}
+        self._runs_cache: dict = {}
 
     def arange(self, n: int) -> torch.Tensor:
         """A shared ``arange(n)`` int64 (read-only by convention): staging keyed on it is reused."""
@@ -67,6 +70,27 @@ class TorchEngine:
                 self._aranges.clear()
             t = self._aranges[n] = torch.arange(n, dtype=torch.int64)
         return t
+
+    def span(self, lo: int, hi: int) -> torch.Tensor:
+        """A shared ``arange(lo, hi)`` int64 (read-only by convention), the same tensor on every call."""
+        t = self._spans.get((lo, hi))
+        if t is None:
+            if len(self._spans) > 64:
+                self._spans.clear()
+            t = self._spans[(lo, hi)] = torch.arange(lo, hi, dtype=torch.int64)
+        return t
+
+    def runs(self, sel: torch.Tensor, row_bytes: int):
+        """:func:`_runs`, remembered for a selection tensor that is passed again unmodified."""
+        key = (id(sel), row_bytes)
+        hit = self._runs_cache.get(key)
+        if hit is not None and hit[0]() is sel and hit[1] == sel._version:
+            return hit[2]
+        r = _runs(sel, row_bytes)
+        if len(self._runs_cache) > 64:
+            self._runs_cache.clear()
+        self._runs_cache[key] = (weakref.ref(sel), sel._version, r)
+        return r
 
     def scratch(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         n = 1
@@ -224,7 +248,7 @@ class TorchEngine:
         pay = P.payload_per_block(sync)
         base = P.FLAG_BYTES if sync == "tff" else 0       # where payload starts in a block
         start = base + (8 if sync == "sp" else 0)          # first byte written in step 1
-        runs = _runs(sel)
+        runs = self.runs(sel, fmt.row_bytes)
 
         def take(src: torch.Tensor, dst: torch.Tensor) -> None:
             if runs is None:
@@ -339,10 +363,13 @@ class TorchEngine:
         words = dst.view(torch.int64).view(nctrl, P.BLOCK_WORDS)
         if payload.numel() > nctrl * P.CTRL_WORDS_PER_BLOCK:
             raise ValueError(f"control payload of {payload.numel()} words does not fit {nctrl} blocks")
-        body = torch.zeros(nctrl * P.CTRL_WORDS_PER_BLOCK, dtype=torch.int64)
-        body[: payload.numel()] = payload
         buf = torch.zeros(nctrl, P.BLOCK_WORDS, dtype=torch.int64)
-        buf[:, P.HEAD_WORDS:] = body.view(nctrl, P.CTRL_WORDS_PER_BLOCK)
+        if nctrl == 1:
+            buf[0, P.HEAD_WORDS:P.HEAD_WORDS + payload.numel()] = payload
+        else:
+            body = torch.zeros(nctrl * P.CTRL_WORDS_PER_BLOCK, dtype=torch.int64)
+            body[: payload.numel()] = payload
+            buf[:, P.HEAD_WORDS:] = body.view(nctrl, P.CTRL_WORDS_PER_BLOCK)
         words.copy_(buf)
         P.memory_fence()
         words[:, 0] = flag
@@ -516,10 +543,11 @@ class TorchEngine:
             raw = self.scratch("ll_combine_raw", (rows.shape[0], H), torch.bfloat16)
             self.unpack_rows(fmt, rows, [P.as_bytes(raw)], rearm=False)
             views = [(0, H, raw)]
+        gathers = [(self.scratch(f"ll_combine_gather{lo}", (T,) + tuple(v.shape[1:]), torch.bfloat16), lo, hi, v)
+                   for lo, hi, v in views]
         for k in range(K):
-            for lo, hi, v in views:
+            for g, lo, hi, v in gathers:
                 # the rows of slot column k, gathered (bf16), then widened into prod (bf16 -> f32 is exact)
-                g = self.scratch(f"ll_combine_gather{lo}", (T,) + tuple(v.shape[1:]), torch.bfloat16)
                 torch.index_select(v, 0, pos[:, k], out=g)
                 prod[:, lo:hi].view(g.shape).copy_(g)
             if any_invalid[k]:
@@ -566,9 +594,9 @@ def _as_range(sel: Optional[torch.Tensor]):
     return None
 
 
-def _runs(sel: torch.Tensor):
-    """``[(start, stop, position)]`` when ``sel`` is a few long runs of consecutive indices (then strided
-    copies per run beat a gather), else None."""
+def _runs(sel: torch.Tensor, row_bytes: int):
+    """``[(start, stop, position)]`` when ``sel`` is one run of consecutive indices, or a few runs of at least
+    256 KiB on average (then strided copies per run beat a gather), else None."""
     n = sel.numel()
     if n == 0:
         return []
@@ -576,7 +604,7 @@ def _runs(sel: torch.Tensor):
         a = int(sel[0])
         return [(a, a + 1, 0)]
     breaks = ((sel[1:] - sel[:-1]) != 1).nonzero().squeeze(1)
-    if breaks.numel() >= max(8, n // 16):
+    if breaks.numel() and n * row_bytes < (256 << 10) * (breaks.numel() + 1):
         return None
     pos = [0] + (breaks + 1).tolist() + [n]
     firsts = sel[pos[:-1]].tolist()
