@@ -118,3 +118,47 @@ def test_deepep_semantics_with_triton_backend(pool2, sync):
     pool2.run(F.ll_roundtrip, sync, T=4, backend="triton")
     if sync in ("tff", "sp"):
         pool2.run(F.dispatch_variants, sync, backend="triton")
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_weighted_combine_paths_agree_bit_for_bit(sync):
+    """The one-step path for small low-latency combines and the per-column path give the same bits,
+    stale NaN bytes in masked slots and signed zeros included; both match a float32 reference."""
+    import torch
+
+    from ubep_torch import protocol as P
+    from ubep_torch.engine import TorchEngine
+
+    g = torch.Generator().manual_seed(7)
+    T, K, H = 6, 4, 1000                                    # H not a multiple of the 480 B payload
+    n = T * K
+    x = torch.randn(n, H, generator=g).bfloat16()
+    x[3, :5] = -0.0
+    x[0] = float("nan")                                     # a stale row: masked slots read row 0
+    fmt = P.row_format(sync, (("x", H * 2),), 0)
+    eng = TorchEngine()
+    staging, _, _ = eng.pack_rows(fmt, [P.as_bytes(x)], None, torch.arange(n), 0)
+    rows = staging.clone()
+    if sync == "sp":                                        # as the receiver sees them after step 2
+        rows.view(torch.int64).view(n, fmt.blocks, P.BLOCK_WORDS)[:, :, 0] = \
+            eng.pack_rows(fmt, [P.as_bytes(x)], None, torch.arange(n), 0)[1]
+    topk = torch.randint(0, 8, (T, K), generator=g)
+    topk[1, 2] = -1
+    topk[4, 0] = -1
+    pos = torch.randperm(n, generator=g).view(T, K)
+    pos[pos == 0] = 5                                       # no valid slot reads the NaN row
+    pos[1, 2] = pos[4, 0] = 0
+    w = torch.rand(T, K, generator=g)
+    w[0, 1] = -0.0
+    outs = []
+    for small in (1 << 30, 0):
+        eng.small_combine_elems = small
+        out = torch.empty(T, H, dtype=torch.bfloat16)
+        eng.weighted_combine(fmt, rows, topk, w, out, pos)
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    valid = topk >= 0
+    ref = torch.zeros(T, H)
+    for k in range(K):
+        ref = ref + torch.where(valid[:, k:k + 1], x[pos[:, k]].float() * w[:, k:k + 1], torch.zeros(1))
+    assert torch.equal(outs[0].view(torch.int16), ref.bfloat16().view(torch.int16))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -1123,6 +1124,7 @@ class Buffer:
             raise ValueError(f"use_fp8 needs a hidden size divisible by 128, got {H}")
         if use_ue8m0 and H % 512:
             raise ValueError(f"use_ue8m0 needs a hidden size divisible by 512, got {H}")
+        topk_user = topk_idx
         topk_idx = self._check_topk(topk_idx, E)
         if topk_idx.shape[0] != T:
             raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {T}")
@@ -1206,9 +1208,12 @@ class Buffer:
         src_k = torch.full((E_local, R * N), -1, dtype=torch.int32)
         layout_range = torch.zeros(E_local, R, dtype=torch.int64)
         return_slot = torch.zeros(R, dtype=torch.int64)   # where each source wants its rows back (combine)
+        pos = torch.zeros(T, K, dtype=torch.int64)        # combine slot of every (token, k) pair
+        pos[t_idx, k_idx] = torch.arange(t_idx.numel(), dtype=torch.int64)
         handle = LowLatencyHandle((src_info, layout_range, N, H, E), src_k=src_k, K=K, epoch=epoch,
                                   num_tokens=T, recv_count=recv_count, return_slot=return_slot,
-                                  sent_counts=counts)
+                                  sent_counts=counts, pos=pos, topk_checked=topk_idx,
+                                  routing=(weakref.ref(topk_user), topk_user._version))
         pending = _Pending("low_latency_dispatch", epoch)
         state = {"wait_ns": torch.zeros(R, dtype=torch.int64)}
 
@@ -1398,7 +1403,9 @@ class Buffer:
             raise TypeError("low_latency_combine x must be a bfloat16 tensor")
         if tuple(x.shape) != (E_local, R * N, H):
             raise ValueError(f"low_latency_combine x must have shape {(E_local, R * N, H)}, got {tuple(x.shape)}")
-        topk_idx = self._check_topk(topk_idx, E)
+        ref, version = handle.routing
+        same_routing = ref() is topk_idx and topk_idx._version == version   # the dispatch's, unmodified
+        topk_idx = handle.topk_checked if same_routing else self._check_topk(topk_idx, E)
         T, K = topk_idx.shape
         if T > N:
             raise ValueError(f"{T} tokens > num_max_dispatch_tokens_per_rank={N}")
@@ -1410,15 +1417,19 @@ class Buffer:
             raise ValueError(f"out must be a [{T}, {H}] bfloat16 tensor")
         # Every (token, expert) pair comes back into slot pos[t, k]: its place in this rank's dispatch order
         # (by destination rank, local expert, token), so each host's rows form one contiguous run.
-        valid = topk_idx >= 0
-        t_idx, k_idx = valid.nonzero(as_tuple=True)
-        g = topk_idx[t_idx, k_idx]
-        if T and not torch.equal(torch.bincount(g, minlength=E).view(R, E_local), handle.sent_counts):
-            raise ValueError("topk_idx differs from the one given to the low_latency_dispatch of this handle")
-        order = torch.argsort(g * (N * K) + t_idx * K + k_idx)
-        n_valid = int(order.numel())
-        pos = torch.zeros(T, K, dtype=torch.int64)
-        pos[t_idx[order], k_idx[order]] = torch.arange(n_valid, dtype=torch.int64)
+        if same_routing:
+            pos, n_valid = handle.pos, int(handle.sent_counts.sum())
+        else:
+            valid = topk_idx >= 0
+            t_idx, k_idx = valid.nonzero(as_tuple=True)
+            g = topk_idx[t_idx, k_idx]
+            if T != handle.num_tokens or (T and not torch.equal(torch.bincount(g, minlength=E).view(R, E_local),
+                                                                handle.sent_counts)):
+                raise ValueError("topk_idx differs from the one given to the low_latency_dispatch of this handle")
+            order = torch.argsort(g * (N * K) + t_idx * K + k_idx)
+            n_valid = int(order.numel())
+            pos = torch.zeros(T, K, dtype=torch.int64)
+            pos[t_idx[order], k_idx[order]] = torch.arange(n_valid, dtype=torch.int64)
         fmt = P.row_format(self.sync, (("x", H * 2),), 0)
         region = self._region(P.REGION_LL_COMBINE)
         if region.capacity(fmt) < N * K:

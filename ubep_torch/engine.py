@@ -53,6 +53,8 @@ class SendJob:
 
 class TorchEngine:
     name = "torch"
+    #: low-latency combines of at most this many T*K*H elements take every top-k column in one step
+    small_combine_elems = 1 << 20
 
     def __init__(self) -> None:
         # Reused scratch tensors. Fresh multi-MB allocations are mmap'ed and faulted in page by page on
@@ -543,6 +545,22 @@ class TorchEngine:
             raw = self.scratch("ll_combine_raw", (rows.shape[0], H), torch.bfloat16)
             self.unpack_rows(fmt, rows, [P.as_bytes(raw)], rearm=False)
             views = [(0, H, raw)]
+        if T * K * H <= self.small_combine_elems:
+            # small calls (decoding): every column at once, then the same per-column adds in k order
+            allp = self.scratch("ll_combine_all", (T * K, H), torch.float32)
+            flat = pos.view(-1)
+            for lo, hi, v in views:
+                g = torch.index_select(v, 0, flat)
+                allp[:, lo:hi].view(g.shape).copy_(g)         # bf16 -> f32 is exact
+            if any(any_invalid):
+                allp[~valid.view(-1)] = 0    # masked slots (maybe stale NaN bytes) add +0.0
+            p3 = allp.view(T, K, H)
+            p3.mul_(w.unsqueeze(2))          # one rounding per product, as bf16 * f32 in float32
+            torch.add(p3[:, 0], 0.0, out=acc)     # the sum starts from +0.0
+            for k in range(1, K):
+                acc.add_(p3[:, k])
+            out.copy_(acc)
+            return
         gathers = [(self.scratch(f"ll_combine_gather{lo}", (T,) + tuple(v.shape[1:]), torch.bfloat16), lo, hi, v)
                    for lo, hi, v in views]
         for k in range(K):
