@@ -1156,10 +1156,7 @@ class Buffer:
                              f"for?); use num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E)}")
         self._check_in_flight(P.REGION_LL_DISPATCH)
         # (token, expert) pairs sorted by destination rank, local expert, token
-        t_idx, k_idx = (topk_idx >= 0).nonzero(as_tuple=True)
-        g = topk_idx[t_idx, k_idx]
-        order = torch.argsort(g * (N * K) + t_idx * K + k_idx)
-        t_idx, k_idx, g = t_idx[order], k_idx[order], g[order]
+        t_idx, k_idx, g = _pair_order(topk_idx, N)
         counts = torch.bincount(g, minlength=E).view(R, E_local)
         bounds = torch.zeros(R + 1, dtype=torch.int64)
         bounds[1:] = torch.cumsum(counts.sum(1), 0)
@@ -1257,9 +1254,14 @@ class Buffer:
 
             def place(s: int, n: int) -> torch.Tensor:
                 """Flat recv_x row of each of source s's n rows (expert-major segments, dispatch order)."""
-                c = cnt[s]
-                seg_first = experts * (R * N) + begin[s] - src_off[s]
-                return torch.repeat_interleave(seg_first, c, output_size=n) + torch.arange(n, dtype=torch.int64)
+                return _segment_rows(experts * (R * N) + begin[s], cnt[s], n)
+
+            def place_source_info(s: int, rows: torch.Tensor) -> None:
+                """Source token (head word 1) and top-k slot (meta item 0) of source s's arrived rows."""
+                if rows.shape[0]:
+                    at = place(s, rows.shape[0])
+                    flat_info[at] = rows[:, 0, :].view(torch.int64)[:, 1].to(torch.int32)
+                    flat_k[at] = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
 
             def poll_rows():
                 missing = []
@@ -1304,10 +1306,7 @@ class Buffer:
                                 P.unpack_field(seg[:, fo:fo + fmt.field_blocks[i]], o, fmt.sync)
                         else:
                             eng.unpack_rows(fmt, seg, outs, rearm=False)
-                    if n:
-                        at = place(s, n)
-                        flat_info[at] = rows[:, 0, :].view(torch.int64)[:, 1].to(torch.int32)
-                        flat_k[at] = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
+                    place_source_info(s, rows)
                     eng.rearm(fmt, rows)
                     done.add(s)
                     self._send_ack(rid, s, epoch)
@@ -1322,13 +1321,7 @@ class Buffer:
                     raise UBEPError("low_latency_dispatch: the CalCumSum kernel disagrees with the control messages")
                 for s in range(R):
                     rows = views[s]
-                    for e in range(E_local):
-                        c = int(cnt[s, e])
-                        if c:
-                            r0, b0 = int(src_off[s, e]), int(begin[s, e])
-                            head = rows[r0:r0 + c, 0, :].view(torch.int64)
-                            src_info[e, b0:b0 + c] = head[:, 1].to(torch.int32)
-                            src_k[e, b0:b0 + c] = rows[r0:r0 + c, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
+                    place_source_info(s, rows)
                     eng.rearm(fmt, rows)
                     self._send_ack(rid, s, epoch)
             if cumulative_local_expert_recv_stats is not None:
@@ -1420,16 +1413,13 @@ class Buffer:
         if same_routing:
             pos, n_valid = handle.pos, int(handle.sent_counts.sum())
         else:
-            valid = topk_idx >= 0
-            t_idx, k_idx = valid.nonzero(as_tuple=True)
-            g = topk_idx[t_idx, k_idx]
+            t_idx, k_idx, g = _pair_order(topk_idx, N)
             if T != handle.num_tokens or (T and not torch.equal(torch.bincount(g, minlength=E).view(R, E_local),
                                                                 handle.sent_counts)):
                 raise ValueError("topk_idx differs from the one given to the low_latency_dispatch of this handle")
-            order = torch.argsort(g * (N * K) + t_idx * K + k_idx)
-            n_valid = int(order.numel())
+            n_valid = int(t_idx.numel())
             pos = torch.zeros(T, K, dtype=torch.int64)
-            pos[t_idx[order], k_idx[order]] = torch.arange(n_valid, dtype=torch.int64)
+            pos[t_idx, k_idx] = torch.arange(n_valid, dtype=torch.int64)
         fmt = P.row_format(self.sync, (("x", H * 2),), 0)
         region = self._region(P.REGION_LL_COMBINE)
         if region.capacity(fmt) < N * K:
@@ -1447,12 +1437,7 @@ class Buffer:
         epoch = self._next_epoch(rid)
         half, flag = P.half_of(epoch), P.flag_word(epoch, rid)
         seg_start = (torch.arange(E_local, dtype=torch.int64) * (R * N)).unsqueeze(1) + begin   # [E_local, R]
-        per_src = []
-        for s in range(R):
-            c = cnt[:, s]
-            n = int(c.sum())
-            first = torch.repeat_interleave(seg_start[:, s] - (torch.cumsum(c, 0) - c), c, output_size=n)
-            per_src.append(first + torch.arange(n, dtype=torch.int64))
+        per_src = [_segment_rows(seg_start[:, s], cnt[:, s], int(cnt[:, s].sum())) for s in range(R)]
         direct = eng.name == "torch"
         if direct:   # payload is stored straight from x
             staging, checked, row_sums = eng.stage_rows(fmt, [P.as_bytes(xs)], None, eng.arange(xs.shape[0]), me)
@@ -1462,8 +1447,10 @@ class Buffer:
             gathered = eng.scratch("ll_gather", (all_rows.numel(), H), torch.bfloat16)
             torch.index_select(xs, 0, all_rows, out=gathered)
             staging, checked, row_sums = eng.pack_rows(fmt, [P.as_bytes(gathered)], None, all_rows, me)
-            starts = torch.cumsum(torch.tensor([0] + [r.numel() for r in per_src], dtype=torch.int64), 0).tolist()
-            sels = [torch.arange(starts[s], starts[s + 1], dtype=torch.int64) for s in range(R)]
+            starts = [0]
+            for r in per_src:
+                starts.append(starts[-1] + r.numel())
+            sels = [eng.span(starts[s], starts[s + 1]) for s in range(R)]
         self._wait_acks(rid, epoch)
         nctrl = 1
         sig = fmt.signature()
@@ -1543,6 +1530,24 @@ class Buffer:
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
         self._sync_all("clean_low_latency_buffer: SyncAll")
+
+
+def _pair_order(topk_idx: torch.Tensor, N: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Low-latency (token, slot) pairs with an expert, sorted by expert (so by destination rank and local
+    expert), then token, then slot: the order rows are dispatched in and returned to by combine.
+    Returns ``(t_idx, k_idx, expert)``."""
+    K = topk_idx.shape[1]
+    t_idx, k_idx = (topk_idx >= 0).nonzero(as_tuple=True)
+    g = topk_idx[t_idx, k_idx]
+    order = torch.argsort(g * (N * K) + t_idx * K + k_idx)
+    return t_idx[order], k_idx[order], g[order]
+
+
+def _segment_rows(first: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows of consecutive segments laid end to end: segment ``e`` holds ``counts[e]`` rows starting at row
+    ``first[e]``; returns their ``n = counts.sum()`` row indices in segment order."""
+    starts = torch.cumsum(counts, 0) - counts
+    return torch.repeat_interleave(first - starts, counts, output_size=n) + torch.arange(n, dtype=torch.int64)
 
 
 def _quantize_fp8(x: torch.Tensor, round_scale: bool) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -60,18 +60,12 @@ class TorchEngine:
         # Reused scratch tensors. Fresh multi-MB allocations are mmap'ed and faulted in page by page on
         # every call, which costs more than the copies themselves; staging never outlives a call.
         self._scratch: dict = {}
-        self._aranges: dict = {}
         self._spans: dict = {}
         self._runs_cache: dict = {}
 
     def arange(self, n: int) -> torch.Tensor:
         """A shared ``arange(n)`` int64 (read-only by convention): staging keyed on it is reused."""
-        t = self._aranges.get(n)
-        if t is None:
-            if len(self._aranges) > 64:
-                self._aranges.clear()
-            t = self._aranges[n] = torch.arange(n, dtype=torch.int64)
-        return t
+        return self.span(0, n)
 
     def span(self, lo: int, hi: int) -> torch.Tensor:
         """A shared ``arange(lo, hi)`` int64 (read-only by convention), the same tensor on every call."""
@@ -183,7 +177,7 @@ class TorchEngine:
         sync = fmt.sync
         pay = P.payload_per_block(sync)
         # head words and meta blocks that depend only on (token, block, rank): kept between calls
-        reusable = src_index is self._aranges.get(n)
+        reusable = src_index is self._spans.get((0, n))
         constant_meta = reusable and meta is None and sync != "sp"
         key = ("meta", n, nb, rank, sync, fmt.meta_words)
         meta_blk = self._scratch.get(key) if constant_meta else None
@@ -535,8 +529,7 @@ class TorchEngine:
         w = torch.where(valid, weights, torch.zeros_like(weights))
         any_invalid = [bool(c) for c in (~valid).any(0).tolist()]
         acc = self.scratch("ll_combine_out", (T, H), torch.float32)
-        prod = self.scratch("ll_combine_prod", (T, H), torch.float32)
-        views = P.field_views(rows, fmt, 0, torch.bfloat16) if rows.shape[0] else None
+        views = P.field_views(rows, fmt, 0, torch.bfloat16)
         if views is not None and fmt.sync == "sp" and fmt.bitmap_words:
             bm = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, fmt.meta_words:fmt.meta_words + fmt.bitmap_words]
             if bool(bm.any()):
@@ -545,36 +538,28 @@ class TorchEngine:
             raw = self.scratch("ll_combine_raw", (rows.shape[0], H), torch.bfloat16)
             self.unpack_rows(fmt, rows, [P.as_bytes(raw)], rearm=False)
             views = [(0, H, raw)]
-        if T * K * H <= self.small_combine_elems:
-            # small calls (decoding): every column at once, then the same per-column adds in k order
-            allp = self.scratch("ll_combine_all", (T * K, H), torch.float32)
-            flat = pos.view(-1)
-            for lo, hi, v in views:
-                g = torch.index_select(v, 0, flat)
-                allp[:, lo:hi].view(g.shape).copy_(g)         # bf16 -> f32 is exact
-            if any(any_invalid):
-                allp[~valid.view(-1)] = 0    # masked slots (maybe stale NaN bytes) add +0.0
-            p3 = allp.view(T, K, H)
-            p3.mul_(w.unsqueeze(2))          # one rounding per product, as bf16 * f32 in float32
-            torch.add(p3[:, 0], 0.0, out=acc)     # the sum starts from +0.0
-            for k in range(1, K):
-                acc.add_(p3[:, k])
-            out.copy_(acc)
-            return
-        gathers = [(self.scratch(f"ll_combine_gather{lo}", (T,) + tuple(v.shape[1:]), torch.bfloat16), lo, hi, v)
-                   for lo, hi, v in views]
-        for k in range(K):
+        # Top-k columns in groups: all of them at once for small calls (decoding), one at a time otherwise
+        # (a [T, H] float32 product stays in cache). Either way: gather (bf16), widen (exact), zero masked
+        # slots (maybe stale NaN bytes: they add +0.0), one multiply each (bf16 * f32 in float32), then
+        # the adds in k order from +0.0.
+        kc = K if T * K * H <= self.small_combine_elems else 1
+        prod = self.scratch("ll_combine_prod", (T * kc, H), torch.float32)
+        gathers = [(self.scratch(f"ll_combine_gather{lo}", (T * kc,) + tuple(v.shape[1:]), torch.bfloat16),
+                    lo, hi, v) for lo, hi, v in views]
+        p3 = prod.view(T, kc, H)
+        for k0 in range(0, K, kc):
+            cols = pos[:, k0:k0 + kc].reshape(-1)            # row t*kc + j holds slot (t, k0 + j)
             for g, lo, hi, v in gathers:
-                # the rows of slot column k, gathered (bf16), then widened into prod (bf16 -> f32 is exact)
-                torch.index_select(v, 0, pos[:, k], out=g)
+                torch.index_select(v, 0, cols, out=g)
                 prod[:, lo:hi].view(g.shape).copy_(g)
-            if any_invalid[k]:
-                prod[~valid[:, k]] = 0       # masked slots (maybe stale NaN bytes) add +0.0
-            prod.mul_(w[:, k:k + 1])         # one rounding, as bf16 * f32 in float32
-            if k == 0:
-                torch.add(prod, 0.0, out=acc)   # the sum starts from +0.0
-            else:
-                acc.add_(prod)
+            if any(any_invalid[k0:k0 + kc]):
+                prod[~valid[:, k0:k0 + kc].reshape(-1)] = 0
+            p3.mul_(w[:, k0:k0 + kc].unsqueeze(2))
+            for j in range(kc):
+                if k0 + j == 0:
+                    torch.add(p3[:, j], 0.0, out=acc)
+                else:
+                    acc.add_(p3[:, j])
         out.copy_(acc)
 
     @staticmethod
