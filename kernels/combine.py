@@ -142,4 +142,7 @@ def weighted_combine(fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tenso
         weights.contiguous(),
         out.view(torch.int16), K, hidden, fmt.blocks, fmt.meta_words, fmt.field_offset_blocks(0),
         SYNC=daf.SYNC_CODE[fmt.sync],
-        H_BLOCK=min(1024, triton.next_power_of_2(max(hidden, 2))))
+        H_BLOCK=min(1024, triton.next_power_of_2(max(hidden, 2))),
+        # compiled kernels would otherwise contract ``acc += x * w`` into one fused multiply-add, whose
+        # single rounding differs from the torch path's multiply-then-add (the interpreter ignores this)
+        enable_fp_fusion=False)

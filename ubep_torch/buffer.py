@@ -351,7 +351,8 @@ class Buffer:
         peer_words[self._ack_base(rid, epoch % 2) + self.rank] = epoch
 
     def _wait_ctrl(self, region: "_Region", half: int, nctrl: int, flag: int, phase: str) -> dict:
-        """Wait (with the deadline) for every source's control message of this call; returns their words."""
+        """Wait (with the deadline) for every source's control message of this call; returns their words
+        (``{source: [int, ...]}``: control data is read once, then handled as Python ints)."""
         local, eng, words = self._heap.local, self.engine, {}
 
         def poll():
@@ -360,7 +361,7 @@ class Buffer:
                 if s not in words:
                     c = region.ctrl(local, half, s)[:nctrl]
                     if eng.ctrl_arrived(c, flag):
-                        words[s] = eng.read_ctrl(c)
+                        words[s] = eng.read_ctrl(c).tolist()
                     else:
                         missing.append(s)
             return missing
@@ -642,21 +643,20 @@ class Buffer:
                 meta[:, K:].copy_(P.fresh(weights).view(torch.int32).view(T, K * wsz))
         fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
         src_index = self.engine.arange(T)
-        counts = ntpe.view(R, E_local).to(torch.int64) if K else None
-        ntpr = torch.tensor([s.numel() for s in send_idx], dtype=torch.int64)
+        if "counts" not in derived:
+            derived["counts"] = ntpe.view(R, E_local).tolist() if K else [[0] * E_local] * R
+        counts, ntpr, sig = derived["counts"], [s.numel() for s in send_idx], fmt.signature()
 
         def ctrl_payload(d: int, checksum: int = 0) -> torch.Tensor:
-            c = counts[d] if counts is not None else torch.zeros(E_local, dtype=torch.int64)
-            return torch.cat([torch.tensor([int(send_idx[d].numel()), fmt.signature(), checksum, 0, 0, 0],
-                                           dtype=torch.int64), c, ntpr])
+            return torch.tensor([ntpr[d], sig, checksum, 0, 0, 0] + counts[d] + ntpr, dtype=torch.int64)
 
         recv = self._exchange(P.REGION_DISPATCH, fmt, fields_data, meta, src_index, send_idx, ctrl_payload,
                               n_counts=E_local, with_matrix=True)
         # ---------------- receive side: CalCumSum and Token-Reordering into the DeepEP layout
-        n_src = recv["nrows"]
-        offsets = torch.zeros(R + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(n_src, 0)
-        num_recv = int(offsets[-1])
+        off_l = [0]
+        for n in recv["nrows"]:
+            off_l.append(off_l[-1] + n)
+        num_recv = off_l[-1]
         rows_out = num_worst_tokens if num_worst_tokens else num_recv
         if num_worst_tokens and num_recv > num_worst_tokens:
             raise UBEPError(f"rank {self.rank} received {num_recv} tokens > num_worst_tokens={num_worst_tokens}")
@@ -677,29 +677,35 @@ class Buffer:
                 recv_meta[o:o + n] = meta.index_select(0, sel)
             recv_src_idx[o:o + n] = sel.to(torch.int32)
 
-        self._receive_rows(P.REGION_DISPATCH, fmt, recv, offsets, outs, recv_meta, recv_src_idx,
+        self._receive_rows(P.REGION_DISPATCH, fmt, recv, off_l, outs, recv_meta, recv_src_idx,
                            local_copy=local_copy)
 
         recv_topk_idx = recv_topk_weights = None
         if K:
-            gids = recv_meta[:, :K].to(torch.int64)
-            local = gids - self.rank * E_local
-            ok = (gids >= 0) & (local >= 0) & (local < E_local)
-            recv_topk_idx = torch.where(ok, local, torch.full_like(local, -1))
+            # global expert ids -> this rank's local ids; -1 (and experts of other ranks) -> -1
+            local = recv_meta[:, :K] - self.rank * E_local
+            other = (local < 0) | (local >= E_local)
+            recv_topk_idx = local.to(torch.int64).masked_fill_(other, -1)
             if num_worst_tokens:
                 recv_topk_idx[num_recv:] = -1
             if weights is not None:
-                w = P.fresh(recv_meta[:, K:]).view(weights.dtype)
-                recv_topk_weights = torch.where(ok, w, torch.zeros_like(w))
-        per_expert = recv["counts"].sum(0)
+                m = recv_meta[:, K:]
+                w = m.view(weights.dtype) if wsz == 1 else P.fresh(m).view(weights.dtype)
+                recv_topk_weights = w.masked_fill(other, 0.0)
         if num_worst_tokens:
             count_list: List[int] = []
         else:
-            count_list = [int(-(-int(c) // expert_alignment) * expert_alignment) for c in per_expert]
+            per_expert = [sum(c[e] for c in recv["counts"]) for e in range(E_local)]
+            count_list = [-(-c // expert_alignment) * expert_alignment for c in per_expert]
 
         # DeepEP-shaped handle
-        mat = recv["ntpr_matrix"]  # [R, R]: tokens from rank i to rank j
-        rank_prefix = torch.cumsum(mat, 0).to(torch.int32)
+        prefix, run = [], [0] * R           # rank_prefix_matrix: column-wise prefix sums of [src, dst] counts
+        for row in recv["ntpr_matrix"]:
+            run = [a + b for a, b in zip(run, row)]
+            prefix.append(run)
+        rank_prefix = torch.tensor(prefix, dtype=torch.int32).view(R, R)
+        n_src = torch.tensor(recv["nrows"], dtype=torch.int64)
+        offsets = torch.tensor(off_l, dtype=torch.int64)
         if "send_head" not in derived:
             head = torch.full((T, R), -1, dtype=torch.int32)
             for d in range(R):
@@ -777,8 +783,8 @@ class Buffer:
 
         recv = self._exchange(P.REGION_DISPATCH, fmt, fields_data, None, self.engine.arange(T),
                               send_idx, ctrl_payload)
-        if not torch.equal(recv["nrows"], base.recv_counts):
-            raise UBEPError(f"cached dispatch on rank {self.rank}: peers sent {recv['nrows'].tolist()} rows, the "
+        if recv["nrows"] != base.recv_counts.tolist():
+            raise UBEPError(f"cached dispatch on rank {self.rank}: peers sent {recv['nrows']} rows, the "
                             f"handle expects {base.recv_counts.tolist()} (handles from different calls?)")
         num_recv = base.num_recv
         rows_out = base.num_worst_tokens or num_recv
@@ -845,23 +851,24 @@ class Buffer:
             self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after flag verification")
         sig = fmt.signature()
         for s in range(R):
-            if int(ctrl_words[s][P.CTRL_SIGNATURE]) != sig:
+            if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
                 self._broken = f"layout mismatch with rank {s}"
                 raise UBEPError(f"rank {s} sent {P.REGION_NAMES[rid]} rows of a different layout than rank {me} "
                                 f"expects (hidden size, dtype, top-k, fp8 or sync mode differ between ranks)")
-        nrows = torch.tensor([int(ctrl_words[s][P.CTRL_NROWS]) for s in range(R)], dtype=torch.int64)
+        nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
         cap = region.capacity(fmt)
-        if int(nrows.max()) > cap:
+        if max(nrows) > cap or min(nrows) < 0:
             self._broken = "peer announced more rows than fit"
-            raise UBEPError(f"a peer announced {int(nrows.max())} rows but slots hold {cap}")
-        out = {"epoch": epoch, "half": half, "flag": flag, "nrows": nrows, "ctrl": ctrl_words}
-        out["counts"] = torch.stack([ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + n_counts] for s in range(R)])
+            raise UBEPError(f"a peer announced {max(nrows) if max(nrows) > cap else min(nrows)} rows but slots "
+                            f"hold [0, {cap}]")
+        out = {"epoch": epoch, "half": half, "flag": flag, "nrows": nrows, "ctrl": ctrl_words,
+               "counts": [ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + n_counts] for s in range(R)]}
         if with_matrix:
-            out["ntpr_matrix"] = torch.stack([ctrl_words[s][P.CTRL_COUNTS + n_counts:P.CTRL_COUNTS + n_counts + R]
-                                              for s in range(R)])
+            c0 = P.CTRL_COUNTS + n_counts
+            out["ntpr_matrix"] = [ctrl_words[s][c0:c0 + R] for s in range(R)]
         return out
 
-    def _receive_rows(self, rid: int, fmt: P.RowFormat, recv: dict, offsets: torch.Tensor, outs, recv_meta,
+    def _receive_rows(self, rid: int, fmt: P.RowFormat, recv: dict, offsets: Sequence[int], outs, recv_meta,
                       recv_src_idx, accumulate: Optional[Callable] = None,
                       local_copy: Optional[Callable] = None) -> None:
         """Token-Reordering: copy each source's rows out as soon as that source's blocks are all there.
@@ -887,7 +894,7 @@ class Buffer:
                 if in_order and missing:
                     missing.append(s)
                     continue
-                n = int(recv["nrows"][s])
+                n = recv["nrows"][s]
                 if s == self.rank:
                     if accumulate is not None:
                         accumulate(s, None)
@@ -897,7 +904,7 @@ class Buffer:
                     self._send_ack(rid, s, epoch)
                     continue
                 rows = region.rows(local, half, s, fmt, n)
-                expected = int(recv["ctrl"][s][P.CTRL_CHECKSUM])
+                expected = recv["ctrl"][s][P.CTRL_CHECKSUM]
                 if not eng.rows_arrived(fmt, rows, flag, expected):
                     missing.append(s)
                     continue
@@ -996,11 +1003,11 @@ class Buffer:
             return torch.tensor([int(send_idx[d].numel()), fmt.signature(), checksum, 0, 0, 0], dtype=torch.int64)
 
         recv = self._exchange(P.REGION_COMBINE, fmt, [P.as_bytes(x)], meta, src_index, send_idx, ctrl_payload)
-        expect = torch.tensor([s.numel() for s in base.send_idx], dtype=torch.int64)
-        if not torch.equal(recv["nrows"], expect):
+        expect = [s.numel() for s in base.send_idx]
+        if recv["nrows"] != expect:
             self._broken = "combine layout mismatch"
-            raise UBEPError(f"combine on rank {self.rank}: peers returned {recv['nrows'].tolist()} rows, the handle "
-                            f"sent {expect.tolist()} (was the handle from the latest matching dispatch?)")
+            raise UBEPError(f"combine on rank {self.rank}: peers returned {recv['nrows']} rows, the handle "
+                            f"sent {expect} (was the handle from the latest matching dispatch?)")
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         eng = self.engine
         wacc = torch.zeros(T, K, dtype=topk_weights.dtype) if K else None
@@ -1175,9 +1182,11 @@ class Buffer:
         nctrl = P.ctrl_blocks(E_local)
         sig = fmt.signature()
 
+        counts_l, bounds_l = counts.tolist(), bounds.tolist()
+
         def ctrl_payload(d, cs=0):
-            return torch.cat([torch.tensor([int(send_idx[d].numel()), sig, cs, int(bounds[d]), 0, 0],
-                                           dtype=torch.int64), counts[d]])
+            return torch.tensor([bounds_l[d + 1] - bounds_l[d], sig, cs, bounds_l[d], 0, 0] + counts_l[d],
+                                dtype=torch.int64)
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending"))
         # torch path: this rank's own rows skip the slots (the receive side copies them straight from x);
@@ -1225,11 +1234,12 @@ class Buffer:
             if self.sync == "sw":
                 self._sync_all("low_latency_dispatch: SyncAll after flag verification")
             for s in range(R):
-                if int(ctrl_words[s][P.CTRL_SIGNATURE]) != sig:
+                if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
                     self._broken = "layout mismatch"
                     raise UBEPError(f"rank {s} sent low-latency rows of a different layout than rank {me} expects")
-            cnt = torch.stack([ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + E_local] for s in range(R)])  # [R, E_l]
-            return_slot.copy_(torch.stack([ctrl_words[s][P.CTRL_RETURN_SLOT] for s in range(R)]))
+            cnt = torch.tensor([ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + E_local] for s in range(R)],
+                               dtype=torch.int64).view(R, E_local)
+            return_slot.copy_(torch.tensor([ctrl_words[s][P.CTRL_RETURN_SLOT] for s in range(R)], dtype=torch.int64))
             if cnt.numel() and (int(cnt.max()) > N or int(cnt.min()) < 0):
                 self._broken = "bad counts"
                 raise UBEPError(f"a peer announced per-expert counts outside [0, {N}] (corrupted control message)")
@@ -1285,7 +1295,7 @@ class Buffer:
                         self._send_ack(rid, s, epoch)
                         continue
                     rows = region.rows(local, half, s, fmt, n)
-                    if not eng.rows_arrived(fmt, rows, flag, int(ctrl_words[s][P.CTRL_CHECKSUM])):
+                    if not eng.rows_arrived(fmt, rows, flag, ctrl_words[s][P.CTRL_CHECKSUM]):
                         missing.append(s)
                         continue
                     state["wait_ns"][s] += time.perf_counter_ns() - t0
@@ -1479,11 +1489,11 @@ class Buffer:
             if self.sync == "sw":
                 self._sync_all("low_latency_combine: SyncAll after flag verification")
             for s in range(R):
-                if int(ctrl_words[s][P.CTRL_SIGNATURE]) != sig:
+                if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
                     self._broken = "layout mismatch"
                     raise UBEPError(f"rank {s} sent low-latency combine rows of a different layout")
             per_host = handle.sent_counts.sum(1)
-            nrows = torch.stack([ctrl_words[s][P.CTRL_NROWS] for s in range(R)])
+            nrows = torch.tensor([ctrl_words[s][P.CTRL_NROWS] for s in range(R)], dtype=torch.int64)
             if not torch.equal(nrows, per_host):
                 self._broken = "combine row counts"
                 raise UBEPError(f"low_latency_combine on rank {me}: hosts announced {nrows.tolist()} rows, this "
@@ -1491,7 +1501,7 @@ class Buffer:
             rows = region.rows(local, half, 0, fmt, n_valid)
             host_of_row = torch.repeat_interleave(torch.arange(R), per_host, output_size=n_valid)
             if self.sync == "dc":
-                total = sum(int(ctrl_words[s][P.CTRL_CHECKSUM]) for s in range(R))
+                total = sum(ctrl_words[s][P.CTRL_CHECKSUM] for s in range(R))
                 total = ((total + (1 << 63)) % (1 << 64)) - (1 << 63)
 
                 def poll_rows():
