@@ -232,7 +232,8 @@ def bad_inputs(ctx, sync):
     ll_x, _, ll_handle, _, _ = buf.low_latency_dispatch(x, topk, 16, E, use_fp8=False)
     cases = {
         "ll combine topk differs": (ValueError, lambda: buf.low_latency_combine(
-            ll_x, torch.full_like(topk, -1), w, ll_handle)),
+            ll_x, torch.cat([topk[:, :1] * 0 + next(e for e in range(E) if e not in topk[0].tolist()),
+                             topk[:, 1:]], 1), w, ll_handle)),
         "id >= E": (ValueError, lambda: buf.get_dispatch_layout(topk + E, E)),
         "id < -1": (ValueError, lambda: buf.get_dispatch_layout(topk - 5, E)),
         "float ids": (TypeError, lambda: buf.get_dispatch_layout(topk.float(), E)),
@@ -407,3 +408,91 @@ def combine_pair_exact(ctx, sync, dtype=torch.bfloat16, T=12, H=256, seed=5):
     assert same, f"rank {r}: combine bits differ from the rank-order float32 sum ({dtype}, {sync})"
     assert not torch.signbit(comb[0]).any(), "(-0) + (-0) must give +0 as an accumulator from +0.0 does"
     return True
+
+
+def routing_robustness(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=3):
+    """Routings are taken by content, calls work under ``torch.inference_mode``, and the low-latency
+    combine maps every (token, expert) of its own ``topk_idx`` to the dispatched row. Returns check names."""
+    R, r = ctx.world_size, ctx.rank
+    El = E // R
+    topk, w = make_routing(seed, r, T, K, E)
+    g = torch.Generator().manual_seed(seed + 7 * r)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    passed = []
+
+    def scaled_experts(recv_x):   # local expert e (global id r*El + e) multiplies its rows by (id + 1)
+        scale = (torch.arange(El) + r * El + 1).to(torch.float32).view(El, 1, 1)
+        return (recv_x.float() * scale).bfloat16()
+
+    def ll_reference(tk, wk):      # sum over k of w * bf16(x * (id + 1)), masked slots skipped
+        acc = torch.zeros(T, H)
+        for k in range(tk.shape[1]):
+            e = tk[:, k]
+            y = (x.float() * (e.clamp(min=0) + 1).float().unsqueeze(1)).bfloat16().float()
+            acc += torch.where((e >= 0).unsqueeze(1), y * wk[:, k:k + 1], torch.zeros(()))
+        return acc.bfloat16()
+
+    def close(a, b):
+        return torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+    def run_all(xx, tk, ww, buf):
+        lay = buf.get_dispatch_layout(tk, E)
+        res = []
+        for _ in range(2):   # the second call takes the remembered layout
+            d = buf.dispatch(xx, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                             topk_idx=tk, topk_weights=ww)
+            res += [d[0], d[1], d[2], buf.combine(d[0], d[4])[0]]
+        for _ in range(2):
+            lr, cnt, lh, _, _ = buf.low_latency_dispatch(xx, tk, N, E, use_fp8=False)
+            res += [lr[e, :int(cnt[e])] for e in range(El)]    # rows past recv_count are unspecified
+            res += [buf.low_latency_combine(scaled_experts(lr), tk, ww, lh)[0]]
+        return res
+
+    # 1. inference mode, with the Buffer itself created inside it, then the same calls outside it
+    with torch.inference_mode():
+        buf = Buffer(ctx.group, 64 << 20, Buffer.get_low_latency_rdma_size_hint(N, H, R, E), low_latency_mode=True,
+                     sync=sync, timeout_s=30.0)
+        inf = run_all(x.clone(), topk.clone(), w.clone(), buf)
+    plain = run_all(x, topk, w, buf)
+    diff = [i for i, (a, b) in enumerate(zip(inf, plain)) if not torch.equal(a, b)]
+    assert not diff, f"inference-mode results differ: outputs {diff}"
+    assert close(plain[-1], ll_reference(topk, w))
+    passed.append("inference_mode")
+
+    # 2. a routing rewritten through numpy (no version bump) gets a fresh layout; editing a returned
+    #    layout tensor does not change later answers
+    t2 = torch.zeros(T, 1, dtype=torch.int64)
+    buf.get_dispatch_layout(t2, E)
+    t2.numpy()[:] = E - 1
+    got = buf.get_dispatch_layout(t2, E)
+    ref = buf.get_dispatch_layout(torch.full((T, 1), E - 1, dtype=torch.int64), E)
+    assert all(torch.equal(got[i], ref[i]) for i in (0, 2, 3)), (got[0], ref[0])
+    got[0].zero_()
+    got[3].fill_(False)
+    again = buf.get_dispatch_layout(t2, E)
+    assert all(torch.equal(again[i], ref[i]) for i in (0, 2, 3))
+    passed.append("numpy_write")
+
+    # 3. low-latency combine routings: the same, more slots masked, columns reordered; an expert the
+    #    token was not dispatched to is refused before sending and the Buffer stays usable
+    lr, _, lh, _, _ = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+    y = scaled_experts(lr)
+    same = buf.low_latency_combine(y, topk, w, lh)[0]
+    assert close(same, ll_reference(topk, w))
+    masked = topk.clone()
+    masked[:, -1] = -1
+    assert close(buf.low_latency_combine(y, masked, w, lh)[0], ll_reference(masked, w))
+    perm = list(range(K))[::-1]
+    assert close(buf.low_latency_combine(y, topk[:, perm], w[:, perm], lh)[0], ll_reference(topk[:, perm], w[:, perm]))
+    bad = topk.clone()
+    bad[0, 0] = next(e for e in range(E) if e not in topk[0].tolist())
+    try:
+        buf.low_latency_combine(y, bad, w, lh)
+    except ValueError as e:
+        assert "did not send token 0" in str(e), str(e)
+    else:
+        raise AssertionError("a combine naming an expert the token was not dispatched to was accepted")
+    assert torch.equal(buf.low_latency_combine(y, topk, w, lh)[0], same)
+    passed.append("ll_combine_routings")
+    buf.destroy()
+    return passed

@@ -72,6 +72,11 @@ def test_bad_inputs_raise_before_sending_and_buffer_stays_usable(pool2, sync):
     assert names[0] == names[1] and len(names[0]) == 19
 
 
+@pytest.mark.parametrize("sync", ["tff", "sp"])
+def test_routing_by_content_inference_mode_and_ll_combine_routings(pool2, sync):
+    assert pool2.run(F.routing_robustness, sync) == [["inference_mode", "numpy_write", "ll_combine_routings"]] * 2
+
+
 @pytest.mark.parametrize("sync", SYNCS)
 def test_repeated_calls_with_changing_shapes(pool2, sync):
     pool2.run(F.repeated, sync)

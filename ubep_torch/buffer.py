@@ -183,6 +183,14 @@ class Buffer:
                  on_report: Optional[Callable] = None, num_max_tokens_per_rank: Optional[int] = None,
                  hidden: Optional[int] = None, shm_dir: Optional[str] = None,
                  num_count_aivs: Optional[int] = None):
+        with torch.inference_mode(False):   # the Buffer's memory is reused in any mode later: plain tensors
+            self._init(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+                       allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, timeout_s, sync, backend,
+                       cost_model, on_report, num_max_tokens_per_rank, hidden, shm_dir, num_count_aivs)
+
+    def _init(self, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+              allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, timeout_s, sync, backend,
+              cost_model, on_report, num_max_tokens_per_rank, hidden, shm_dir, num_count_aivs) -> None:
         if sync not in P.SYNC_MODES:
             raise ValueError(f"sync must be one of {P.SYNC_MODES}, got {sync!r}")
         if group is None:
@@ -191,7 +199,9 @@ class Buffer:
             group = dist.group.WORLD
         if int(num_nvl_bytes) < 0 or int(num_rdma_bytes) < 0:
             raise ValueError("num_nvl_bytes and num_rdma_bytes must be >= 0")
-        self.group = group
+        # held weakly: a Buffer that lives until interpreter exit must not keep the process group alive
+        # past destroy_process_group (gloo's threads would then be torn down during finalization)
+        self._group_ref = weakref.ref(group)
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
         self.low_latency_mode = bool(low_latency_mode)
@@ -248,6 +258,11 @@ class Buffer:
         self.delay_hook: Optional[Callable[[str], None]] = None  # test-only: called at every protocol step
 
     # ================================================================== housekeeping
+    @property
+    def group(self):
+        """The process group this Buffer was built on (None once it has been destroyed)."""
+        return self._group_ref()
+
     def destroy(self) -> None:
         """Release the shared memory (the segments are already unlinked; this unmaps them)."""
         if self._destroyed:
@@ -485,39 +500,35 @@ class Buffer:
         """
         self._check_usable()
         E = self._check_num_experts(num_experts)
-        return self._layout(topk_idx, E)[0] + (EventOverlap(None),)
+        layout = self._layout(topk_idx, E)[0]
+        return tuple(None if t is None else t.clone() for t in layout) + (EventOverlap(None),)
 
     def _layout(self, topk_idx: torch.Tensor, E: int):
-        """(layout tuple without the event, validated int64 topk_idx); cached for an unmodified tensor."""
-        key = self._layout_key(topk_idx, E)
-        hit = self._layout_cache
-        if hit is not None and hit[0] == key and all(t._version == v for t, v in hit[3]):
-            return hit[1], hit[2]
-        user_topk = topk_idx
-        topk_idx = self._check_topk(topk_idx, E)
-        R = self.group_size
-        T = topk_idx.shape[0]
-        # column 0 collects the -1 slots, so a masked slot can never clear a real expert's bit
-        per_expert = torch.zeros(T, E + 1, dtype=torch.bool)
-        if T and topk_idx.shape[1]:
-            per_expert.scatter_(1, topk_idx + 1, True)
-        per_expert = per_expert[:, 1:]
-        num_tokens_per_expert = per_expert.sum(0).to(torch.int32)
-        is_token_in_rank = per_expert.view(T, R, E // R).any(-1)
-        num_tokens_per_rank = is_token_in_rank.sum(0).to(torch.int32)
-        result = (num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank)
-        if key is not None:
-            # the same routing tensor, unmodified (version counters), gets the same answer without a recount
-            watched = (user_topk, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
-            self._layout_cache = (key, result, topk_idx, tuple((t, t._version) for t in watched), {})
-        return result, topk_idx
+        """(layout tuple without the event, validated int64 topk_idx), both private to the Buffer.
 
-    @staticmethod
-    def _layout_key(topk_idx, num_experts: int):
-        if not isinstance(topk_idx, torch.Tensor) or topk_idx.device.type != "cpu":
-            return None
-        return (id(topk_idx), topk_idx.data_ptr(), topk_idx.dtype, tuple(topk_idx.shape), topk_idx.stride(),
-                num_experts)
+        The last routing is remembered by content: a routing equal to it (the same tensor again, or a new
+        one with the same values) gets the same answer without a recount. Content, not identity or
+        version counters: writes through numpy do not bump a tensor's version, and inference tensors
+        have none."""
+        hit = self._layout_cache
+        if hit is not None and hit[0] == E and _same_routing(topk_idx, hit[2]):
+            return hit[1], hit[2]
+        checked = self._check_topk(topk_idx, E)
+        R = self.group_size
+        T = checked.shape[0]
+        with torch.inference_mode(False):   # kept between calls: plain tensors, whatever the caller's mode
+            topk_idx = checked.clone()      # a snapshot: the caller may change its own tensor later
+            # column 0 collects the -1 slots, so a masked slot can never clear a real expert's bit
+            per_expert = torch.zeros(T, E + 1, dtype=torch.bool)
+            if T and topk_idx.shape[1]:
+                per_expert.scatter_(1, topk_idx + 1, True)
+            per_expert = per_expert[:, 1:]
+            num_tokens_per_expert = per_expert.sum(0).to(torch.int32)
+            is_token_in_rank = per_expert.view(T, R, E // R).any(-1)
+            num_tokens_per_rank = is_token_in_rank.sum(0).to(torch.int32)
+        result = (num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank)
+        self._layout_cache = (E, result, topk_idx, {})
+        return result, topk_idx
 
     # ================================================================== normal dispatch
     @_collective
@@ -587,13 +598,14 @@ class Buffer:
                 if tuple(topk_weights.shape) != (T, K):
                     raise ValueError(f"topk_weights must have shape {(T, K)}, got {tuple(topk_weights.shape)}")
                 weights = topk_weights.contiguous()
-            if is_token_in_rank is not None and is_token_in_rank is not itr:
+            if is_token_in_rank is not None:
                 if tuple(is_token_in_rank.shape) != (T, R) or is_token_in_rank.dtype != torch.bool:
                     raise ValueError(f"is_token_in_rank must be a [{T}, {R}] bool tensor")
                 if not torch.equal(is_token_in_rank.cpu(), itr):
                     raise ValueError("is_token_in_rank does not match topk_idx (use get_dispatch_layout)")
-            if num_tokens_per_expert is not None and num_tokens_per_expert is not ntpe and not torch.equal(
-                    num_tokens_per_expert.cpu().to(torch.int32), ntpe):
+            if num_tokens_per_expert is not None and (
+                    tuple(num_tokens_per_expert.shape) != (E,) or
+                    not torch.equal(num_tokens_per_expert.cpu().to(torch.int64), ntpe.to(torch.int64))):
                 raise ValueError("num_tokens_per_expert does not match topk_idx (use get_dispatch_layout)")
             is_token_in_rank = itr
         else:
@@ -608,10 +620,11 @@ class Buffer:
             K = 0
             if topk_weights is not None:
                 raise ValueError("topk_weights needs topk_idx")
-        if num_tokens_per_rank is not None and not (topk_idx is not None and num_tokens_per_rank is ntpr_cached):
+        if num_tokens_per_rank is not None:
             if tuple(num_tokens_per_rank.shape) != (R,):
                 raise ValueError(f"num_tokens_per_rank must have shape ({R},)")
-            if not torch.equal(num_tokens_per_rank.cpu().to(torch.int64), is_token_in_rank.sum(0)):
+            expect = ntpr_cached.to(torch.int64) if topk_idx is not None else is_token_in_rank.sum(0)
+            if not torch.equal(num_tokens_per_rank.cpu().to(torch.int64), expect):
                 raise ValueError("num_tokens_per_rank does not match is_token_in_rank/topk_idx")
 
         wsz = 0 if weights is None else weights.element_size() // 4
@@ -631,7 +644,7 @@ class Buffer:
         # ---------------- send
         # send lists and send_head depend on the routing alone: kept with the cached layout
         lc = self._layout_cache
-        derived = lc[4] if topk_idx is not None and lc is not None and lc[1][3] is is_token_in_rank else {}
+        derived = lc[3] if topk_idx is not None and lc is not None and lc[1][3] is is_token_in_rank else {}
         if "send_idx" not in derived:
             derived["send_idx"] = [is_token_in_rank[:, d].nonzero().squeeze(1) for d in range(R)]
         send_idx = derived["send_idx"]
@@ -1131,7 +1144,6 @@ class Buffer:
             raise ValueError(f"use_fp8 needs a hidden size divisible by 128, got {H}")
         if use_ue8m0 and H % 512:
             raise ValueError(f"use_ue8m0 needs a hidden size divisible by 512, got {H}")
-        topk_user = topk_idx
         topk_idx = self._check_topk(topk_idx, E)
         if topk_idx.shape[0] != T:
             raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {T}")
@@ -1218,8 +1230,8 @@ class Buffer:
         pos[t_idx, k_idx] = torch.arange(t_idx.numel(), dtype=torch.int64)
         handle = LowLatencyHandle((src_info, layout_range, N, H, E), src_k=src_k, K=K, epoch=epoch,
                                   num_tokens=T, recv_count=recv_count, return_slot=return_slot,
-                                  sent_counts=counts, pos=pos, topk_checked=topk_idx,
-                                  routing=(weakref.ref(topk_user), topk_user._version))
+                                  sent_counts=counts, pos=pos, n_pairs=int(t_idx.numel()),
+                                  topk_snapshot=topk_idx.clone())
         pending = _Pending("low_latency_dispatch", epoch)
         state = {"wait_ns": torch.zeros(R, dtype=torch.int64)}
 
@@ -1385,7 +1397,9 @@ class Buffer:
 
         Args:
             x: [E_local, R*N, H] bf16 expert outputs in the layout of ``low_latency_dispatch``.
-            topk_idx, topk_weights: this rank's [T, K] routing and float32 weights.
+            topk_idx, topk_weights: this rank's [T, K] routing and float32 weights. ``topk_idx`` is the
+                dispatch's routing; it may mask more slots (-1) or list a token's experts in another order,
+                but naming an expert the token was not dispatched to raises ValueError before sending.
             handle: from ``low_latency_dispatch``.
             zero_copy: x was already written into ``get_next_low_latency_combine_buffer(handle)``.
             out: optional [T, H] bf16 output tensor.
@@ -1406,9 +1420,8 @@ class Buffer:
             raise TypeError("low_latency_combine x must be a bfloat16 tensor")
         if tuple(x.shape) != (E_local, R * N, H):
             raise ValueError(f"low_latency_combine x must have shape {(E_local, R * N, H)}, got {tuple(x.shape)}")
-        ref, version = handle.routing
-        same_routing = ref() is topk_idx and topk_idx._version == version   # the dispatch's, unmodified
-        topk_idx = handle.topk_checked if same_routing else self._check_topk(topk_idx, E)
+        same_routing = _same_routing(topk_idx, handle.topk_snapshot)    # the dispatch's routing, by content
+        topk_idx = handle.topk_snapshot if same_routing else self._check_topk(topk_idx, E)
         T, K = topk_idx.shape
         if T > N:
             raise ValueError(f"{T} tokens > num_max_dispatch_tokens_per_rank={N}")
@@ -1418,18 +1431,16 @@ class Buffer:
             raise ValueError(f"topk_weights must have shape {(T, K)}, got {tuple(topk_weights.shape)}")
         if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H)):
             raise ValueError(f"out must be a [{T}, {H}] bfloat16 tensor")
-        # Every (token, expert) pair comes back into slot pos[t, k]: its place in this rank's dispatch order
-        # (by destination rank, local expert, token), so each host's rows form one contiguous run.
+        # Every dispatched (token, expert) pair comes back into slot pos[t, k]: its place in this rank's
+        # dispatch order (by destination rank, local expert, token), so each host's rows form one run.
+        n_valid = handle.n_pairs
         if same_routing:
-            pos, n_valid = handle.pos, int(handle.sent_counts.sum())
+            pos = handle.pos
         else:
-            t_idx, k_idx, g = _pair_order(topk_idx, N)
-            if T != handle.num_tokens or (T and not torch.equal(torch.bincount(g, minlength=E).view(R, E_local),
-                                                                handle.sent_counts)):
-                raise ValueError("topk_idx differs from the one given to the low_latency_dispatch of this handle")
-            n_valid = int(t_idx.numel())
-            pos = torch.zeros(T, K, dtype=torch.int64)
-            pos[t_idx, k_idx] = torch.arange(n_valid, dtype=torch.int64)
+            if T != handle.num_tokens:
+                raise ValueError(f"topk_idx has {T} rows; the low_latency_dispatch of this handle had "
+                                 f"{handle.num_tokens} tokens")
+            pos = _match_pairs(topk_idx, handle.topk_snapshot, handle.pos)
         fmt = P.row_format(self.sync, (("x", H * 2),), 0)
         region = self._region(P.REGION_LL_COMBINE)
         if region.capacity(fmt) < N * K:
@@ -1540,6 +1551,36 @@ class Buffer:
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
         self._sync_all("clean_low_latency_buffer: SyncAll")
+
+
+def _same_routing(topk_idx, snapshot: torch.Tensor) -> bool:
+    """Is ``topk_idx`` a CPU int64 tensor equal to ``snapshot`` (a routing checked earlier)?"""
+    return (isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int64 and topk_idx.device.type == "cpu"
+            and topk_idx.shape == snapshot.shape and torch.equal(topk_idx, snapshot))
+
+
+def _match_pairs(topk_idx: torch.Tensor, dispatched: torch.Tensor, dispatched_pos: torch.Tensor) -> torch.Tensor:
+    """Combine slot of every (token, expert) of ``topk_idx`` given the dispatch's routing and slots.
+
+    A combine may mask more slots (-1) or list a token's experts in another order; every expert it names
+    must have been dispatched for that token, or ValueError (before anything is sent)."""
+    T, K = topk_idx.shape
+    valid = topk_idx >= 0
+    if dispatched.shape[1] == 0 or not bool(valid.any()):
+        missing = valid
+        kd = torch.zeros(T, K, dtype=torch.int64)
+    else:
+        eq = (topk_idx.unsqueeze(2) == dispatched.unsqueeze(1)) & valid.unsqueeze(2)    # [T, K, K_dispatch]
+        missing = valid & ~eq.any(2)
+        kd = eq.to(torch.int8).argmax(2)
+    if bool(missing.any()):
+        t, k = missing.nonzero()[0].tolist()
+        raise ValueError(f"topk_idx[{t}, {k}] = {int(topk_idx[t, k])}, but the low_latency_dispatch of this "
+                         f"handle did not send token {t} to that expert (low_latency_combine takes the "
+                         f"dispatch's topk_idx, optionally with more slots masked as -1)")
+    if dispatched.shape[1] == 0:
+        return kd
+    return torch.gather(dispatched_pos, 1, kd)
 
 
 def _pair_order(topk_idx: torch.Tensor, N: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

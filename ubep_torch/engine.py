@@ -16,6 +16,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from . import protocol as P
+from .utils import version_of
 
 
 @dataclass
@@ -73,19 +74,22 @@ class TorchEngine:
         if t is None:
             if len(self._spans) > 64:
                 self._spans.clear()
-            t = self._spans[(lo, hi)] = torch.arange(lo, hi, dtype=torch.int64)
+            with torch.inference_mode(False):   # kept between calls: a plain tensor in any mode
+                t = self._spans[(lo, hi)] = torch.arange(lo, hi, dtype=torch.int64)
         return t
 
     def runs(self, sel: torch.Tensor, row_bytes: int):
         """:func:`_runs`, remembered for a selection tensor that is passed again unmodified."""
         key = (id(sel), row_bytes)
         hit = self._runs_cache.get(key)
-        if hit is not None and hit[0]() is sel and hit[1] == sel._version:
+        version = version_of(sel)
+        if hit is not None and hit[0]() is sel and version is not None and hit[1] == version:
             return hit[2]
         r = _runs(sel, row_bytes)
-        if len(self._runs_cache) > 64:
-            self._runs_cache.clear()
-        self._runs_cache[key] = (weakref.ref(sel), sel._version, r)
+        if version is not None:
+            if len(self._runs_cache) > 64:
+                self._runs_cache.clear()
+            self._runs_cache[key] = (weakref.ref(sel), version, r)
         return r
 
     def scratch(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -94,7 +98,8 @@ class TorchEngine:
             n *= int(d)
         buf = self._scratch.get((name, dtype))
         if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, 1), dtype=dtype)
+            with torch.inference_mode(False):
+                buf = torch.empty(max(n, 1), dtype=dtype)
             self._scratch[(name, dtype)] = buf
         return buf[:n].view(*shape)
 
@@ -182,7 +187,8 @@ class TorchEngine:
         key = ("meta", n, nb, rank, sync, fmt.meta_words)
         meta_blk = self._scratch.get(key) if constant_meta else None
         if meta_blk is None:
-            meta_blk = torch.zeros(n, P.BLOCK_BYTES, dtype=torch.uint8)
+            with torch.inference_mode(False):
+                meta_blk = torch.zeros(n, P.BLOCK_BYTES, dtype=torch.uint8)
             mw = meta_blk.view(torch.int64)
             mw[:, 1] = src_index
             mw[:, 3] = rank
@@ -207,7 +213,8 @@ class TorchEngine:
                 key = ("hdr", n, nb, rank)
                 hdr = self._scratch.get(key) if reusable else None
                 if hdr is None:
-                    hdr = torch.empty(n, nb - 1, 3, dtype=torch.int64)
+                    with torch.inference_mode(False):
+                        hdr = torch.empty(n, nb - 1, 3, dtype=torch.int64)
                     hdr[:, :, 0] = src_index.unsqueeze(1)
                     hdr[:, :, 1] = torch.arange(1, nb, dtype=torch.int64)
                     hdr[:, :, 2] = rank

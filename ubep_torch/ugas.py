@@ -113,7 +113,6 @@ class SymmetricHeap:
     """
 
     def __init__(self, group, nbytes: int, directory: Optional[str] = None):
-        self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.directory = directory or shm_dir()

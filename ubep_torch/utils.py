@@ -65,6 +65,12 @@ class Config:
                 f"{self.num_max_nvl_chunked_recv_tokens})")
 
 
+def version_of(t: torch.Tensor) -> Optional[int]:
+    """``t``'s version counter, or None for an inference tensor (those have none): caches keyed by
+    versions must then treat the tensor as changed."""
+    return None if t.is_inference() else t._version
+
+
 class TensorCache:
     """Reuses output tensors that their users have dropped.
 
@@ -112,7 +118,8 @@ class TensorCache:
                 if not victims:
                     return torch.empty(*shape, dtype=dtype)
                 pool.pop(min(victims, key=lambda i: pool[i].numel()))
-            pool.append(torch.empty(n + n // 4, dtype=dtype))
+            with torch.inference_mode(False):   # reused in any mode later: a plain tensor
+                pool.append(torch.empty(n + n // 4, dtype=dtype))
             best = len(pool) - 1
         return pool[best][:n].view(*shape)
 
