@@ -494,5 +494,22 @@ def routing_robustness(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=3):
         raise AssertionError("a combine naming an expert the token was not dispatched to was accepted")
     assert torch.equal(buf.low_latency_combine(y, topk, w, lh)[0], same)
     passed.append("ll_combine_routings")
+
+    # 4. inputs that require grad are read as data (the Buffer records no autograd graph)
+    xg = x.float().requires_grad_()
+    lay = buf.get_dispatch_layout(topk, E)
+    d = buf.dispatch(xg, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                     topk_idx=topk, topk_weights=w.clone().requires_grad_())
+    assert not d[0].requires_grad and torch.equal(d[0], buf.dispatch(x.float(), handle=d[4])[0])
+    assert torch.equal(buf.dispatch(xg, handle=d[4])[0], d[0])
+    assert torch.equal(buf.combine(d[0].requires_grad_(), d[4])[0], buf.combine(d[0].detach(), d[4])[0])
+    lr, cnt, lh, _, _ = buf.low_latency_dispatch(x.clone().requires_grad_(), topk, N, E, use_fp8=False)
+    assert not lr.requires_grad and torch.equal(buf.low_latency_combine(y, topk, w, lh)[0], same)
+    passed.append("requires_grad")
+
+    # 5. the differentiable low-latency dispatch pads with zeros past each count
+    fx, fcnt, _ = ubep_torch.functional.low_latency_dispatch(buf, x, topk.to(torch.int32), N, E)
+    assert all(not bool(fx[e, c:].any()) for e, c in enumerate(fcnt.tolist()))
+    passed.append("functional_padding")
     buf.destroy()
     return passed

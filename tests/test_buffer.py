@@ -74,7 +74,8 @@ def test_bad_inputs_raise_before_sending_and_buffer_stays_usable(pool2, sync):
 
 @pytest.mark.parametrize("sync", ["tff", "sp"])
 def test_routing_by_content_inference_mode_and_ll_combine_routings(pool2, sync):
-    assert pool2.run(F.routing_robustness, sync) == [["inference_mode", "numpy_write", "ll_combine_routings"]] * 2
+    assert pool2.run(F.routing_robustness, sync) == [["inference_mode", "numpy_write", "ll_combine_routings",
+                                                           "requires_grad", "functional_padding"]] * 2
 
 
 @pytest.mark.parametrize("sync", SYNCS)

@@ -110,3 +110,26 @@ def test_balance_loss_is_one_when_uniform():
     # Uniform probabilities: P_e = 1/E whatever the (tied) choices, so E * sum_e f_e / E = 1.
     torch.testing.assert_close(balance, torch.tensor(1.0))
     assert torch.allclose(w, torch.ones_like(w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_shared_expert_follows_the_input_dtype(dtype):
+    """float32 master weights, computed in the input's dtype: the shared expert like the routed ones."""
+    torch.manual_seed(2)
+    layer = unn.MoE(16, 8, 4, 2, shared_expert_hidden=8)
+    x = torch.randn(5, 16)
+    out = layer(x.to(dtype))
+    assert out.dtype == dtype
+    ref = layer(x)
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in layer.shared_expert.parameters())
+
+
+def test_expert_without_rows_gets_zero_gradients():
+    """A rank whose local experts receive no rows still defines (zero) gradients for every expert weight."""
+    experts = unn.GroupedSwiGLU(2, 8, 4)
+    experts(torch.zeros(0, 8, requires_grad=True), [0, 0]).sum().backward()
+    for p in (experts.w_gate, experts.w_up, experts.w_down):
+        assert p.grad is not None and not bool(p.grad.any())

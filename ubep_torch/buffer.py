@@ -113,12 +113,17 @@ class LowLatencyHandle(tuple):
 def _collective(fn):
     """An exception after a call has started talking to peers breaks the Buffer and aborts the peers'
     waits (they raise ``UBEPPeerAbortedError`` within ~50 ms instead of waiting for their deadline).
-    Validation errors are raised before that point and leave everything usable."""
+    Validation errors are raised before that point and leave everything usable.
+
+    Calls (and their recv hooks) run without autograd recording, as DeepEP's kernels do: inputs that
+    require grad are read as data and results do not require grad (``ubep_torch.functional`` is the
+    differentiable API)."""
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         self._in_call = False
         try:
-            out = fn(self, *args, **kwargs)
+            with torch.no_grad():
+                out = fn(self, *args, **kwargs)
         except BaseException as e:
             if self._in_call and not isinstance(e, UBEPBrokenError):
                 self._fail(e)
@@ -132,7 +137,8 @@ def _collective(fn):
         @functools.wraps(hook)
         def guarded_hook():
             try:
-                return hook()
+                with torch.no_grad():
+                    return hook()
             except BaseException as e:
                 if not isinstance(e, UBEPBrokenError):
                     self._fail(e)

@@ -265,6 +265,8 @@ def dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
     """
     if layout not in LAYOUTS:
         raise ValueError(f"ubep_torch.functional.dispatch: layout must be one of {LAYOUTS}, got {layout!r}")
+    if isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int32:
+        topk_idx = topk_idx.to(torch.int64)   # accepted like Buffer.dispatch does
     _check_routing(x, topk_idx, topk_weights, num_experts, int(buffer.group_size))
     out: list[AutogradHandle] = []
     recv_x, recv_topk_idx, recv_topk_weights = _Dispatch.apply(
@@ -333,7 +335,10 @@ def _ll_valid_rows(bhandle) -> torch.Tensor:
 def _ll_dispatch_raw(buffer, x: torch.Tensor, topk_idx: torch.Tensor, n: int, num_experts: int):
     recv_x, recv_count, bhandle, _, _hook = buffer.low_latency_dispatch(
         x, topk_idx, n, num_experts, use_fp8=False, return_recv_hook=False)
-    return recv_x.clone(), recv_count.clone(), bhandle
+    out = recv_x.clone()
+    for e, c in enumerate(recv_count.tolist()):
+        out[e, c:].zero_()      # past the count: zero, never stale bytes (NaN would reach weight gradients)
+    return out, recv_count.clone(), bhandle
 
 
 def _ll_combine_raw(buffer, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, bhandle):
@@ -430,9 +435,12 @@ def low_latency_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, num_ma
         num_experts: ``E``.
     Returns:
         ``(recv_x [E_local, R*N, H], recv_count [E_local] int32, handle)``. Only the first ``recv_count[e]``
-        rows of expert ``e`` are valid. ``recv_x`` is a private copy, safe to keep for backward while later
-        low-latency calls reuse the Buffer's two receive halves.
+        rows of expert ``e`` are valid; the rows after them are zero, so a batched GEMM over the whole
+        tensor gives finite (zero) contributions to weight gradients. ``recv_x`` is a private copy, safe
+        to keep for backward while later low-latency calls reuse the Buffer's two receive halves.
     """
+    if isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int32:
+        topk_idx = topk_idx.to(torch.int64)
     out: list[LowLatencyAutogradHandle] = []
     recv_x, recv_count = _LowLatencyDispatch.apply(x, buffer, topk_idx, int(num_max_dispatch_tokens_per_rank),
                                                    int(num_experts), out)
@@ -455,7 +463,8 @@ def low_latency_combine(buffer, y: torch.Tensor, topk_idx: torch.Tensor, topk_we
     if not isinstance(handle, LowLatencyAutogradHandle):
         raise TypeError("ubep_torch.functional.low_latency_combine: handle must come from "
                         "ubep_torch.functional.low_latency_dispatch")
-    if not torch.equal(topk_idx, handle.topk_idx):
+    if not (isinstance(topk_idx, torch.Tensor) and topk_idx.shape == handle.topk_idx.shape
+            and torch.equal(topk_idx.to(torch.int64), handle.topk_idx)):
         raise ValueError("ubep_torch.functional.low_latency_combine: topk_idx differs from the one dispatched")
     return _LowLatencyCombine.apply(y, topk_weights, buffer, handle)
 

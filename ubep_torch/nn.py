@@ -99,7 +99,10 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(ffn_hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(tF.silu(self.gate(x)) * self.up(x))
+        # float32 master weights, computed in the input's dtype (as the router and the experts do)
+        d = x.dtype
+        h = tF.silu(tF.linear(x, self.gate.weight.to(d))) * tF.linear(x, self.up.weight.to(d))
+        return tF.linear(h, self.down.weight.to(d))
 
 
 class GroupedSwiGLU(nn.Module):
@@ -129,7 +132,8 @@ class GroupedSwiGLU(nn.Module):
         for e, part in enumerate(torch.split(x, list(counts), dim=0)):
             if part.shape[0] == 0:
                 # Keep every expert weight in the graph so gradients are defined (zeros) on every rank.
-                outs.append(part @ self.w_gate[e][:, :0].to(x.dtype) @ self.w_down[e][:0].to(x.dtype))
+                unused = (self.w_gate[e][:, :0] + self.w_up[e][:, :0]).to(x.dtype)
+                outs.append(part @ unused @ self.w_down[e][:0].to(x.dtype))
                 continue
             outs.append(self._expert(part, e))
         return torch.cat(outs, dim=0) if outs else x.new_zeros(0, x.shape[1])

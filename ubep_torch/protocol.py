@@ -358,14 +358,15 @@ class Waiter:
             now = time.monotonic()
             if now >= next_liveness:
                 next_liveness = now + 0.05
-                if self.peer_aborted is not None:
-                    aborted = [r for r in range(self._world(missing)) if self.peer_aborted(r)]
-                    if aborted:
-                        raise UBEPPeerAbortedError(phase, self.rank, list(missing), aborted)
+                # a dead rank first: peers that lost it abort too, and the error should name the cause
                 if self.peer_alive is not None:
                     dead = [r for r in missing if not self.peer_alive(r)]
                     if dead:
                         raise UBEPPeerLostError(phase, self.rank, list(missing), dead)
+                if self.peer_aborted is not None:
+                    aborted = [r for r in range(self._world(missing)) if self.peer_aborted(r)]
+                    if aborted:
+                        raise UBEPPeerAbortedError(phase, self.rank, list(missing), aborted)
             if now >= deadline:
                 raise UBEPTimeoutError(phase, self.rank, list(missing), self.timeout_s)
 
