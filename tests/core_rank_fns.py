@@ -231,6 +231,8 @@ def bad_inputs(ctx, sync):
     x = torch.randn(T, H).bfloat16()
     ll_x, _, ll_handle, _, _ = buf.low_latency_dispatch(x, topk, 16, E, use_fp8=False)
     cases = {
+        "ll combine fewer columns": (ValueError, lambda: buf.low_latency_combine(
+            ll_x, topk[:, :1], w[:, :1], ll_handle)),
         "ll combine topk differs": (ValueError, lambda: buf.low_latency_combine(
             ll_x, torch.cat([topk[:, :1] * 0 + next(e for e in range(E) if e not in topk[0].tolist()),
                              topk[:, 1:]], 1), w, ll_handle)),
@@ -453,10 +455,17 @@ def routing_robustness(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=3):
         buf = Buffer(ctx.group, 64 << 20, Buffer.get_low_latency_rdma_size_hint(N, H, R, E), low_latency_mode=True,
                      sync=sync, timeout_s=30.0)
         inf = run_all(x.clone(), topk.clone(), w.clone(), buf)
+        # a recv hook issued and a zero-copy buffer first handed out inside inference mode ...
+        hx, _, hh, _, hook = buf.low_latency_dispatch(x.clone(), topk.clone(), N, E, use_fp8=False,
+                                                      return_recv_hook=True)
+        zc = buf.get_next_low_latency_combine_buffer(hh)
+    hook()                               # ... completed and written outside it
+    zc.copy_(scaled_experts(hx))
+    zc_out = buf.low_latency_combine(None, topk, w, hh, zero_copy=True)[0]
     plain = run_all(x, topk, w, buf)
     diff = [i for i, (a, b) in enumerate(zip(inf, plain)) if not torch.equal(a, b)]
     assert not diff, f"inference-mode results differ: outputs {diff}"
-    assert close(plain[-1], ll_reference(topk, w))
+    assert close(plain[-1], ll_reference(topk, w)) and torch.equal(zc_out, plain[-1])
     passed.append("inference_mode")
 
     # 2. a routing rewritten through numpy (no version bump) gets a fresh layout; editing a returned
@@ -469,6 +478,10 @@ def routing_robustness(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=3):
     assert all(torch.equal(got[i], ref[i]) for i in (0, 2, 3)), (got[0], ref[0])
     got[0].zero_()
     got[3].fill_(False)
+    again = buf.get_dispatch_layout(t2, E)
+    assert all(torch.equal(again[i], ref[i]) for i in (0, 2, 3))
+    d = buf.dispatch(x, topk_idx=t2, num_experts=E)      # nor does editing the tensors of a handle
+    d[4][4].fill_(False)
     again = buf.get_dispatch_layout(t2, E)
     assert all(torch.equal(again[i], ref[i]) for i in (0, 2, 3))
     passed.append("numpy_write")

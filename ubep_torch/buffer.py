@@ -137,7 +137,9 @@ def _collective(fn):
         @functools.wraps(hook)
         def guarded_hook():
             try:
-                with torch.no_grad():
+                # The hook fills tensors the call created, in the caller's mode then: under inference mode
+                # they may be inference tensors, which only inference mode may write (it records no grad).
+                with torch.inference_mode():
                     return hook()
             except BaseException as e:
                 if not isinstance(e, UBEPBrokenError):
@@ -733,7 +735,7 @@ class Buffer:
         send_head = derived["send_head"].clone()
         zeros = torch.zeros(R, 1, dtype=torch.int32)
         h = DispatchHandle(
-            (rank_prefix, zeros, zeros.clone(), recv_src_idx, is_token_in_rank, send_head),
+            (rank_prefix, zeros, zeros.clone(), recv_src_idx, is_token_in_rank.clone(), send_head),
             send_idx=send_idx, recv_counts=n_src, recv_offsets=offsets, num_recv=num_recv, num_tokens=T,
             num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=topk_idx)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
@@ -1392,7 +1394,8 @@ class Buffer:
         _, _, N, H, E = handle
         shape = (E // self.group_size, self.group_size * N, H)
         if self._ll_combine_buffer is None or tuple(self._ll_combine_buffer.shape) != shape:
-            self._ll_combine_buffer = torch.zeros(shape, dtype=torch.bfloat16)
+            with torch.inference_mode(False):   # written by the caller in any mode later
+                self._ll_combine_buffer = torch.zeros(shape, dtype=torch.bfloat16)
         return self._ll_combine_buffer
 
     @_collective
@@ -1431,6 +1434,9 @@ class Buffer:
         T, K = topk_idx.shape
         if T > N:
             raise ValueError(f"{T} tokens > num_max_dispatch_tokens_per_rank={N}")
+        if K != handle.K:
+            raise ValueError(f"topk_idx has {K} columns; the low_latency_dispatch of this handle had {handle.K} "
+                             f"(mask unused slots with -1 instead of dropping columns)")
         if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32:
             raise TypeError("topk_weights must be a float32 tensor")
         if tuple(topk_weights.shape) != (T, K):

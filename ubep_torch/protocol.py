@@ -358,15 +358,16 @@ class Waiter:
             now = time.monotonic()
             if now >= next_liveness:
                 next_liveness = now + 0.05
-                # a dead rank first: peers that lost it abort too, and the error should name the cause
+                # A rank that died without aborting first: peers that lost it abort too, and the error
+                # should name the cause. A rank that aborted (and may have exited since) is an abort.
+                aborted = [] if self.peer_aborted is None else \
+                    [r for r in range(self._world(missing)) if self.peer_aborted(r)]
                 if self.peer_alive is not None:
-                    dead = [r for r in missing if not self.peer_alive(r)]
+                    dead = [r for r in missing if r not in aborted and not self.peer_alive(r)]
                     if dead:
                         raise UBEPPeerLostError(phase, self.rank, list(missing), dead)
-                if self.peer_aborted is not None:
-                    aborted = [r for r in range(self._world(missing)) if self.peer_aborted(r)]
-                    if aborted:
-                        raise UBEPPeerAbortedError(phase, self.rank, list(missing), aborted)
+                if aborted:
+                    raise UBEPPeerAbortedError(phase, self.rank, list(missing), aborted)
             if now >= deadline:
                 raise UBEPTimeoutError(phase, self.rank, list(missing), self.timeout_s)
 
