@@ -66,10 +66,24 @@ def smoke(ctx, sync, T=10, H=256, K=4, E=8, seed=0, dtype=torch.bfloat16, backen
     assert torch.equal(recv_x, ref_x), ("recv_x mismatch", tuple(recv_x.shape), tuple(ref_x.shape))
     assert torch.equal(recv_idx, ref_i), "recv_topk_idx mismatch"
     assert torch.equal(recv_w, ref_ww), "recv_topk_weights mismatch"
+    # DeepEP's handle entries with one channel: tokens sent to each rank, start of each source's rows
+    sent = torch.tensor([int(itr[:, d].sum()) for d in range(R)], dtype=torch.int32)
+    from_src = torch.tensor([sum(1 for t in range(all_x[s].shape[0])
+                                 if any(0 <= int(i) - r * El < El for i in all_topk[s][t] if int(i) >= 0))
+                             for s in range(R)], dtype=torch.int32)
+    assert torch.equal(handle[0][:, r], torch.cumsum(from_src, 0).to(torch.int32)), "rank_prefix_matrix"
+    assert torch.equal(handle[1], sent.view(R, 1)), ("channel_prefix_matrix", handle[1].view(-1).tolist())
+    assert torch.equal(handle[2], (torch.cumsum(from_src, 0) - from_src).to(torch.int32).view(R, 1)), \
+        ("recv_channel_prefix_matrix", handle[2].view(-1).tolist())
     comb, cw, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
     nranks = itr.sum(1, keepdim=True)
     ref_comb = (x.float() * nranks).to(dtype)
     assert torch.allclose(comb.float(), ref_comb.float(), rtol=1e-2, atol=1e-2), (comb - ref_comb).abs().max()
+    # a handle kept as a plain tuple (DeepEP handles are tuples) works for combine and cached dispatch
+    comb2, cw2, _ = buf.combine(recv_x, tuple(handle), topk_weights=recv_w)
+    assert torch.equal(comb2, comb) and torch.equal(cw2, cw), "combine with a plain-tuple handle differs"
+    again = buf.dispatch(x, handle=list(handle))[0]
+    assert torch.equal(again, recv_x), "cached dispatch with a plain-tuple handle differs"
     return counts, ubep_torch.__version__
 
 
@@ -260,6 +274,8 @@ def bad_inputs(ctx, sync):
         "ll duplicate expert": (ValueError, lambda: buf.low_latency_dispatch(
             x, torch.zeros(T, K, dtype=torch.int64), 16, E)),
         "bad handle": (TypeError, lambda: buf.combine(x, ("not", "a", "handle"))),
+        "handle entries": (ValueError, lambda: buf.combine(x, tuple(torch.zeros(2, dtype=torch.int32)
+                                                                    for _ in range(6)))),
         "sync mode": (ValueError, lambda: Buffer(ctx.group, 1 << 20, sync="nope")),
     }
     seen = {}

@@ -89,15 +89,42 @@ class _Region:
 
 
 class DispatchHandle(tuple):
-    """Normal-mode handle. Tuple positions follow DeepEP's intranode handle:
-    ``(rank_prefix_matrix [R, R] int32, channel_prefix_matrix [R, 1] int32, recv_channel_prefix_matrix
-    [R, 1] int32, recv_src_idx [N_recv] int32, is_token_in_rank [T, R] bool, send_head [T, R] int32)``.
+    """Normal-mode handle. Tuple positions follow DeepEP's intranode handle, with one channel:
+    ``(rank_prefix_matrix [R, R] int32, channel_prefix_matrix [R, 1] int32 (tokens this rank sent to
+    each rank), recv_channel_prefix_matrix [R, 1] int32 (where each source's rows begin in recv_x),
+    recv_src_idx [N_recv] int32, is_token_in_rank [T, R] bool, send_head [T, R] int32)``.
     Attributes carry the rest of the layout (send lists per destination, receive counts and offsets)."""
 
     def __new__(cls, items, **attrs):
         obj = super().__new__(cls, items)
         obj.__dict__.update(attrs)
         return obj
+
+    @classmethod
+    def from_tuple(cls, items, rank: int, num_ranks: int) -> "DispatchHandle":
+        """Rebuild a rank-major handle from its six tuple entries alone (a handle that went through code
+        which keeps plain tuples). Checks that the entries agree with each other."""
+        items = tuple(items)
+        if len(items) != 6 or not all(isinstance(t, torch.Tensor) for t in items):
+            raise TypeError("a dispatch handle is the tuple of six tensors returned by Buffer.dispatch")
+        rank_prefix, _, _, recv_src_idx, itr, _ = items
+        R = num_ranks
+        if tuple(rank_prefix.shape) != (R, R) or itr.dim() != 2 or itr.shape[1] != R or itr.dtype != torch.bool:
+            raise ValueError(f"handle entries have the wrong shapes for {R} ranks: rank_prefix_matrix "
+                             f"{tuple(rank_prefix.shape)}, is_token_in_rank {tuple(itr.shape)}")
+        itr = itr.cpu()
+        col = rank_prefix[:, rank].to(torch.int64).cpu()
+        counts = torch.diff(col, prepend=torch.zeros(1, dtype=torch.int64))
+        num_recv = int(col[-1]) if R else 0
+        if bool((counts < 0).any()) or recv_src_idx.numel() != num_recv:
+            raise ValueError(f"handle entries disagree: rank_prefix_matrix says {num_recv} received rows, "
+                             f"recv_src_idx has {recv_src_idx.numel()}")
+        offsets = torch.zeros(R + 1, dtype=torch.int64)
+        offsets[1:] = col
+        send_idx = [itr[:, d].nonzero().squeeze(1) for d in range(R)]
+        return cls(items, send_idx=send_idx, recv_counts=counts, recv_offsets=offsets, num_recv=num_recv,
+                   num_tokens=itr.shape[0], num_experts=0, num_worst_tokens=0, layout="rank_major",
+                   topk_idx=None)
 
 
 class LowLatencyHandle(tuple):
@@ -733,9 +760,11 @@ class Buffer:
                 head[send_idx[d], d] = torch.arange(send_idx[d].numel(), dtype=torch.int32)
             derived["send_head"] = head
         send_head = derived["send_head"].clone()
-        zeros = torch.zeros(R, 1, dtype=torch.int32)
+        # one channel per rank pair: tokens sent to each rank, and where each source's rows begin in recv_x
+        channel_prefix = torch.tensor(ntpr, dtype=torch.int32).view(R, 1)
+        recv_channel_prefix = torch.tensor(off_l[:R], dtype=torch.int32).view(R, 1)
         h = DispatchHandle(
-            (rank_prefix, zeros, zeros.clone(), recv_src_idx, is_token_in_rank.clone(), send_head),
+            (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank.clone(), send_head),
             send_idx=send_idx, recv_counts=n_src, recv_offsets=offsets, num_recv=num_recv, num_tokens=T,
             num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=topk_idx)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
@@ -780,9 +809,15 @@ class Buffer:
         em_w = torch.cat(weight_list) if recv_topk_weights is not None else None
         return (em_x, torch.cat(expert_list), em_w, counts, em_h, EventOverlap(None))
 
+    def _as_dispatch_handle(self, handle) -> "DispatchHandle":
+        if isinstance(handle, DispatchHandle):
+            return handle
+        if isinstance(handle, (tuple, list)):
+            return DispatchHandle.from_tuple(handle, self.rank, self.group_size)
+        raise TypeError(f"handle must be the handle returned by Buffer.dispatch, got {type(handle).__name__}")
+
     def _cached_dispatch(self, xd, scales, handle, x_orig):
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError("handle must come from Buffer.dispatch of this Buffer")
+        handle = self._as_dispatch_handle(handle)
         base = getattr(handle, "base_handle", None) or handle
         T, H = xd.shape
         R = self.group_size
@@ -962,8 +997,7 @@ class Buffer:
         """
         self._check_usable()
         self._apply_config(config)
-        if not isinstance(handle, DispatchHandle):
-            raise TypeError("combine needs the handle returned by Buffer.dispatch")
+        handle = self._as_dispatch_handle(handle)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor, got {type(x).__name__}")
         if x.dtype not in _FLOAT_DTYPES:
