@@ -168,13 +168,13 @@ def _rank_main(rank: int, world: int, port: int, shm_dir: str, sc: Scenario, q) 
         real = ugas._all_gather
         calls = {"n": 0}
 
-        def gather_then_die(obj, group, world_size):
+        def gather_then_die(obj, group, world_size, *args):
             calls["n"] += 1
             if calls["n"] == 2:  # the segment paths: our segment exists and is not unlinked yet
                 q.put((rank, {"kind": "fault", "phase": "setup", "time": time.time() + 0.2}))
                 time.sleep(0.2)  # let the queue's feeder thread flush
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real(obj, group, world_size)
+            return real(obj, group, world_size, *args)
         ugas._all_gather = gather_then_die
     low_latency = sc.op != "normal"
     buf = None
@@ -205,9 +205,10 @@ def _rank_main(rank: int, world: int, port: int, shm_dir: str, sc: Scenario, q) 
         # UBEPTimeoutError / UBEPPeerLostError (and UBEPPeerAbortedError where the library has it) carry
         # the phase and the ranks that did not deliver; anything else is not a deadline error.
         known = isinstance(e, (UBEPTimeoutError, UBEPPeerLostError)) or type(e).__name__ == "UBEPPeerAbortedError"
+        own = sorted(n for n in os.listdir(shm_dir) if n.startswith(f"ubep-{os.getpid()}-")) if buf is None else None
         report(kind="error" if known else "other_ubep", type=type(e).__name__, phase=getattr(e, "phase", ""),
                missing=list(getattr(e, "missing_ranks", [])), dead=list(getattr(e, "dead_ranks", [])),
-               aborted=list(getattr(e, "aborted_ranks", [])), message=str(e))
+               aborted=list(getattr(e, "aborted_ranks", [])), message=str(e), own_segments_after_error=own)
     except Exception as e:  # noqa: BLE001 - the bootstrap (gloo) fails for set-up faults
         own = sorted(n for n in os.listdir(shm_dir) if n.startswith(f"ubep-{os.getpid()}-"))
         report(kind="error" if sc.fault == "setup_kill" else "crash", type=type(e).__name__, phase="setup",
@@ -345,3 +346,23 @@ def run_many(world: int, scenarios: List[Scenario], base_dir: str, parallel: int
 
     with ThreadPoolExecutor(max_workers=parallel) as ex:
         return list(ex.map(one, enumerate(scenarios)))
+
+
+def skip_buffer(ctx, timeout_s):
+    """Rank 1 never builds its Buffer: rank 0's set-up must end at its deadline, naming rank 1."""
+    import time
+
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    from ubep_torch.errors import UBEPTimeoutError
+    if ctx.rank == 1:
+        time.sleep(timeout_s + 2)
+        return None
+    t0 = time.monotonic()
+    try:
+        Buffer(dist.group.WORLD, 1 << 20, timeout_s=timeout_s)
+    except UBEPTimeoutError as e:
+        return time.monotonic() - t0, e.missing_ranks, e.phase
+    return "built"
+

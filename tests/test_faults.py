@@ -18,6 +18,7 @@ sys.path.insert(0, HERE)
 import fault_rank_fns as FR  # noqa: E402
 
 from ubep_torch import ugas  # noqa: E402
+from ubep_torch.testing import RankPool  # noqa: E402
 
 TIMEOUT_S = 1.5
 SLACK_S = 1.5
@@ -102,17 +103,17 @@ def test_no_fault_baseline(tmp_path):
     assert not _explain(outcomes), _explain(outcomes)
 
 
-def test_crash_during_setup_is_swept_by_the_next_start(tmp_path):
-    """The victim dies after creating its segment, before anyone unlinks it: the survivor gets the
-    bootstrap error and exits cleanly (its own segment goes), the victim's file is left and the next
-    start's sweep removes it."""
+def test_crash_during_setup_leaves_nothing(tmp_path):
+    """The victim dies after creating its segment, before anyone unlinks it: the survivor raises an error
+    naming the set-up step and the lost rank, unlinks its own segment, and unlinks the victim's too (its
+    name was announced before it was created). Segments of a group that died entirely in that window
+    are removed by the next start's sweep (``test_sweep_removes_only_dead_owners_segments``)."""
     o = FR.run_scenario(2, FR.Scenario("normal", "tff", "setup_kill", "setup", timeout_s=TIMEOUT_S), str(tmp_path))
     assert not o.spinning
-    assert o.reports[0]["kind"] == "error", o.reports
-    assert len(o.leftover) == 1 and o.leftover[0].startswith("ubep-"), o.leftover
-    removed = ugas.sweep_stale_segments(str(tmp_path))
-    assert [os.path.basename(p) for p in removed] == o.leftover
-    assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")]
+    rep = o.reports[0]
+    assert rep["kind"] == "error" and rep["type"] == "UBEPPeerLostError", o.reports
+    assert "set-up" in rep["phase"] and rep["dead"] == [1], rep
+    assert o.leftover == [], o.leftover
 
 
 def test_setup_failure_unlinks_own_segment_before_raising(tmp_path):
@@ -149,3 +150,26 @@ def test_sweep_removes_only_dead_owners_segments(tmp_path):
     if foreign:
         assert os.path.basename(foreign) in left
     assert ugas.sweep_stale_segments(os.path.join(d, "missing-dir")) == []
+
+
+def test_setup_has_a_deadline(tmp_path):
+    """Buffer construction waits for the peers under timeout_s, not under gloo's 30-minute default."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": str(tmp_path)}
+    with RankPool(2, env=env) as pool:
+        (elapsed, missing, phase), _ = pool.run(FR.skip_buffer, 2.0, timeout_s=60)
+    assert missing == [1] and "set-up" in phase
+    assert 1.9 < elapsed < 10, elapsed
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")]
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "abc"])
+def test_timeout_must_be_a_finite_positive_number(monkeypatch, value):
+    from ubep_torch import protocol as P
+    monkeypatch.delenv("UBEP_TIMEOUT_S", raising=False)
+    with pytest.raises(ValueError, match="timeout_s"):
+        P.default_timeout(value)
+    monkeypatch.setenv("UBEP_TIMEOUT_S", str(value))
+    with pytest.raises(ValueError, match="UBEP_TIMEOUT_S"):
+        P.default_timeout(5.0)
+    monkeypatch.setenv("UBEP_TIMEOUT_S", "2.5")
+    assert P.default_timeout(value) == 2.5

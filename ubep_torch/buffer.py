@@ -277,7 +277,7 @@ class Buffer:
             self._regions[P.REGION_LL_DISPATCH] = _Region(P.REGION_LL_DISPATCH, base, half_ll, R, R)
             self._regions[P.REGION_LL_COMBINE] = _Region(P.REGION_LL_COMBINE, base + half_ll, half_ll, R, 1)
             base += 2 * half_ll
-        self._heap = SymmetricHeap(group, base, directory=shm_dir)
+        self._heap = SymmetricHeap(group, base, directory=shm_dir, timeout_s=self.timeout_s)
         self._aux_words = self._heap.local[:aux].view(torch.int64)
         self._epoch = {rid: 0 for rid in self._regions}
         self._barrier_count = 0

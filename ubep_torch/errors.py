@@ -11,7 +11,8 @@ class UBEPError(RuntimeError):
 class UBEPTimeoutError(UBEPError, TimeoutError):
     """A poll passed its deadline. ``phase``, ``rank`` and ``missing_ranks`` say where and who."""
 
-    def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], timeout_s: float):
+    def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], timeout_s: float,
+                 consequence: str = "This Buffer is now unusable: destroy it and create a new one."):
         self.phase = phase
         self.rank = rank
         self.missing_ranks = list(missing_ranks)
@@ -19,22 +20,22 @@ class UBEPTimeoutError(UBEPError, TimeoutError):
         super().__init__(
             f"ubep_torch: rank {rank} timed out after {timeout_s:.3g}s in phase '{phase}' waiting for "
             f"rank(s) {self.missing_ranks}; they did not deliver (stalled, crashed, or called a different "
-            f"operation). Raise timeout_s or UBEP_TIMEOUT_S if they are only slow. This Buffer is now "
-            f"unusable: destroy it and create a new one."
+            f"operation). Raise timeout_s or UBEP_TIMEOUT_S if they are only slow. {consequence}"
         )
 
 
 class UBEPPeerLostError(UBEPError):
     """A peer's process exited while this rank was waiting for it."""
 
-    def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], dead_ranks: Sequence[int]):
+    def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], dead_ranks: Sequence[int],
+                 consequence: str = "This Buffer is now unusable."):
         self.phase = phase
         self.rank = rank
         self.missing_ranks = list(missing_ranks)
         self.dead_ranks = list(dead_ranks)
         super().__init__(
             f"ubep_torch: rank {rank} in phase '{phase}': peer rank(s) {self.dead_ranks} exited while "
-            f"rank(s) {self.missing_ranks} had not delivered. This Buffer is now unusable."
+            f"rank(s) {self.missing_ranks} had not delivered. {consequence}"
         )
 
 

@@ -59,6 +59,7 @@ successful poll; it is a no-op on x86-64.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import platform
 import threading
@@ -311,10 +312,19 @@ def memory_fence() -> None:
 
 # ----------------------------------------------------------------------------- waiting
 def default_timeout(timeout_s: Optional[float]) -> float:
+    """The deadline of every wait: ``UBEP_TIMEOUT_S`` if set, else ``timeout_s`` (default 60 s). It must be
+    a finite number of seconds > 0: there is no "wait forever"."""
     env = os.environ.get("UBEP_TIMEOUT_S")
-    if env:
-        return float(env)
-    return 60.0 if timeout_s is None else float(timeout_s)
+    source = "UBEP_TIMEOUT_S" if env else "timeout_s"
+    raw = env if env else (60.0 if timeout_s is None else timeout_s)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source} must be a number of seconds, got {raw!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{source} must be a finite number of seconds > 0 (every wait has a deadline), "
+                         f"got {raw!r}")
+    return value
 
 
 class Waiter:

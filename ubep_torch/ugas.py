@@ -14,15 +14,23 @@ Life cycle and hygiene
   checking that it is a regular file owned by this user with mode 0600, of the announced size, and that
   the header carries this group's token and the expected rank. Nothing read from shared memory is ever
   unpickled; sizes come from the bootstrap exchange and are checked against the file.
-* After every rank has mapped every segment (a gloo barrier), each rank unlinks its own file: the mapping
-  lives on, the name is gone, so a process killed later leaves nothing behind. A crash inside the short
-  window before the unlink is covered by a sweep at the next start (segments whose creator pid is dead)
-  and by an ``atexit`` hook.
-* torch.distributed (gloo) is used for this bootstrap only, never on the data path.
+* Set-up runs in three exchanges: (1) host, pid, sizes, tokens and the segment name each rank will
+  create; (2) every rank has created its segment; (3) every rank has mapped every segment. Then each rank
+  unlinks its own file: the mapping lives on, the name is gone, so a process killed later leaves nothing
+  behind. A rank killed inside the short window before the unlink has its file unlinked by the
+  survivors; a group that dies in it entirely is covered by a sweep at the next start (segments whose
+  creator pid is dead) and by an ``atexit`` hook.
+* torch.distributed (gloo) is used for this bootstrap only, never on the data path. Each bootstrap step
+  is a point-to-point exchange with every peer under the Buffer's deadline, so a rank that never builds
+  its Buffer makes the others raise ``UBEPTimeoutError`` naming the step and that rank (gloo's own
+  collectives would wait for the process group's timeout, 30 minutes by default). If a peer is found
+  dead during set-up after announcing its segment, the survivors unlink that segment for it.
 """
 from __future__ import annotations
 
 import atexit
+import datetime
+import json
 import mmap
 import os
 import re
@@ -30,10 +38,13 @@ import secrets
 import socket
 import stat
 import struct
+import time
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from .errors import UBEPPeerLostError, UBEPTimeoutError
 
 HEADER_BYTES = 4096
 _MAGIC = b"UBEPUGAS"
@@ -110,9 +121,12 @@ class SymmetricHeap:
         group: the torch.distributed process group (gloo) used to bootstrap.
         nbytes: usable bytes per rank (the header page comes on top).
         directory: shared-memory directory; default ``$UBEP_SHM_DIR`` or ``/dev/shm``.
+        timeout_s: deadline of each bootstrap step (default: ``UBEP_TIMEOUT_S`` or 60 s).
     """
 
-    def __init__(self, group, nbytes: int, directory: Optional[str] = None):
+    def __init__(self, group, nbytes: int, directory: Optional[str] = None, timeout_s: Optional[float] = None):
+        from .protocol import default_timeout
+        self.timeout_s = default_timeout(timeout_s)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.directory = directory or shm_dir()
@@ -123,15 +137,17 @@ class SymmetricHeap:
         sweep_stale_segments(self.directory)
 
         # 1. agree on a group token and check that the group shares one host and enough shared memory.
-        token = secrets.token_bytes(16)
+        token = secrets.token_hex(16)
+        own_path = _segment_path(self.directory)
         info = {"host": socket.gethostname(), "pid": os.getpid(), "bytes": self.segment_bytes,
-                "token": token, "free": _free_bytes(self.directory), "dir": self.directory}
-        infos = _all_gather(info, group, self.world_size)
+                "token": token, "free": _free_bytes(self.directory), "dir": self.directory, "path": own_path}
+        infos = _all_gather(info, group, self.world_size, self.timeout_s,
+                            "Buffer set-up: waiting for every rank to create its Buffer")
         hosts = sorted({i["host"] for i in infos})
         if len(hosts) != 1:
             raise RuntimeError(f"ubep_torch's simulated UGAS maps shared memory, so every rank of the group "
                                f"must run on one host; this group spans hosts {hosts}")
-        group_token = infos[0]["token"]
+        group_token = bytes.fromhex(infos[0]["token"])
         self.peer_pids = [int(i["pid"]) for i in infos]
         total = sum(int(i["bytes"]) for i in infos)
         if total > int(infos[0]["free"]):
@@ -141,16 +157,31 @@ class SymmetricHeap:
                 f"free. Point UBEP_SHM_DIR at a larger tmpfs, enlarge /dev/shm (docker: --shm-size), or "
                 f"create the Buffer with smaller num_nvl_bytes/num_rdma_bytes.")
 
-        # 2. create and map our own segment, write the header.
-        path = self._create_segment(group_token)
+        # 2. create and map our own segment (under the name announced in step 1), write the header.
+        paths = [i["path"] for i in infos]
+        path = self._create_segment(group_token, paths[self.rank])
         try:
-            paths = _all_gather(path, group, self.world_size)
+            _all_gather(True, group, self.world_size, self.timeout_s,
+                        "Buffer set-up: waiting for every rank to create its segment")
             # 3. map every peer's segment after checking it is what the group announced.
             for r in range(self.world_size):
                 if r == self.rank:
                     continue
                 self._map_peer(r, paths[r], int(infos[r]["bytes"]), group_token)
-            dist.barrier(group=group)
+            _all_gather(True, group, self.world_size, self.timeout_s,
+                        "Buffer set-up: waiting for every rank to map every segment")
+        except BaseException:
+            # a peer that died during set-up cannot unlink its segment any more: do it for it (its name
+            # was announced before it was created)
+            for r, p in enumerate(paths):
+                if r != self.rank and isinstance(p, str) and not _pid_alive(self.peer_pids[r]):
+                    m = _NAME_RE.match(os.path.basename(p))
+                    if m and int(m.group(1)) == self.peer_pids[r] and os.path.dirname(p) == self.directory:
+                        try:
+                            os.unlink(p)
+                        except OSError:
+                            pass
+            raise
         finally:
             # 4. everyone has mapped everything (or failed): the name is no longer needed.
             try:
@@ -179,9 +210,8 @@ class SymmetricHeap:
         self._maps = []
 
     # ------------------------------------------------------------------ internals
-    def _create_segment(self, group_token: bytes) -> str:
-        name = f"ubep-{os.getpid()}-{secrets.token_hex(16)}"
-        path = os.path.join(self.directory, name)
+    def _create_segment(self, group_token: bytes, path: Optional[str] = None) -> str:
+        path = path or _segment_path(self.directory)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         _PENDING[path] = None
         try:
@@ -222,6 +252,11 @@ class SymmetricHeap:
         self._views[r] = torch.frombuffer(m, dtype=torch.uint8)
 
 
+def _segment_path(directory: str) -> str:
+    """A fresh unguessable segment path: ``ubep-<pid>-<128 random bits>`` in ``directory``."""
+    return os.path.join(directory, f"ubep-{os.getpid()}-{secrets.token_hex(16)}")
+
+
 def _round_up(x: int, a: int) -> int:
     return -(-int(x) // a) * a
 
@@ -231,7 +266,58 @@ def _free_bytes(directory: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _all_gather(obj, group, world_size):
-    out = [None] * world_size
-    dist.all_gather_object(out, obj, group=group)
+_MSG_BYTES = 4096
+_TAG = 0x5542   # bootstrap messages
+_IN_FLIGHT: list = []   # works abandoned at a deadline: their buffers must outlive them
+
+
+def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase: str = "Buffer set-up"):
+    """Every rank's ``obj`` (JSON data), in rank order.
+
+    On gloo groups, one message to and from every peer, received with a deadline: a peer whose message
+    does not arrive in ``timeout_s`` is named in a ``UBEPTimeoutError`` (a gloo collective would wait
+    for the process group's timeout). Other backends use ``all_gather_object``.
+    """
+    if timeout_s is None or world_size == 1 or dist.get_backend(group) != "gloo":
+        out = [None] * world_size
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    me = dist.get_rank(group)
+    data = json.dumps(obj).encode()
+    if len(data) > _MSG_BYTES - 4:
+        raise ValueError(f"ubep_torch: bootstrap message of {len(data)} bytes is too long")
+    msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+    msg[:4] = torch.tensor(list(struct.pack("<I", len(data))), dtype=torch.uint8)
+    msg[4:4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    peers = [r for r in range(world_size) if r != me]
+    bufs = {r: torch.zeros(_MSG_BYTES, dtype=torch.uint8) for r in peers}
+    recvs = {r: dist.irecv(bufs[r], src=dist.get_global_rank(group, r), group=group, tag=_TAG) for r in peers}
+    sends = [dist.isend(msg, dst=dist.get_global_rank(group, r), group=group, tag=_TAG) for r in peers]
+    deadline = time.monotonic() + timeout_s
+    missing, lost = [], []
+    for r in peers:
+        left = deadline - time.monotonic()
+        try:
+            if not recvs[r].is_completed():
+                recvs[r].wait(timeout=datetime.timedelta(seconds=max(left, 1e-3)))
+        except RuntimeError as e:
+            missing.append(r)
+            if "timed out" not in str(e).lower():
+                lost.append(r)      # the connection broke: the peer's process is gone
+    if missing:
+        _IN_FLIGHT.append((msg, bufs, recvs, sends))
+        consequence = "No Buffer was created."
+        if lost:
+            raise UBEPPeerLostError(phase, me, missing, lost, consequence)
+        raise UBEPTimeoutError(phase, me, missing, timeout_s, consequence)
+    for w in sends:
+        w.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+    out = []
+    for r in range(world_size):
+        if r == me:
+            out.append(obj)
+            continue
+        b = bytes(bufs[r].numpy())
+        n = struct.unpack("<I", b[:4])[0]
+        out.append(json.loads(b[4:4 + n].decode()))
     return out
