@@ -39,12 +39,13 @@ import socket
 import stat
 import struct
 import time
+import zlib
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from .errors import UBEPPeerLostError, UBEPTimeoutError
+from .errors import UBEPError, UBEPPeerLostError, UBEPTimeoutError
 
 HEADER_BYTES = 4096
 _MAGIC = b"UBEPUGAS"
@@ -283,7 +284,10 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
         dist.all_gather_object(out, obj, group=group)
         return out
     me = dist.get_rank(group)
-    data = json.dumps(obj).encode()
+    # every step has its own tag and names itself: a message left over from an earlier set-up that failed
+    # on this process group is recognised instead of being taken for this step's
+    tag = _TAG + zlib.crc32(phase.encode()) % 4096
+    data = json.dumps({"step": phase, "data": obj}).encode()
     if len(data) > _MSG_BYTES - 4:
         raise ValueError(f"ubep_torch: bootstrap message of {len(data)} bytes is too long")
     msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
@@ -291,8 +295,13 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
     msg[4:4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     peers = [r for r in range(world_size) if r != me]
     bufs = {r: torch.zeros(_MSG_BYTES, dtype=torch.uint8) for r in peers}
-    recvs = {r: dist.irecv(bufs[r], src=dist.get_global_rank(group, r), group=group, tag=_TAG) for r in peers}
-    sends = [dist.isend(msg, dst=dist.get_global_rank(group, r), group=group, tag=_TAG) for r in peers]
+    try:
+        recvs = {r: dist.irecv(bufs[r], src=dist.get_global_rank(group, r), group=group, tag=tag) for r in peers}
+        sends = [dist.isend(msg, dst=dist.get_global_rank(group, r), group=group, tag=tag) for r in peers]
+    except RuntimeError as e:
+        raise UBEPError(f"ubep_torch: rank {me} in phase '{phase}': the process group cannot send ({e}). A "
+                        f"Buffer set-up that timed out on this group closes gloo's connections: build the "
+                        f"Buffer on a new process group. No Buffer was created.") from e
     deadline = time.monotonic() + timeout_s
     missing, lost = [], []
     for r in peers:
@@ -310,8 +319,13 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
         if lost:
             raise UBEPPeerLostError(phase, me, missing, lost, consequence)
         raise UBEPTimeoutError(phase, me, missing, timeout_s, consequence)
-    for w in sends:
-        w.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+    try:
+        for w in sends:
+            w.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+    except RuntimeError as e:
+        _IN_FLIGHT.append((msg, bufs, recvs, sends))
+        raise UBEPError(f"ubep_torch: rank {me} in phase '{phase}': a message to a peer was not delivered "
+                        f"({e}). No Buffer was created.") from e
     out = []
     for r in range(world_size):
         if r == me:
@@ -319,5 +333,13 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
             continue
         b = bytes(bufs[r].numpy())
         n = struct.unpack("<I", b[:4])[0]
-        out.append(json.loads(b[4:4 + n].decode()))
+        try:
+            msg_r = json.loads(b[4:4 + n].decode()) if n <= _MSG_BYTES - 4 else None
+        except ValueError:
+            msg_r = None
+        if not isinstance(msg_r, dict) or msg_r.get("step") != phase or "data" not in msg_r:
+            raise RuntimeError(f"ubep_torch: rank {me} in phase '{phase}': rank {r} sent a bootstrap message "
+                               f"of another set-up step (left over from an earlier Buffer set-up that failed "
+                               f"on this process group?); build the Buffer on a new process group")
+        out.append(msg_r["data"])
     return out
