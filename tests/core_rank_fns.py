@@ -154,6 +154,9 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     ref_out = x.float() * torch.where(topk >= 0, w, torch.zeros_like(w)).sum(1, keepdim=True)
     tol = 0.1 if use_fp8 else 0.02
     assert torch.allclose(out.float(), ref_out, rtol=tol, atol=tol), (out.float() - ref_out).abs().max()
+    # DeepEP's low-latency handle is a plain tuple: a copy kept as one works like the handle itself
+    again = buf.low_latency_combine(y, topk, w, tuple(handle))[0]
+    assert torch.equal(again, out), "low_latency_combine with a plain-tuple handle differs"
     return recv_count.tolist()
 
 
@@ -274,6 +277,8 @@ def bad_inputs(ctx, sync):
         "ll duplicate expert": (ValueError, lambda: buf.low_latency_dispatch(
             x, torch.zeros(T, K, dtype=torch.int64), 16, E)),
         "bad handle": (TypeError, lambda: buf.combine(x, ("not", "a", "handle"))),
+        "foreign ll handle": (TypeError, lambda: buf.low_latency_combine(
+            ll_x, topk, w, (ll_handle[0].clone(),) + tuple(ll_handle[1:]))),
         "handle entries": (ValueError, lambda: buf.combine(x, tuple(torch.zeros(2, dtype=torch.int32)
                                                                     for _ in range(6)))),
         "sync mode": (ValueError, lambda: Buffer(ctx.group, 1 << 20, sync="nope")),

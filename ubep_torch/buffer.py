@@ -33,6 +33,7 @@ _ACK_WORDS = 2 * _AUX_REGIONS
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _LL_MAX_TOPK = 16         # top-k the low-latency size hint provisions for
+_LL_RECENT_HANDLES = 4    # low-latency handles recognised from their plain-tuple copies
 _DEFAULT_NVL_BYTES = 256 << 20
 
 
@@ -284,6 +285,7 @@ class Buffer:
         self._broken: Optional[str] = None
         self._pending: List[_Pending] = []
         self._ll_combine_buffer: Optional[torch.Tensor] = None
+        self._recent_ll_handles: List["LowLatencyHandle"] = []   # to recognise handles kept as plain tuples
         self._waiter = P.Waiter(self.rank, self.timeout_s, self._heap.peer_alive, self._peer_aborted)
         self._waiter.world_size = R
         self._in_call = False
@@ -1274,6 +1276,7 @@ class Buffer:
                                   num_tokens=T, recv_count=recv_count, return_slot=return_slot,
                                   sent_counts=counts, pos=pos, n_pairs=int(t_idx.numel()),
                                   topk_snapshot=topk_idx.clone())
+        self._recent_ll_handles = (self._recent_ll_handles + [handle])[-_LL_RECENT_HANDLES:]
         pending = _Pending("low_latency_dispatch", epoch)
         state = {"wait_ns": torch.zeros(R, dtype=torch.int64)}
 
@@ -1421,10 +1424,22 @@ class Buffer:
                              f"hook() of the older one first (the low-latency buffer has two halves)")
 
     # ================================================================== low-latency combine
+    def _as_ll_handle(self, handle) -> "LowLatencyHandle":
+        """The handle itself, or the one of a recent call that a plain tuple or list was made from (DeepEP's
+        low-latency handle is a plain tuple; its entries are this call's own tensors)."""
+        if isinstance(handle, LowLatencyHandle):
+            return handle
+        if isinstance(handle, (tuple, list)) and len(handle) == 5:
+            for h in reversed(self._recent_ll_handles):
+                if handle[0] is h[0] and handle[1] is h[1]:
+                    return h
+            raise TypeError(f"this plain-tuple handle does not come from one of this Buffer's last "
+                            f"{_LL_RECENT_HANDLES} low_latency_dispatch calls; pass the handle object itself")
+        raise TypeError(f"handle must come from low_latency_dispatch, got {type(handle).__name__}")
+
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
         """The [E_local, R*N, H] bf16 tensor that ``low_latency_combine(..., zero_copy=True)`` reads."""
-        if not isinstance(handle, LowLatencyHandle):
-            raise TypeError("handle must come from low_latency_dispatch")
+        handle = self._as_ll_handle(handle)
         _, _, N, H, E = handle
         shape = (E // self.group_size, self.group_size * N, H)
         if self._ll_combine_buffer is None or tuple(self._ll_combine_buffer.shape) != shape:
@@ -1452,8 +1467,7 @@ class Buffer:
         self._check_usable()
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook are exclusive")
-        if not isinstance(handle, LowLatencyHandle):
-            raise TypeError("handle must come from low_latency_dispatch")
+        handle = self._as_ll_handle(handle)
         src_info, layout_range, N, H, E = handle
         R, me = self.group_size, self.rank
         E_local = E // R
