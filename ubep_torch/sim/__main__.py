@@ -106,7 +106,7 @@ def _plot(path: str, batch_rows: list[dict], fig10: dict) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        sys.exit("--plot needs matplotlib: pip install 'ubep_torch[plot]' (or pip install matplotlib)")
+        sys.exit("--plot needs matplotlib: pip install -e \".[plot]\" in the checkout (or pip install matplotlib)")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
     phases = ["init", "token_sending", "send_flag_verification", "cal_cumsum", "token_reordering", "sync_all"]
     colors = dict(zip(phases, ["#bbbbbb", "#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52"]))
