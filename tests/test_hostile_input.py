@@ -254,6 +254,13 @@ def known_bug(ctx, kind):
         elif kind == "ll-fp8-zero-tokens-h128":
             buf.low_latency_dispatch(torch.zeros(0, 128).bfloat16(), torch.zeros(0, 1, dtype=torch.int64), 8, E,
                                      use_fp8=True)
+        elif kind == "empty-outputs-view":   # nothing received: outputs must still take dtype views
+            T = 0 if ctx.rank == 0 else 5
+            topk = torch.full((T, 1), -1, dtype=torch.int64)
+            ids = buf.dispatch(torch.randn(T, 8), topk_idx=topk, num_experts=E)[1]
+            _, ids2, w, _, _, _ = buf.dispatch(torch.randn(T, 8), topk_idx=topk, topk_weights=torch.rand(T, 1),
+                                               num_experts=E)
+            ids.view(torch.uint8), ids2.view(torch.uint8), w.view(torch.uint8)
         elif kind == "expert-major-without-weights":
             buf.dispatch(torch.randn(3, 64), topk_idx=torch.tensor([[0], [1], [2]]), num_experts=E,
                          layout="expert_major")
@@ -265,6 +272,6 @@ def known_bug(ctx, kind):
 
 
 @pytest.mark.parametrize("kind", ["f64-weights-odd-k", "empty-nonunit-stride", "ll-fp8-zero-tokens-h128",
-                                  "expert-major-without-weights"])
+                                  "expert-major-without-weights", "empty-outputs-view"])
 def test_former_bug_stays_fixed(pool, kind):
     assert pool.run(known_bug, kind) == [None, None]

@@ -735,13 +735,14 @@ class Buffer:
             # global expert ids -> this rank's local ids; -1 (and experts of other ranks) -> -1
             local = recv_meta[:, :K] - self.rank * E_local
             other = (local < 0) | (local >= E_local)
-            recv_topk_idx = local.to(torch.int64).masked_fill_(other, -1)
+            # fresh standard strides (a slice of an empty tensor can carry a zero stride that breaks .view)
+            recv_topk_idx = P.fresh(local.to(torch.int64)).masked_fill_(other, -1)
             if num_worst_tokens:
                 recv_topk_idx[num_recv:] = -1
             if weights is not None:
                 m = recv_meta[:, K:]
                 w = m.view(weights.dtype) if wsz == 1 else P.fresh(m).view(weights.dtype)
-                recv_topk_weights = w.masked_fill(other, 0.0)
+                recv_topk_weights = P.fresh(w).masked_fill_(other, 0.0)
         if num_worst_tokens:
             count_list: List[int] = []
         else:
