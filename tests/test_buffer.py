@@ -126,6 +126,39 @@ def test_deepep_semantics_with_triton_backend(pool2, sync):
         pool2.run(F.dispatch_variants, sync, backend="triton")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+@pytest.mark.parametrize("own_first", [True, False])
+def test_two_source_combine_equals_accumulator_from_zero(dtype, own_first):
+    """The two-rank single-pass combine has the bits of ``(0 + first) + second`` in the accumulator's
+    precision, rounded once: every 16-bit pattern against random ones (NaN payloads, signed zeros, infinities,
+    subnormals), random bit patterns for float32/float64."""
+    import torch
+
+    from ubep_torch import protocol as P
+    from ubep_torch.engine import TorchEngine
+
+    dt = getattr(torch, dtype)
+    es = torch.empty(0, dtype=dt).element_size()
+    g = torch.Generator().manual_seed(11)
+    n, H = 256, 480
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[es]
+    lo, hi = -(1 << (8 * es - 1)), (1 << (8 * es - 1))
+    rnd = (lambda: torch.randint(lo, hi, (n, H), dtype=torch.int64, generator=g).to(bits).view(dt)) if es < 8 \
+        else (lambda: torch.randint(-(1 << 62), 1 << 62, (n, H), generator=g).view(dt))
+    a, b = rnd(), rnd()
+    if es == 2:
+        a[:128] = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dt).view(128, 512)[:, :H]
+    a[200:210], b[200:205], b[205:210] = -0.0, -0.0, 0.0
+    fmt = P.row_format("tff", (("x", H * es),), 0)
+    rows, _, _ = TorchEngine().pack_rows(fmt, [P.as_bytes(b)], None, torch.arange(n), 0)
+    out = torch.empty(n, H, dtype=dt)
+    assert TorchEngine().combine_pair(fmt, a, rows, out, own_first)
+    acc_dt = torch.float64 if dt == torch.float64 else torch.float32
+    first, second = (a, b) if own_first else (b, a)
+    ref = ((torch.zeros(n, H, dtype=acc_dt) + first.to(acc_dt)) + second.to(acc_dt)).to(dt)
+    assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+
+
 @pytest.mark.parametrize("sync", SYNCS)
 def test_weighted_combine_paths_agree_bit_for_bit(sync):
     """The one-step path for small low-latency combines and the per-column path give the same bits,

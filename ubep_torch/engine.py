@@ -500,18 +500,18 @@ class TorchEngine:
                 return False
         acc_dtype = torch.float64 if own.dtype == torch.float64 else torch.float32
         acc = self.scratch("combine_acc", tuple(out.shape), acc_dtype)
+        # (0 + a) + b == (a + b) + 0 bit for bit: both turn -0.0 + -0.0 into +0.0, and x + 0 == x for every
+        # other x (a NaN keeps the payload of the first NaN operand either way). So: widen the first source
+        # (exact), add the second in the accumulator's precision, then add +0.0 while rounding into out.
         if own_first:
             acc.copy_(own)
-        else:
-            for lo, hi, v in views:
-                acc[:, lo:hi].view(v.shape).copy_(v)      # widening copies are exact
-        acc.add_(0.0)          # 0 + first: -0.0 becomes +0.0, a NaN is quieted, as from a zeroed accumulator
-        if own_first:
             for lo, hi, v in views:
                 acc[:, lo:hi].view(v.shape).add_(v)
         else:
+            for lo, hi, v in views:
+                acc[:, lo:hi].view(v.shape).copy_(v)      # widening copies are exact
             acc.add_(own)
-        out.copy_(acc)
+        torch.add(acc, 0.0, out=out)     # computed in the accumulator's dtype, rounded once into out
         return True
 
     def weighted_combine(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
