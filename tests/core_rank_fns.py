@@ -199,6 +199,7 @@ def dispatch_variants(ctx, sync, seed=1, backend="torch"):
     assert wx.shape[0] == worst and wcounts == []
     assert torch.equal(wx[:n], recv_x) and bool((widx[n:] == -1).all()) and torch.equal(widx[:n], recv_idx)
     wc, _, _ = buf.combine(wx, wh)
+    assert torch.equal(buf.combine(wx, tuple(wh))[0], wc), "plain-tuple num_worst_tokens handle"
     # combine with bias and weights
     bias = torch.randn(T, H, generator=g)
     comb, cw, _ = buf.combine(recv_x, handle, topk_weights=recv_w, bias=(bias, None))
@@ -221,6 +222,7 @@ def dispatch_variants(ctx, sync, seed=1, backend="torch"):
     # identity experts weighted per row, then combine == sum of local weights
     y = ex * ew.unsqueeze(1).to(ex.dtype)
     ec, _, _ = buf.combine(y, eh)
+    assert torch.equal(buf.combine(y, list(eh))[0], ec), "plain-list expert-major handle"
     ref = x * torch.where(topk >= 0, w, torch.zeros_like(w)).sum(1, keepdim=True)
     assert torch.allclose(ec, ref, atol=1e-5), (ec - ref).abs().max()
     cx, *_ = buf.dispatch(x, handle=eh)

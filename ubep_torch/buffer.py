@@ -33,7 +33,7 @@ _ACK_WORDS = 2 * _AUX_REGIONS
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _LL_MAX_TOPK = 16         # top-k the low-latency size hint provisions for
-_LL_RECENT_HANDLES = 4    # low-latency handles recognised from their plain-tuple copies
+_RECENT_HANDLES = 4       # handles recognised from their plain-tuple copies (per mode)
 _DEFAULT_NVL_BYTES = 256 << 20
 
 
@@ -286,6 +286,7 @@ class Buffer:
         self._pending: List[_Pending] = []
         self._ll_combine_buffer: Optional[torch.Tensor] = None
         self._recent_ll_handles: List["LowLatencyHandle"] = []   # to recognise handles kept as plain tuples
+        self._recent_handles: List["DispatchHandle"] = []
         self._waiter = P.Waiter(self.rank, self.timeout_s, self._heap.peer_alive, self._peer_aborted)
         self._waiter.world_size = R
         self._in_call = False
@@ -773,8 +774,12 @@ class Buffer:
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         self._report("dispatch", topk_idx, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0))
         if layout == "expert_major":
-            return self._to_expert_major(out_x, recv_topk_idx, recv_topk_weights, h, expert_alignment, num_recv)
-        return out_x, recv_topk_idx, recv_topk_weights, count_list, h, EventOverlap(None)
+            res = self._to_expert_major(out_x, recv_topk_idx, recv_topk_weights, h, expert_alignment, num_recv)
+            h = res[4]
+        else:
+            res = out_x, recv_topk_idx, recv_topk_weights, count_list, h, EventOverlap(None)
+        self._recent_handles = (self._recent_handles + [h])[-_RECENT_HANDLES:]
+        return res
 
     def _to_expert_major(self, out_x, recv_topk_idx, recv_topk_weights, h, alignment: int, num_recv: int):
         """Token-Reordering into UBEP's expert-major layout (local gather after the exchange)."""
@@ -813,9 +818,15 @@ class Buffer:
         return (em_x, torch.cat(expert_list), em_w, counts, em_h, EventOverlap(None))
 
     def _as_dispatch_handle(self, handle) -> "DispatchHandle":
+        """The handle itself; for a plain tuple or list, the recent handle it was copied from (all of its
+        layout, ``num_worst_tokens`` and expert-major order included), else one rebuilt from the entries."""
         if isinstance(handle, DispatchHandle):
             return handle
         if isinstance(handle, (tuple, list)):
+            if len(handle) == 6:
+                for h in reversed(self._recent_handles):
+                    if handle[0] is h[0] and handle[3] is h[3]:
+                        return h
             return DispatchHandle.from_tuple(handle, self.rank, self.group_size)
         raise TypeError(f"handle must be the handle returned by Buffer.dispatch, got {type(handle).__name__}")
 
@@ -1277,7 +1288,7 @@ class Buffer:
                                   num_tokens=T, recv_count=recv_count, return_slot=return_slot,
                                   sent_counts=counts, pos=pos, n_pairs=int(t_idx.numel()),
                                   topk_snapshot=topk_idx.clone())
-        self._recent_ll_handles = (self._recent_ll_handles + [handle])[-_LL_RECENT_HANDLES:]
+        self._recent_ll_handles = (self._recent_ll_handles + [handle])[-_RECENT_HANDLES:]
         pending = _Pending("low_latency_dispatch", epoch)
         state = {"wait_ns": torch.zeros(R, dtype=torch.int64)}
 
@@ -1435,7 +1446,7 @@ class Buffer:
                 if handle[0] is h[0] and handle[1] is h[1]:
                     return h
             raise TypeError(f"this plain-tuple handle does not come from one of this Buffer's last "
-                            f"{_LL_RECENT_HANDLES} low_latency_dispatch calls; pass the handle object itself")
+                            f"{_RECENT_HANDLES} low_latency_dispatch calls; pass the handle object itself")
         raise TypeError(f"handle must come from low_latency_dispatch, got {type(handle).__name__}")
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
