@@ -549,3 +549,21 @@ def routing_robustness(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=3):
     passed.append("functional_padding")
     buf.destroy()
     return passed
+
+
+def mismatched_buffer_args(ctx):
+    """Sizes and modes that differ between ranks are refused at construction on every rank (before any
+    segment exists), naming the argument; a Buffer with agreeing arguments works afterwards."""
+    r = ctx.rank
+    cases = {"num_nvl_bytes": {"num_nvl_bytes": (1 << 20) + 4096 * r},
+             "sync": {"sync": ["tff", "sw"][r % 2]},
+             "low_latency_mode": {"low_latency_mode": r == 0, "num_rdma_bytes": 1 << 20}}
+    out = {}
+    for name, kw in cases.items():
+        try:
+            Buffer(ctx.group, **{"num_nvl_bytes": 1 << 20, **kw}).destroy()
+            out[name] = "built"
+        except ValueError as e:
+            out[name] = name in str(e)
+    smoke(ctx, "tff", seed=21)
+    return out

@@ -366,3 +366,22 @@ def skip_buffer(ctx, timeout_s):
         return time.monotonic() - t0, e.missing_ranks, e.phase
     return "built"
 
+
+
+def die_before_own_unlink(ctx):
+    """Rank 0 SIGKILLs itself when it is about to unlink its own segment (after the last set-up exchange);
+    rank 1 builds its Buffer and checks that it works alone on its side."""
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    if ctx.rank == 0:
+        real_unlink = os.unlink
+
+        def unlink(path, *a, **k):
+            if os.path.basename(path).startswith(f"ubep-{os.getpid()}-"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_unlink(path, *a, **k)
+        os.unlink = unlink      # this worker process dies here anyway
+    buf = Buffer(dist.group.WORLD, 1 << 20, timeout_s=10)
+    buf.destroy()
+    return "built"

@@ -106,6 +106,12 @@ def test_failure_inside_a_call_aborts_peer_waits(pool2):
     assert n1 == "UBEPPeerAbortedError" and t1 < 5.0
 
 
+def test_buffer_arguments_must_agree_across_ranks(pool2, shm_dir):
+    out = pool2.run(F.mismatched_buffer_args)
+    assert out == [{"num_nvl_bytes": True, "sync": True, "low_latency_mode": True}] * 2, out
+    assert pool2.run(F.shm_entries, shm_dir) == [[], []]
+
+
 def test_mismatched_hidden_sizes_are_reported(pool2):
     out = pool2.run(F.mismatched_hidden)
     assert all(name is not None for name, _ in out)

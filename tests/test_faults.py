@@ -172,4 +172,18 @@ def test_timeout_must_be_a_finite_positive_number(monkeypatch, value):
     with pytest.raises(ValueError, match="UBEP_TIMEOUT_S"):
         P.default_timeout(5.0)
     monkeypatch.setenv("UBEP_TIMEOUT_S", "2.5")
-    assert P.default_timeout(value) == 2.5
+    with pytest.raises(ValueError, match="timeout_s"):      # checked even when the variable overrides it
+        P.default_timeout(value)
+    assert P.default_timeout(7.0) == 2.5
+
+
+def test_rank_killed_before_unlinking_its_segment_leaves_nothing(tmp_path):
+    """Every rank has mapped every segment, then rank 0 dies right before unlinking its own file: rank 1
+    unlinks every announced name too, so nothing is left while one rank of the group lives."""
+    from ubep_torch.testing import RankFailure
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": str(tmp_path)}
+    with RankPool(2, env=env) as pool:
+        with pytest.raises(RankFailure) as info:
+            pool.run(FR.die_before_own_unlink, timeout_s=8)
+    assert "rank 0" in str(info.value) and "--- rank 1 ---" not in str(info.value), str(info.value)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)

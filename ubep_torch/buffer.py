@@ -278,7 +278,10 @@ class Buffer:
             self._regions[P.REGION_LL_DISPATCH] = _Region(P.REGION_LL_DISPATCH, base, half_ll, R, R)
             self._regions[P.REGION_LL_COMBINE] = _Region(P.REGION_LL_COMBINE, base + half_ll, half_ll, R, 1)
             base += 2 * half_ll
-        self._heap = SymmetricHeap(group, base, directory=shm_dir, timeout_s=self.timeout_s)
+        self._heap = SymmetricHeap(group, base, directory=shm_dir, timeout_s=self.timeout_s,
+                                   agree={"num_nvl_bytes": self.num_nvl_bytes,
+                                          "num_rdma_bytes": self.num_rdma_bytes,
+                                          "low_latency_mode": self.low_latency_mode, "sync": sync})
         self._aux_words = self._heap.local[:aux].view(torch.int64)
         self._epoch = {rid: 0 for rid in self._regions}
         self._barrier_count = 0
@@ -344,6 +347,8 @@ class Buffer:
 
     def get_local_buffer_tensor(self, dtype: torch.dtype = torch.uint8, offset: int = 0) -> torch.Tensor:
         """This rank's shared segment as a flat tensor (for inspection and tests)."""
+        if self._destroyed:
+            raise UBEPBrokenError("ubep_torch: this Buffer was destroyed")
         return self._heap.local[offset:].view(dtype)
 
     # ------------------------------------------------------------------ internals

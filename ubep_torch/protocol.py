@@ -314,17 +314,19 @@ def memory_fence() -> None:
 def default_timeout(timeout_s: Optional[float]) -> float:
     """The deadline of every wait: ``UBEP_TIMEOUT_S`` if set, else ``timeout_s`` (default 60 s). It must be
     a finite number of seconds > 0: there is no "wait forever"."""
+    def checked(source: str, raw) -> float:
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{source} must be a number of seconds, got {raw!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{source} must be a finite number of seconds > 0 (every wait has a deadline), "
+                             f"got {raw!r}")
+        return value
+
+    given = 60.0 if timeout_s is None else checked("timeout_s", timeout_s)   # checked even when overridden
     env = os.environ.get("UBEP_TIMEOUT_S")
-    source = "UBEP_TIMEOUT_S" if env else "timeout_s"
-    raw = env if env else (60.0 if timeout_s is None else timeout_s)
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"{source} must be a number of seconds, got {raw!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{source} must be a finite number of seconds > 0 (every wait has a deadline), "
-                         f"got {raw!r}")
-    return value
+    return checked("UBEP_TIMEOUT_S", env) if env else given
 
 
 class Waiter:

@@ -14,12 +14,13 @@ Life cycle and hygiene
   checking that it is a regular file owned by this user with mode 0600, of the announced size, and that
   the header carries this group's token and the expected rank. Nothing read from shared memory is ever
   unpickled; sizes come from the bootstrap exchange and are checked against the file.
-* Set-up runs in three exchanges: (1) host, pid, sizes, tokens and the segment name each rank will
-  create; (2) every rank has created its segment; (3) every rank has mapped every segment. Then each rank
-  unlinks its own file: the mapping lives on, the name is gone, so a process killed later leaves nothing
-  behind. A rank killed inside the short window before the unlink has its file unlinked by the
-  survivors; a group that dies in it entirely is covered by a sweep at the next start (segments whose
-  creator pid is dead) and by an ``atexit`` hook.
+* Set-up runs in three exchanges: (1) host, pid, sizes, tokens, the arguments that must agree across
+  ranks and the segment name each rank will create; (2) every rank has created its segment; (3) every
+  rank has mapped every segment. Then every rank unlinks every segment name (its own and its peers'):
+  the mappings live on, the names are gone, so a process killed later leaves nothing behind, and a rank
+  killed right before its own unlink has its file removed by the others. A peer found dead during
+  set-up has its announced segment unlinked by the survivors; a group that dies entirely inside set-up
+  is covered by a sweep at the next start (segments whose creator pid is dead) and by an ``atexit`` hook.
 * torch.distributed (gloo) is used for this bootstrap only, never on the data path. Each bootstrap step
   is a point-to-point exchange with every peer under the Buffer's deadline, so a rank that never builds
   its Buffer makes the others raise ``UBEPTimeoutError`` naming the step and that rank (gloo's own
@@ -123,9 +124,12 @@ class SymmetricHeap:
         nbytes: usable bytes per rank (the header page comes on top).
         directory: shared-memory directory; default ``$UBEP_SHM_DIR`` or ``/dev/shm``.
         timeout_s: deadline of each bootstrap step (default: ``UBEP_TIMEOUT_S`` or 60 s).
+        agree: JSON values every rank must pass identically (the Buffer's sizes and modes); a difference
+            raises ValueError on every rank, naming the values, before any segment exists.
     """
 
-    def __init__(self, group, nbytes: int, directory: Optional[str] = None, timeout_s: Optional[float] = None):
+    def __init__(self, group, nbytes: int, directory: Optional[str] = None, timeout_s: Optional[float] = None,
+                 agree: Optional[Dict[str, object]] = None):
         from .protocol import default_timeout
         self.timeout_s = default_timeout(timeout_s)
         self.rank = dist.get_rank(group)
@@ -141,9 +145,15 @@ class SymmetricHeap:
         token = secrets.token_hex(16)
         own_path = _segment_path(self.directory)
         info = {"host": socket.gethostname(), "pid": os.getpid(), "bytes": self.segment_bytes,
-                "token": token, "free": _free_bytes(self.directory), "dir": self.directory, "path": own_path}
+                "token": token, "free": _free_bytes(self.directory), "dir": self.directory, "path": own_path,
+                "agree": agree or {}}
         infos = _all_gather(info, group, self.world_size, self.timeout_s,
                             "Buffer set-up: waiting for every rank to create its Buffer")
+        for key in sorted({k for i in infos for k in i["agree"]}):
+            values = [i["agree"].get(key) for i in infos]
+            if any(v != values[0] for v in values):
+                raise ValueError(f"ubep_torch: Buffer arguments must be the same on every rank of the group, but "
+                                 f"{key} differs: " + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
         hosts = sorted({i["host"] for i in infos})
         if len(hosts) != 1:
             raise RuntimeError(f"ubep_torch's simulated UGAS maps shared memory, so every rank of the group "
@@ -171,6 +181,14 @@ class SymmetricHeap:
                 self._map_peer(r, paths[r], int(infos[r]["bytes"]), group_token)
             _all_gather(True, group, self.world_size, self.timeout_s,
                         "Buffer set-up: waiting for every rank to map every segment")
+            # every rank has mapped every segment: each rank removes every name (its own in `finally`), so
+            # a rank killed before its own unlink leaves nothing behind while one rank of the group lives
+            for r, p in enumerate(paths):
+                if r != self.rank:
+                    try:
+                        os.unlink(p)
+                    except OSError:
+                        pass
         except BaseException:
             # a peer that died during set-up cannot unlink its segment any more: do it for it (its name
             # was announced before it was created)
