@@ -12,11 +12,12 @@ The Python layer validates, lays out the regions of the shared segment and drive
 """
 from __future__ import annotations
 
+import collections
 import functools
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Deque, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -288,8 +289,9 @@ class Buffer:
         self._broken: Optional[str] = None
         self._pending: List[_Pending] = []
         self._ll_combine_buffer: Optional[torch.Tensor] = None
-        self._recent_ll_handles: List["LowLatencyHandle"] = []   # to recognise handles kept as plain tuples
-        self._recent_handles: List["DispatchHandle"] = []
+        # the latest handles of each mode, to recognise copies kept as plain tuples
+        self._recent_handles: Deque["DispatchHandle"] = collections.deque(maxlen=_RECENT_HANDLES)
+        self._recent_ll_handles: Deque["LowLatencyHandle"] = collections.deque(maxlen=_RECENT_HANDLES)
         self._waiter = P.Waiter(self.rank, self.timeout_s, self._heap.peer_alive, self._peer_aborted)
         self._waiter.world_size = R
         self._in_call = False
@@ -741,14 +743,13 @@ class Buffer:
             # global expert ids -> this rank's local ids; -1 (and experts of other ranks) -> -1
             local = recv_meta[:, :K] - self.rank * E_local
             other = (local < 0) | (local >= E_local)
-            # fresh standard strides (a slice of an empty tensor can carry a zero stride that breaks .view)
-            recv_topk_idx = P.fresh(local.to(torch.int64)).masked_fill_(other, -1)
+            # a fresh tensor with standard strides (a slice of an empty tensor can carry a zero stride that
+            # breaks .view), filled in one copy
+            recv_topk_idx = torch.empty(local.shape, dtype=torch.int64).copy_(local).masked_fill_(other, -1)
             if num_worst_tokens:
                 recv_topk_idx[num_recv:] = -1
             if weights is not None:
-                m = recv_meta[:, K:]
-                w = m.view(weights.dtype) if wsz == 1 else P.fresh(m).view(weights.dtype)
-                recv_topk_weights = P.fresh(w).masked_fill_(other, 0.0)
+                recv_topk_weights = P.fresh(recv_meta[:, K:]).view(weights.dtype).masked_fill_(other, 0.0)
         if num_worst_tokens:
             count_list: List[int] = []
         else:
@@ -783,7 +784,7 @@ class Buffer:
             h = res[4]
         else:
             res = out_x, recv_topk_idx, recv_topk_weights, count_list, h, EventOverlap(None)
-        self._recent_handles = (self._recent_handles + [h])[-_RECENT_HANDLES:]
+        self._recent_handles.append(h)
         return res
 
     def _to_expert_major(self, out_x, recv_topk_idx, recv_topk_weights, h, alignment: int, num_recv: int):
@@ -828,11 +829,8 @@ class Buffer:
         if isinstance(handle, DispatchHandle):
             return handle
         if isinstance(handle, (tuple, list)):
-            if len(handle) == 6:
-                for h in reversed(self._recent_handles):
-                    if handle[0] is h[0] and handle[3] is h[3]:
-                        return h
-            return DispatchHandle.from_tuple(handle, self.rank, self.group_size)
+            return _recent_copy_of(handle, self._recent_handles) or \
+                DispatchHandle.from_tuple(handle, self.rank, self.group_size)
         raise TypeError(f"handle must be the handle returned by Buffer.dispatch, got {type(handle).__name__}")
 
     def _cached_dispatch(self, xd, scales, handle, x_orig):
@@ -1293,7 +1291,7 @@ class Buffer:
                                   num_tokens=T, recv_count=recv_count, return_slot=return_slot,
                                   sent_counts=counts, pos=pos, n_pairs=int(t_idx.numel()),
                                   topk_snapshot=topk_idx.clone())
-        self._recent_ll_handles = (self._recent_ll_handles + [handle])[-_RECENT_HANDLES:]
+        self._recent_ll_handles.append(handle)
         pending = _Pending("low_latency_dispatch", epoch)
         state = {"wait_ns": torch.zeros(R, dtype=torch.int64)}
 
@@ -1447,9 +1445,9 @@ class Buffer:
         if isinstance(handle, LowLatencyHandle):
             return handle
         if isinstance(handle, (tuple, list)) and len(handle) == 5:
-            for h in reversed(self._recent_ll_handles):
-                if handle[0] is h[0] and handle[1] is h[1]:
-                    return h
+            found = _recent_copy_of(handle, self._recent_ll_handles)
+            if found is not None:
+                return found
             raise TypeError(f"this plain-tuple handle does not come from one of this Buffer's last "
                             f"{_RECENT_HANDLES} low_latency_dispatch calls; pass the handle object itself")
         raise TypeError(f"handle must come from low_latency_dispatch, got {type(handle).__name__}")
@@ -1628,6 +1626,14 @@ class Buffer:
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
         self._sync_all("clean_low_latency_buffer: SyncAll")
+
+
+def _recent_copy_of(items, recent) -> Optional[tuple]:
+    """The handle in ``recent`` (newest first) whose tensors ``items`` holds, entry for entry, else None."""
+    for h in reversed(recent):
+        if len(items) == len(h) and all(a is b for a, b in zip(items, h) if isinstance(b, torch.Tensor)):
+            return h
+    return None
 
 
 def _same_routing(topk_idx, snapshot: torch.Tensor) -> bool:

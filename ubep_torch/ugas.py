@@ -104,12 +104,17 @@ def sweep_stale_segments(directory: Optional[str] = None) -> List[str]:
     return removed
 
 
+def _unlink_quietly(path: str) -> None:
+    """Remove a segment name; one that is already gone is fine."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _unlink_pending() -> None:
     for path in list(_PENDING):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        _unlink_quietly(path)
         _PENDING.pop(path, None)
 
 
@@ -185,10 +190,7 @@ class SymmetricHeap:
             # a rank killed before its own unlink leaves nothing behind while one rank of the group lives
             for r, p in enumerate(paths):
                 if r != self.rank:
-                    try:
-                        os.unlink(p)
-                    except OSError:
-                        pass
+                    _unlink_quietly(p)
         except BaseException:
             # a peer that died during set-up cannot unlink its segment any more: do it for it (its name
             # was announced before it was created)
@@ -196,17 +198,11 @@ class SymmetricHeap:
                 if r != self.rank and isinstance(p, str) and not _pid_alive(self.peer_pids[r]):
                     m = _NAME_RE.match(os.path.basename(p))
                     if m and int(m.group(1)) == self.peer_pids[r] and os.path.dirname(p) == self.directory:
-                        try:
-                            os.unlink(p)
-                        except OSError:
-                            pass
+                        _unlink_quietly(p)
             raise
         finally:
             # 4. everyone has mapped everything (or failed): the name is no longer needed.
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            _unlink_quietly(path)
             _PENDING.pop(path, None)
         self.local = self._views[self.rank][HEADER_BYTES:]
 
