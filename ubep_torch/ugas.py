@@ -309,13 +309,16 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
     msg[4:4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     peers = [r for r in range(world_size) if r != me]
     bufs = {r: torch.zeros(_MSG_BYTES, dtype=torch.uint8) for r in peers}
-    try:
-        recvs = {r: dist.irecv(bufs[r], src=dist.get_global_rank(group, r), group=group, tag=tag) for r in peers}
-        sends = [dist.isend(msg, dst=dist.get_global_rank(group, r), group=group, tag=tag) for r in peers]
-    except RuntimeError as e:
-        raise UBEPError(f"ubep_torch: rank {me} in phase '{phase}': the process group cannot send ({e}). A "
-                        f"Buffer set-up that timed out on this group closes gloo's connections: build the "
-                        f"Buffer on a new process group. No Buffer was created.") from e
+    recvs, sends = {}, {}
+    for r in peers:
+        try:
+            recvs[r] = dist.irecv(bufs[r], src=dist.get_global_rank(group, r), group=group, tag=tag)
+            sends[r] = dist.isend(msg, dst=dist.get_global_rank(group, r), group=group, tag=tag)
+        except RuntimeError as e:
+            _IN_FLIGHT.append((msg, bufs, recvs, sends))
+            raise UBEPError(f"ubep_torch: rank {me} in phase '{phase}': the process group cannot exchange with "
+                            f"rank {r} ({e}). A Buffer set-up that timed out on this group closes gloo's "
+                            f"connections: build the Buffer on a new process group. No Buffer was created.") from e
     deadline = time.monotonic() + timeout_s
     missing, lost = [], []
     for r in peers:
@@ -333,13 +336,17 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
         if lost:
             raise UBEPPeerLostError(phase, me, missing, lost, consequence)
         raise UBEPTimeoutError(phase, me, missing, timeout_s, consequence)
-    try:
-        for w in sends:
+    undelivered, cause = [], None
+    for r, w in sends.items():
+        try:
             w.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-    except RuntimeError as e:
+        except RuntimeError as e:
+            undelivered.append(r)
+            cause = e
+    if undelivered:
         _IN_FLIGHT.append((msg, bufs, recvs, sends))
-        raise UBEPError(f"ubep_torch: rank {me} in phase '{phase}': a message to a peer was not delivered "
-                        f"({e}). No Buffer was created.") from e
+        raise UBEPError(f"ubep_torch: rank {me} in phase '{phase}': its message to rank(s) {undelivered} was not "
+                        f"delivered ({cause}). No Buffer was created.") from cause
     out = []
     for r in range(world_size):
         if r == me:
