@@ -12,7 +12,7 @@ import ubep_torch
 from ubep_torch import Buffer
 
 
-def get_buffer(ctx, sync="tff", backend="torch", low_latency=False, N=16, H=256, E=8, timeout_s=30.0):
+def get_buffer(ctx, sync="tff", backend="auto", low_latency=False, N=16, H=256, E=8, timeout_s=30.0):
     key = f"buf-{sync}-{backend}-{low_latency}-{N}-{H}-{E}"
     if key not in ctx.cache:
         rdma = Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E) if low_latency else 0
@@ -37,7 +37,7 @@ def gather(t):
     return out
 
 
-def smoke(ctx, sync, T=10, H=256, K=4, E=8, seed=0, dtype=torch.bfloat16, backend="torch"):
+def smoke(ctx, sync, T=10, H=256, K=4, E=8, seed=0, dtype=torch.bfloat16, backend="auto"):
     buf = get_buffer(ctx, sync, backend=backend)
     R, r = ctx.world_size, ctx.rank
     topk, w = make_routing(seed, r, T, K, E)
@@ -113,7 +113,7 @@ def ll_reference(all_x, all_topk, rank, E, N):
 
 
 def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, hook=False, zero_copy=False,
-                 backend="torch"):
+                 backend="auto"):
     buf = get_buffer(ctx, sync, low_latency=True, N=N, H=H, E=E, backend=backend)
     R, r = ctx.world_size, ctx.rank
     topk, w = make_routing(seed, r, T, K, E)
@@ -160,7 +160,7 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     return recv_count.tolist()
 
 
-def dispatch_variants(ctx, sync, seed=1, backend="torch"):
+def dispatch_variants(ctx, sync, seed=1, backend="auto"):
     """fp8 tuple, cached dispatch, expert_alignment, num_worst_tokens, expert-major layout, bias."""
     buf = get_buffer(ctx, sync, backend=backend)
     R, r = ctx.world_size, ctx.rank

@@ -139,7 +139,7 @@ def call_params(seed: int, step: int, R: int, ll_ok: bool, zero_rank_prob: float
 
 
 # ----------------------------------------------------------------------------- buffers
-def get_buffers(ctx, syncs, timeout_s: float, backend: str = "torch"):
+def get_buffers(ctx, syncs, timeout_s: float, backend: str = "auto"):
     key = f"stress-{syncs}-{timeout_s}-{backend}"
     if key not in ctx.cache:
         for k in [k for k in ctx.cache if k.startswith("stress-")]:
@@ -506,7 +506,7 @@ def run_ll_two(buf, p, seed, step, me, R, chk, reverse_hooks: bool = False) -> i
 
 
 def stress(ctx, seed: int, steps: int, syncs=("tff", "sp"), delay_prob: float = 0.2, delay_max_s: float = 0.002,
-           buffer_timeout_s: float = 30.0, backend: str = "torch", digest: bool = False) -> Dict:
+           buffer_timeout_s: float = 30.0, backend: str = "auto", digest: bool = False) -> Dict:
     """Run ``steps`` random steps (each one to four Buffer calls). Returns counts, failures and, with
     ``digest``, a hash of every output for the determinism tests."""
     bufs = get_buffers(ctx, tuple(syncs), buffer_timeout_s, backend)

@@ -124,6 +124,15 @@ def test_many_local_experts_use_multi_block_control_messages(pool2):
     pool2.run(F.smoke, "dc", E=128, K=6, T=20, seed=3)
 
 
+@pytest.mark.parametrize("sync", SYNCS)
+def test_deepep_semantics_with_torch_backend(pool2, sync):
+    """The tests above run the default engine (the C data path where it was built); the torch path too."""
+    pool2.run(F.smoke, sync, backend="torch")
+    pool2.run(F.ll_roundtrip, sync, backend="torch")
+    pool2.run(F.ll_roundtrip, sync, use_fp8=True, hook=True, zero_copy=True, seed=4, backend="torch")
+    pool2.run(F.dispatch_variants, sync, backend="torch")
+
+
 @pytest.mark.parametrize("sync", ["tff", "sp", "dc", "sw"])
 def test_deepep_semantics_with_triton_backend(pool2, sync):
     pool2.run(F.smoke, sync, T=6, backend="triton")
@@ -132,9 +141,25 @@ def test_deepep_semantics_with_triton_backend(pool2, sync):
         pool2.run(F.dispatch_variants, sync, backend="triton")
 
 
+def _engine(name):
+    """A fresh engine of that name (the C one is skipped where it was not built)."""
+    from ubep_torch import native_engine
+    from ubep_torch.engine import TorchEngine
+
+    if name == "native":
+        if not native_engine.available():
+            pytest.skip("ubep_torch._native was not built")
+        return native_engine.NativeEngine()
+    return TorchEngine()
+
+
+ENGINES = ["torch", "native"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
 @pytest.mark.parametrize("own_first", [True, False])
-def test_two_source_combine_equals_accumulator_from_zero(dtype, own_first):
+def test_two_source_combine_equals_accumulator_from_zero(dtype, own_first, engine):
     """The two-rank single-pass combine has the bits of ``(0 + first) + second`` in the accumulator's
     precision, rounded once: every 16-bit pattern against random ones (NaN payloads, signed zeros, infinities,
     subnormals), random bit patterns for float32/float64."""
@@ -158,21 +183,21 @@ def test_two_source_combine_equals_accumulator_from_zero(dtype, own_first):
     fmt = P.row_format("tff", (("x", H * es),), 0)
     rows, _, _ = TorchEngine().pack_rows(fmt, [P.as_bytes(b)], None, torch.arange(n), 0)
     out = torch.empty(n, H, dtype=dt)
-    assert TorchEngine().combine_pair(fmt, a, rows, out, own_first)
+    assert _engine(engine).combine_pair(fmt, a, rows, out, own_first)
     acc_dt = torch.float64 if dt == torch.float64 else torch.float32
     first, second = (a, b) if own_first else (b, a)
     ref = ((torch.zeros(n, H, dtype=acc_dt) + first.to(acc_dt)) + second.to(acc_dt)).to(dt)
     assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("sync", SYNCS)
-def test_weighted_combine_paths_agree_bit_for_bit(sync):
+def test_weighted_combine_paths_agree_bit_for_bit(sync, engine):
     """The one-step path for small low-latency combines and the per-column path give the same bits,
     stale NaN bytes in masked slots and signed zeros included; both match a float32 reference."""
     import torch
 
     from ubep_torch import protocol as P
-    from ubep_torch.engine import TorchEngine
 
     g = torch.Generator().manual_seed(7)
     T, K, H = 6, 4, 1000                                    # H not a multiple of the 480 B payload
@@ -180,8 +205,11 @@ def test_weighted_combine_paths_agree_bit_for_bit(sync):
     x = torch.randn(n, H, generator=g).bfloat16()
     x[3, :5] = -0.0
     x[0] = float("nan")                                     # a stale row: masked slots read row 0
+    x[7, 11:40] = float("inf")
+    x[9, :300] = float("nan")                               # NaN, infinities and huge products survive
+    x[10, 500:] = 3e38
     fmt = P.row_format(sync, (("x", H * 2),), 0)
-    eng = TorchEngine()
+    eng = _engine(engine)
     staging, _, _ = eng.pack_rows(fmt, [P.as_bytes(x)], None, torch.arange(n), 0)
     rows = staging.clone()
     if sync == "sp":                                        # as the receiver sees them after step 2

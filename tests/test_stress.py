@@ -77,6 +77,19 @@ def test_same_bits_across_backends(pool2):
     assert [r["digest"] for r in ref] == [r["digest"] for r in tri]
 
 
+def test_same_bits_torch_and_native(pool2):
+    """Random and hostile calls (stress.py's mix) give the same digest on the torch and the C data path."""
+    from ubep_torch import native_engine
+    if not native_engine.available():
+        pytest.skip("ubep_torch._native was not built")
+    for seed in (6, 7):
+        ref = pool2.run(S.stress, seed, 40, ("tff", "sp"), 0.0, 0.0, 60.0, "torch", True)
+        nat = pool2.run(S.stress, seed, 40, ("tff", "sp"), 0.0, 0.0, 60.0, "native", True)
+        for res in (ref, nat):
+            assert all(r["n_failures"] == 0 and r["error"] is None for r in res), _summary(res)
+        assert [r["digest"] for r in ref] == [r["digest"] for r in nat]
+
+
 def test_recv_hooks_completed_newest_first(shm_dir):
     with RankPool(2, env=_env(shm_dir)) as pool:
         res = pool.run(S.hooks_newest_first, 3.0)

@@ -28,6 +28,14 @@ def _same(a, b) -> bool:
     return torch.equal(_bytes(a), _bytes(b))
 
 
+def _with_specials(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """``x`` with about one element in eight replaced by NaN, +-inf, +-0.0, a subnormal or a huge value."""
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38])
+    pick = torch.randint(0, 8 * specials.numel(), x.shape, generator=g)
+    hit = pick < specials.numel()
+    return torch.where(hit, specials[pick.clamp(max=specials.numel() - 1)], x)
+
+
 def _normal_calls(buf, x, topk, w, E, expert_major=True):
     """dispatch (rank-major), combine with weights, cached dispatch, expert-major dispatch + combine."""
     ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
@@ -53,13 +61,15 @@ def _normal_calls(buf, x, topk, w, E, expert_major=True):
 
 
 def normal_equivalence(ctx, sync: str, fp8: bool = False, T: int = 6, H: int = 256, K: int = 2, E: int = 4,
-                       seed: int = 0) -> dict:
-    """Normal-mode calls on both backends; returns {call: bit-identical?} and the Triton wall time."""
+                       seed: int = 0, backend: str = "triton", dtype=torch.bfloat16, special: bool = False) -> dict:
+    """Normal-mode calls on torch and ``backend``; returns {call: bit-identical?} and the other backend's wall
+    time. ``special``: x holds NaN, infinities, signed zeros and subnormals too."""
     bt = get_buffer(ctx, sync, backend="torch")
-    bk = get_buffer(ctx, sync, backend="triton")
+    bk = get_buffer(ctx, sync, backend=backend)
     topk, w = make_routing(seed, ctx.rank, T, K, E)
     g = torch.Generator().manual_seed(seed + 31 * ctx.rank)
-    x = torch.randn(T, H, generator=g).bfloat16()
+    x = _with_specials(torch.randn(T, H, generator=g), g) if special else torch.randn(T, H, generator=g)
+    x = x.to(dtype)
     if fp8:
         xf = x.float().view(T, H // 128, 128)
         sc = xf.abs().amax(-1).clamp(min=1e-4) / 448.0
@@ -89,13 +99,14 @@ def _ll_calls(buf, x, topk, w, N, E, use_fp8):
 
 
 def ll_equivalence(ctx, sync: str, use_fp8: bool = False, T: int = 4, H: int = 256, K: int = 2, E: int = 4,
-                   N: int = 8, seed: int = 0) -> dict:
-    """Low-latency dispatch + combine on both backends; returns {call: bit-identical?}."""
+                   N: int = 8, seed: int = 0, backend: str = "triton", special: bool = False) -> dict:
+    """Low-latency dispatch + combine on torch and ``backend``; returns {call: bit-identical?}."""
     bt = get_buffer(ctx, sync, backend="torch", low_latency=True, N=N, H=H, E=E)
-    bk = get_buffer(ctx, sync, backend="triton", low_latency=True, N=N, H=H, E=E)
+    bk = get_buffer(ctx, sync, backend=backend, low_latency=True, N=N, H=H, E=E)
     topk, w = make_routing(seed, ctx.rank, T, K, E)
     g = torch.Generator().manual_seed(seed + 57 * ctx.rank)
-    x = torch.randn(T, H, generator=g).bfloat16()
+    x = torch.randn(T, H, generator=g)
+    x = (_with_specials(x, g) if special else x).bfloat16()
     ref = _ll_calls(bt, x, topk, w, N, E, use_fp8)
     t0 = time.perf_counter()
     got = _ll_calls(bk, x, topk, w, N, E, use_fp8)

@@ -985,11 +985,15 @@ class Buffer:
                     accumulate(s, rows)
                 else:
                     o = int(offsets[s])
-                    meta = eng.unpack_rows(fmt, rows, [t[o:o + n] for t in outs])
-                    if recv_meta is not None and fmt.meta_words:
-                        recv_meta[o:o + n] = meta
-                    if recv_src_idx is not None and n:
-                        recv_src_idx[o:o + n] = rows[:, 0, :].view(torch.int64)[:, 1].to(torch.int32)
+                    part = [t[o:o + n] for t in outs]
+                    meta_part = recv_meta[o:o + n] if recv_meta is not None and fmt.meta_words else None
+                    src_part = recv_src_idx[o:o + n] if recv_src_idx is not None else None
+                    if not eng.unpack_to(fmt, rows, None, part, meta_part, src_part):
+                        meta = eng.unpack_rows(fmt, rows, part)
+                        if meta_part is not None:
+                            meta_part.copy_(meta)
+                        if src_part is not None and n:
+                            src_part.copy_(rows[:, 0, :].view(torch.int64)[:, 1])
                 done.add(s)
                 self._send_ack(rid, s, epoch)
             return missing
@@ -1086,7 +1090,7 @@ class Buffer:
         out = self._out.empty((T, H), x.dtype)
         # Two ranks that each got every token back (the common 2-rank case): one pass adds this rank's
         # rows to the peer's rows read in place from the slots, with the accumulator's exact rounding.
-        pair = (R == 2 and not biases and eng.name == "torch" and T > 0
+        pair = (R == 2 and not biases and eng.direct_rows and T > 0
                 and all(int(i.numel()) == T for i in base.send_idx))
         acc = None if pair else eng.scratch("combine_acc", (T, H), acc_dtype)
         state = {"init": False}   # acc is written by the first source in rank order, then accumulated into
@@ -1262,7 +1266,7 @@ class Buffer:
                       sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending"))
         # torch path: this rank's own rows skip the slots (the receive side copies them straight from x);
         # the kernels' decomposed receive reads every source from the slots
-        local_direct = eng.name == "torch"
+        local_direct = eng.direct_rows
         none = torch.zeros(0, dtype=torch.int64)
         for i in range(R):
             d = (me + i) % R
@@ -1332,6 +1336,8 @@ class Buffer:
 
             cnt_l, off_l, begin_l = cnt.tolist(), src_off.tolist(), begin.tolist()
             flat_info, flat_k = src_info.view(-1), src_k.view(-1)
+            flat_outs = [P.as_bytes(recv_x.view(E_local * R * N, -1))] + (
+                [P.as_bytes(recv_sc.view(E_local * R * N, -1))] if recv_sc is not None else [])
             experts = torch.arange(E_local, dtype=torch.int64)
 
             def place(s: int, n: int) -> torch.Tensor:
@@ -1374,9 +1380,14 @@ class Buffer:
                     if in_kernel:
                         done.add(s)
                         continue
-                    # payload per (source, expert) segment: one strided copy per field (SP rows and kernel
-                    # engines go through unpack_rows, which restores escaped words / runs the kernel)
-                    plain = eng.name == "torch" and fmt.sync != "sp"
+                    # one pass straight to the final rows where the engine has it; else per (source, expert)
+                    # segment: one strided copy per field (SP rows and kernel engines go through
+                    # unpack_rows, which restores escaped words / runs the kernel)
+                    if eng.unpack_to(fmt, rows, place(s, n), flat_outs, flat_k.view(-1, 1), flat_info):
+                        done.add(s)
+                        self._send_ack(rid, s, epoch)
+                        continue
+                    plain = eng.direct_rows and fmt.sync != "sp"
                     for e, r0, b0, c in segs:
                         seg = rows[r0:r0 + c]
                         outs = [P.as_bytes(recv_x[e, b0:b0 + c])]
@@ -1534,7 +1545,7 @@ class Buffer:
         half, flag = P.half_of(epoch), P.flag_word(epoch, rid)
         seg_start = (torch.arange(E_local, dtype=torch.int64) * (R * N)).unsqueeze(1) + begin   # [E_local, R]
         per_src = [_segment_rows(seg_start[:, s], cnt[:, s], int(cnt[:, s].sum())) for s in range(R)]
-        direct = eng.name == "torch"
+        direct = eng.direct_rows
         if direct:   # payload is stored straight from x
             staging, checked, row_sums = eng.stage_rows(fmt, [P.as_bytes(xs)], None, eng.arange(xs.shape[0]), me)
             sels = per_src

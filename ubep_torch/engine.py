@@ -9,6 +9,7 @@ checked word withheld; step 2: the checked words), and :meth:`TorchEngine.write_
 """
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
@@ -26,6 +27,7 @@ class DirectRows:
     parts: list                        #: per field: (first block, full blocks, [n, nbytes] data, tail block)
     meta: torch.Tensor                 #: [n, 512] uint8 meta blocks, checked word withheld
     hdr: Optional[torch.Tensor]        #: TFF: [n, blocks - 1, 3] int64 head words 1..3 of the data blocks
+    rank: int = 0                      #: the sending rank (head word 3)
 
 
 @dataclass
@@ -54,6 +56,9 @@ class SendJob:
 
 class TorchEngine:
     name = "torch"
+    #: the Buffer may hand this engine DirectRows, skip the slots for a rank's own rows and read payload
+    #: in place from the slots (engines that run kernels on packed staging rows say False)
+    direct_rows = True
     #: low-latency combines of at most this many T*K*H elements take every top-k column in one step
     small_combine_elems = 1 << 20
 
@@ -242,7 +247,7 @@ class TorchEngine:
                 mw[:, 0] = P.SP_SENTINEL
             else:
                 row_sums = P.wrapping_sum(lead.view(n, nb * 4))
-        return DirectRows(n, parts, meta_blk, hdr), checked, row_sums
+        return DirectRows(n, parts, meta_blk, hdr, rank), checked, row_sums
 
     def _write_direct(self, fmt: P.RowFormat, st: "DirectRows", sel: torch.Tensor, out: torch.Tensor) -> None:
         """Step 1 of the atomic write for :class:`DirectRows`: everything but the checked words."""
@@ -423,6 +428,14 @@ class TorchEngine:
             if rearm:
                 rows.view(torch.int64).view(n, fmt.blocks, P.BLOCK_WORDS)[:, :, 0] = P.SP_SENTINEL
         return meta[:, : fmt.meta_words]
+
+    def unpack_to(self, fmt: P.RowFormat, rows: torch.Tensor, at: Optional[torch.Tensor],
+                  outs: Sequence[Optional[torch.Tensor]], meta_out: Optional[torch.Tensor],
+                  src_out: Optional[torch.Tensor]) -> bool:
+        """Token-Reordering in one pass, where an engine has it (row ``i`` of ``rows`` to row ``at[i]`` of
+        every output; see ``NativeEngine.unpack_to``). Returns False: the caller copies per segment with
+        :meth:`unpack_rows`, which for torch is a few strided copies rather than a scatter."""
+        return False
 
     def unpack_rows_as(self, fmt: P.RowFormat, rows: torch.Tensor, out: torch.Tensor, src_dtype: torch.dtype,
                        rearm: bool = True) -> torch.Tensor:
@@ -622,10 +635,18 @@ def _runs(sel: torch.Tensor, row_bytes: int):
 
 
 def make_engine(backend: str, num_count_aivs: Optional[int] = None):
-    if backend in ("torch", "auto"):
+    """``"auto"``: the C data path when it was built (and ``UBEP_NATIVE`` is not ``0``), else torch."""
+    if backend == "auto":
+        from . import native_engine
+        use = native_engine.available() and os.environ.get("UBEP_NATIVE", "1") != "0"
+        return native_engine.NativeEngine() if use else TorchEngine()
+    if backend == "native":
+        from .native_engine import NativeEngine
+        return NativeEngine()
+    if backend == "torch":
         return TorchEngine()
     if backend == "triton":
         from .triton_engine import TritonEngine
         return TritonEngine(n_count=num_count_aivs)
-    raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    raise ValueError(f"backend must be 'auto', 'native', 'torch' or 'triton', got {backend!r}")
 

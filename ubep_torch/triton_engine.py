@@ -115,6 +115,7 @@ class TritonEngine(TorchEngine):
     """
 
     name = "triton"
+    direct_rows = False     # the kernels read packed staging rows and every source from the slots
 
     def __init__(self, n_aivs: int | None = None, n_count: int | None = None, mapping: bool | None = None,
                  max_spins: int = _DEFAULT_SPINS):

@@ -1,0 +1,147 @@
+"""The C data path (``backend="native"``, what ``"auto"`` picks when it was built) against the torch path.
+
+Spec: for the same calls, every output and every byte a sender stores into a peer's memory are identical
+to ``backend="torch"``; the C module is built by ``make install`` (the test says so when it is missing).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests import triton_rank_fns as F
+from ubep_torch import native_engine
+from ubep_torch import protocol as P
+from ubep_torch.engine import TorchEngine
+from ubep_torch.testing import RankPool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYNCS = ("tff", "dc", "sp", "sw")
+needs_native = pytest.mark.skipif(not native_engine.available(), reason="ubep_torch._native was not built")
+
+
+def test_native_module_is_built():
+    """``make install`` compiles the C module; only ``UBEP_NATIVE=0`` runs the suite without it."""
+    if os.environ.get("UBEP_NATIVE") == "0":
+        pytest.skip("UBEP_NATIVE=0")
+    assert native_engine.available(), "ubep_torch._native is missing: reinstall with a C compiler (make install)"
+
+
+def _rows_case(fields, meta_words, n=7, T=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    fmt = P.row_format("tff", tuple(fields), meta_words)
+    data = [torch.randint(0, 256, (T, nbytes), dtype=torch.uint8, generator=g) for _, nbytes in fields]
+    meta = torch.randint(-1000, 1000, (T, meta_words), dtype=torch.int32, generator=g) if meta_words else None
+    sel = torch.randperm(T, generator=g)[:n]
+    patch = torch.randint(0, 8, (n,), dtype=torch.int32, generator=g) if meta_words else None
+    return fmt, data, meta, sel, patch
+
+
+@needs_native
+@pytest.mark.parametrize("fields,meta_words", [
+    ((("x", 256 * 2),), 4),                       # one field, two blocks
+    ((("x", 7168 * 2),), 16),                     # 29 full blocks and a partial one
+    ((("x", 480 * 3),), 1),                       # whole blocks only
+    ((("x", 1000), ("scales", 8 * 4)), 1),        # fp8 payload + scales
+    ((("x", 4),), 0),                             # a tiny payload, no meta items
+])
+def test_stores_into_peer_memory_are_byte_identical(fields, meta_words):
+    """Every byte of the slots (heads, payload, zeroed padding, patched meta item, flags) matches torch's
+    ``write_rows`` of the same staged rows, and the received payload, meta items and source tokens too."""
+    fmt, data, meta, sel, patch = _rows_case(fields, meta_words)
+    out = {}
+    for name, eng in (("torch", TorchEngine()), ("native", native_engine.NativeEngine())):
+        st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(data[0].shape[0]), 3)
+        dst = torch.full((sel.numel() + 2, fmt.blocks, P.BLOCK_BYTES), 0xA5, dtype=torch.uint8)  # stale bytes
+        eng.write_rows(fmt, st, None, sel, dst, P.flag_word(5, P.REGION_DISPATCH), meta_patch=patch)
+        assert eng.rows_arrived(fmt, dst[: sel.numel()], P.flag_word(5, P.REGION_DISPATCH))
+        assert not eng.rows_arrived(fmt, dst, P.flag_word(5, P.REGION_DISPATCH))   # stale rows: not arrived
+        assert not eng.rows_arrived(fmt, dst[: sel.numel()], P.flag_word(3, P.REGION_DISPATCH))
+        outs = [torch.zeros(sel.numel(), nbytes, dtype=torch.uint8) for _, nbytes in fmt.fields]
+        got_meta = eng.unpack_rows(fmt, dst[: sel.numel()], outs)
+        out[name] = (dst, outs, got_meta)
+    assert torch.equal(out["torch"][0], out["native"][0])
+    for a, b in zip(out["torch"][1], out["native"][1]):
+        assert torch.equal(a, b)
+    for i, d in enumerate(data):
+        assert torch.equal(out["native"][1][i], d[sel])
+    assert torch.equal(out["torch"][2], out["native"][2])
+
+
+@needs_native
+def test_token_reorder_scatters_to_final_rows():
+    """``unpack_to``: row i lands in row at[i] of every output, with its first meta item and source token."""
+    fmt, data, meta, sel, patch = _rows_case((("x", 1000), ("scales", 32)), 1, n=6, T=6)
+    eng = native_engine.NativeEngine()
+    st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(6), 1)
+    rows = torch.zeros(6, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    eng.write_rows(fmt, st, None, sel, rows, 77, meta_patch=patch)
+    at = torch.tensor([9, 0, 4, 2, 7, 5])
+    outs = [torch.zeros(10, 1000, dtype=torch.uint8), torch.zeros(10, 32, dtype=torch.uint8)]
+    k = torch.full((10, 1), -1, dtype=torch.int32)
+    src = torch.full((10,), -1, dtype=torch.int32)
+    assert eng.unpack_to(fmt, rows, at, outs, k, src)
+    assert torch.equal(outs[0][at], data[0][sel]) and torch.equal(outs[1][at], data[1][sel])
+    assert torch.equal(k[at, 0], patch) and torch.equal(src[at], sel.to(torch.int32))
+    untouched = torch.tensor([1, 3, 6, 8])
+    assert bool((outs[0][untouched] == 0).all()) and bool((src[untouched] == -1).all())
+    # not TFF, or an output that is not addressable row by row: declined, nothing written
+    assert not eng.unpack_to(P.row_format("sp", fmt.fields, 1), rows, at, outs, k, src)
+    assert not eng.unpack_to(fmt, rows, at, [outs[0][:, ::2], outs[1]], k, src)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with RankPool(2, env=env) as p:
+        yield p
+
+
+def _assert_all_same(results):
+    for rank, res in enumerate(results):
+        bad = [k for k, ok in res["same"].items() if not ok]
+        assert not bad, f"rank {rank}: outputs differ between backends for {bad}"
+
+
+@needs_native
+@pytest.mark.parametrize("sync", SYNCS)
+def test_normal_mode_same_bits(pool, sync):
+    """dispatch, weighted-reduced combine, cached dispatch, expert-major dispatch and combine; NaN,
+    infinities, signed zeros and subnormals in x; a hidden size that ends in a partial block."""
+    _assert_all_same(pool.run(F.normal_equivalence, sync, backend="native", special=True))
+    _assert_all_same(pool.run(F.normal_equivalence, sync, backend="native", H=1000, T=40, K=5, E=8))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_normal_mode_other_dtypes_same_bits(pool, dtype):
+    _assert_all_same(pool.run(F.normal_equivalence, "tff", backend="native", dtype=getattr(torch, dtype),
+                              special=True))
+
+
+@needs_native
+def test_normal_mode_fp8_same_bits(pool):
+    _assert_all_same(pool.run(F.normal_equivalence, "tff", fp8=True, backend="native"))
+
+
+@needs_native
+@pytest.mark.parametrize("sync", SYNCS)
+@pytest.mark.parametrize("use_fp8", (False, True))
+def test_low_latency_same_bits(pool, sync, use_fp8):
+    _assert_all_same(pool.run(F.ll_equivalence, sync, use_fp8=use_fp8, backend="native", special=not use_fp8))
+
+
+@needs_native
+def test_low_latency_large_rows_same_bits(pool):
+    """Rows of a DeepSeek-size hidden (7168: 30 blocks), top-8, masked slots."""
+    _assert_all_same(pool.run(F.ll_equivalence, "tff", backend="native", T=8, K=8, E=16, N=8, H=7168))
+
+
+@needs_native
+def test_three_ranks_same_bits():
+    """Three ranks: the general combine (no two-source pass) and uneven per-source row counts."""
+    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with RankPool(3, env=env) as p:
+        _assert_all_same(p.run(F.normal_equivalence, "tff", backend="native", E=6, K=3, T=20, special=True))
+        _assert_all_same(p.run(F.ll_equivalence, "tff", backend="native", E=6, K=3, T=8, special=True))

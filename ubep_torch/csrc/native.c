@@ -1,0 +1,311 @@
+/* ubep_torch._native: the TFF data path of ``ubep_torch.native_engine.NativeEngine`` in C.
+ *
+ * The block format, flag words and epoch rules are those of ``ubep_torch/protocol.py``; the Python engine
+ * passes every size and offset in, so nothing here defines a protocol fact except the 512 B block with
+ * its 32 B head (asserted against protocol.py when the engine loads).
+ *
+ * Arguments are raw addresses (``tensor.data_ptr()``) and sizes; the Python side checks dtypes, shapes,
+ * contiguity and bounds before calling, so these loops trust them.
+ *
+ * Memory ordering. Each 512 B DataBlock is written in two steps: its head words 1..3 and payload with
+ * plain stores, then its flag word (w0) with a release store. A receiver that reads w0 with an acquire
+ * load and sees the flag of the current call therefore also sees every byte of that block: this is the
+ * C11 release/acquire pairing, which on x86-64 (TSO) costs nothing beyond a compiler barrier and on
+ * aarch64 becomes stlr/ldar. Unlike the torch path, which publishes the flags of a whole destination
+ * after all its payload, every block is published as soon as it is complete.
+ *
+ * Floating point: reductions are one multiply and one add per operand in a fixed order (the module is
+ * built with -ffp-contract=off, so no fused multiply-add), float32 accumulators starting at +0.0, and
+ * float32 -> bfloat16 rounding to nearest even with every NaN stored as 0xFFFF, which is what torch's
+ * vectorized conversion stores. Outputs are therefore bit-identical to the torch path.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK_BYTES 512
+#define FLAG_BYTES 32
+#define PAYLOAD 480                    /* TFF payload bytes per block */
+#define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
+#define MAX_FIELDS 2
+#define API_VERSION 1              /* bumped whenever a function's arguments change */
+
+typedef struct {
+    uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
+    Py_ssize_t stride;  /* bytes between rows */
+    Py_ssize_t nbytes;  /* payload bytes per row */
+    Py_ssize_t block;   /* first block of the field inside a row */
+} field_t;
+
+static inline void publish(uint8_t *blk, int64_t flag) {
+    __atomic_store_n((int64_t *)blk, flag, __ATOMIC_RELEASE);
+}
+
+static inline int64_t flag_of(const uint8_t *blk) {
+    return __atomic_load_n((const int64_t *)blk, __ATOMIC_ACQUIRE);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    /* branch-free so the loops vectorize */
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? 0xffffu : rounded);
+}
+
+/* fields: a tuple of (address, row stride, payload bytes, first block) per field */
+static int parse_fields(PyObject *tuple, field_t *f, int *nf) {
+    if (!PyTuple_Check(tuple)) {
+        PyErr_SetString(PyExc_TypeError, "fields must be a tuple of (ptr, stride, nbytes, block) tuples");
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    if (n > MAX_FIELDS) {
+        PyErr_SetString(PyExc_ValueError, "at most two fields per row");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long p;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(tuple, i), "Knnn", &p, &f[i].stride, &f[i].nbytes, &f[i].block))
+            return -1;
+        f[i].ptr = (uintptr_t)p;
+    }
+    *nf = (int)n;
+    return 0;
+}
+
+/* write_rows(dst, n, nb, sel, meta, meta_patch, rank, flag, fields)
+ *
+ * The token group's stores: row i of the destination (``dst + i * nb * 512``) gets staging row
+ * t = sel[i] (or i when sel is 0): the 512 B meta block ``meta + t * 512`` (its meta item 0 replaced by
+ * meta_patch[i] when given), then every field's payload in 480 B pieces, each block with head words
+ * (source token = the meta block's word 1, block index, rank) and zeroed padding, each published by its
+ * flag. */
+static PyObject *write_rows(PyObject *self, PyObject *args) {
+    unsigned long long dst_p, sel_p, meta_p, patch_p;
+    Py_ssize_t n, nb;
+    long long rank, flag;
+    PyObject *ftuple;
+    field_t f[MAX_FIELDS];
+    int nf = 0;
+    if (!PyArg_ParseTuple(args, "KnnKKKLLO", &dst_p, &n, &nb, &sel_p, &meta_p, &patch_p, &rank, &flag, &ftuple))
+        return NULL;
+    if (parse_fields(ftuple, f, &nf) < 0) return NULL;
+    uint8_t *dst = (uint8_t *)(uintptr_t)dst_p;
+    const int64_t *sel = (const int64_t *)(uintptr_t)sel_p;
+    const uint8_t *meta = (const uint8_t *)(uintptr_t)meta_p;
+    const int32_t *patch = (const int32_t *)(uintptr_t)patch_p;
+    const Py_ssize_t row_bytes = nb * BLOCK_BYTES;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t t = sel ? sel[i] : (int64_t)i;
+        const uint8_t *mblk = meta + t * BLOCK_BYTES;
+        int64_t token;
+        memcpy(&token, mblk + 8, 8);
+        uint8_t *row = dst + i * row_bytes;
+        memcpy(row + 8, mblk + 8, BLOCK_BYTES - 8);
+        if (patch) memcpy(row + FLAG_BYTES, &patch[i], 4);
+        publish(row, flag);
+        for (int k = 0; k < nf; k++) {
+            const uint8_t *src = (const uint8_t *)f[k].ptr + t * f[k].stride;
+            Py_ssize_t left = f[k].nbytes;
+            for (Py_ssize_t b = f[k].block; left > 0; b++) {
+                uint8_t *blk = row + b * BLOCK_BYTES;
+                const int64_t head[3] = {token, (int64_t)b, (int64_t)rank};
+                memcpy(blk + 8, head, sizeof(head));
+                const Py_ssize_t take = left < PAYLOAD ? left : PAYLOAD;
+                memcpy(blk + FLAG_BYTES, src, (size_t)take);
+                if (take < PAYLOAD) memset(blk + FLAG_BYTES + take, 0, (size_t)(PAYLOAD - take));
+                publish(blk, flag);
+                src += take;
+                left -= take;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* arrived(rows, n, nb, flag) -> number of leading rows whose every block carries ``flag`` */
+static PyObject *arrived(PyObject *self, PyObject *args) {
+    unsigned long long rows_p;
+    Py_ssize_t n, nb;
+    long long flag;
+    if (!PyArg_ParseTuple(args, "KnnL", &rows_p, &n, &nb, &flag)) return NULL;
+    const uint8_t *rows = (const uint8_t *)(uintptr_t)rows_p;
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        const uint8_t *row = rows + i * nb * BLOCK_BYTES;
+        Py_ssize_t b = 0;
+        while (b < nb && flag_of(row + b * BLOCK_BYTES) == flag) b++;
+        if (b < nb) break;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
+/* unpack(rows, n, nb, dst_index, meta_out, meta_bytes, meta_stride, src_out, fields)
+ *
+ * Token-Reordering: row i's payload goes to row o = dst_index[i] (or i) of every field's destination,
+ * its first meta_bytes of meta items to ``meta_out + o * meta_stride`` and its source token (head
+ * word 1, as int32) to src_out[o]. Addresses of 0 skip that output. */
+static PyObject *unpack(PyObject *self, PyObject *args) {
+    unsigned long long rows_p, idx_p, meta_p, src_p;
+    Py_ssize_t n, nb, meta_bytes, meta_stride;
+    PyObject *ftuple;
+    field_t f[MAX_FIELDS];
+    int nf = 0;
+    if (!PyArg_ParseTuple(args, "KnnKKnnKO", &rows_p, &n, &nb, &idx_p, &meta_p, &meta_bytes, &meta_stride, &src_p,
+                          &ftuple))
+        return NULL;
+    if (parse_fields(ftuple, f, &nf) < 0) return NULL;
+    const uint8_t *rows = (const uint8_t *)(uintptr_t)rows_p;
+    const int64_t *idx = (const int64_t *)(uintptr_t)idx_p;
+    uint8_t *meta_out = (uint8_t *)(uintptr_t)meta_p;
+    int32_t *src_out = (int32_t *)(uintptr_t)src_p;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *row = rows + i * nb * BLOCK_BYTES;
+        const int64_t o = idx ? idx[i] : (int64_t)i;
+        if (meta_out && meta_bytes) memcpy(meta_out + o * meta_stride, row + FLAG_BYTES, (size_t)meta_bytes);
+        if (src_out) {
+            int64_t token;
+            memcpy(&token, row + 8, 8);
+            src_out[o] = (int32_t)token;
+        }
+        for (int k = 0; k < nf; k++) {
+            uint8_t *out = (uint8_t *)f[k].ptr + o * f[k].stride;
+            Py_ssize_t left = f[k].nbytes;
+            for (Py_ssize_t b = f[k].block; left > 0; b++) {
+                const Py_ssize_t take = left < PAYLOAD ? left : PAYLOAD;
+                memcpy(out, row + b * BLOCK_BYTES + FLAG_BYTES, (size_t)take);
+                out += take;
+                left -= take;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- bf16 reductions
+ * Plain scalar loops that GCC vectorizes; they are compiled twice, for AVX2 and for the baseline ISA,
+ * and the loader picks the one this CPU runs. Vector lanes do exactly the scalar operations, so the
+ * result does not depend on the width. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define HOT
+#endif
+
+HOT static void combine_pair_loop(const uint8_t *own, Py_ssize_t own_stride, const uint8_t *rows, Py_ssize_t n,
+                                  Py_ssize_t nb, Py_ssize_t block, Py_ssize_t H, uint16_t *restrict out,
+                                  int own_first) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint16_t *restrict a = (const uint16_t *)(own + i * own_stride);
+        const uint8_t *row = rows + i * nb * BLOCK_BYTES;
+        uint16_t *restrict o = out + i * H;
+        for (Py_ssize_t j0 = 0, b = block; j0 < H; j0 += BF16_PER_BLOCK, b++) {
+            const uint16_t *restrict p = (const uint16_t *)(row + b * BLOCK_BYTES + FLAG_BYTES);
+            const Py_ssize_t m = H - j0 < BF16_PER_BLOCK ? H - j0 : BF16_PER_BLOCK;
+            if (own_first) {
+                for (Py_ssize_t j = 0; j < m; j++)
+                    o[j0 + j] = f32_to_bf16((bf16_to_f32(a[j0 + j]) + bf16_to_f32(p[j])) + 0.0f);
+            } else {
+                for (Py_ssize_t j = 0; j < m; j++)
+                    o[j0 + j] = f32_to_bf16((bf16_to_f32(p[j]) + bf16_to_f32(a[j0 + j])) + 0.0f);
+            }
+        }
+    }
+}
+
+/* combine_pair_bf16(own, own_stride, rows, n, nb, block, H, out, own_first)
+ *
+ * Two-source normal combine: out[i] = bf16((a + b) + 0) with a the first source in rank order, both
+ * widened to float32; own row i is ``own + i * own_stride`` (bf16), the peer's is row i of ``rows``. */
+static PyObject *combine_pair_bf16(PyObject *self, PyObject *args) {
+    unsigned long long own_p, rows_p, out_p;
+    Py_ssize_t own_stride, n, nb, block, H;
+    int own_first;
+    if (!PyArg_ParseTuple(args, "KnKnnnnKp", &own_p, &own_stride, &rows_p, &n, &nb, &block, &H, &out_p,
+                          &own_first))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    combine_pair_loop((const uint8_t *)(uintptr_t)own_p, own_stride, (const uint8_t *)(uintptr_t)rows_p, n, nb,
+                      block, H, (uint16_t *)(uintptr_t)out_p, own_first);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+HOT static void weighted_loop(const uint8_t *rows, Py_ssize_t nb, Py_ssize_t block, Py_ssize_t T, Py_ssize_t K,
+                              Py_ssize_t H, const int64_t *pos, const int64_t *topk, const float *w,
+                              uint16_t *restrict out) {
+    const Py_ssize_t row_bytes = nb * BLOCK_BYTES;
+    float acc[BF16_PER_BLOCK];
+    for (Py_ssize_t t = 0; t < T; t++) {
+        uint16_t *restrict o = out + t * H;
+        for (Py_ssize_t j0 = 0, b = block; j0 < H; j0 += BF16_PER_BLOCK, b++) {
+            const Py_ssize_t m = H - j0 < BF16_PER_BLOCK ? H - j0 : BF16_PER_BLOCK;
+            for (Py_ssize_t j = 0; j < m; j++) acc[j] = 0.0f;
+            for (Py_ssize_t k = 0; k < K; k++) {
+                /* a masked slot adds +0.0, which changes nothing: an accumulator that starts at +0.0 and
+                 * only adds never holds -0.0 (x + -x and +0 + -0 round to +0) */
+                if (topk[t * K + k] < 0) continue;
+                const float wk = w[t * K + k];
+                const uint16_t *restrict p =
+                    (const uint16_t *)(rows + pos[t * K + k] * row_bytes + b * BLOCK_BYTES + FLAG_BYTES);
+                for (Py_ssize_t j = 0; j < m; j++) acc[j] = acc[j] + bf16_to_f32(p[j]) * wk;
+            }
+            for (Py_ssize_t j = 0; j < m; j++) o[j0 + j] = f32_to_bf16(acc[j]);
+        }
+    }
+}
+
+/* weighted_combine_bf16(rows, nb, block, T, K, H, pos, topk, weights, out)
+ *
+ * Low-latency combine: out[t] = bf16(sum over k in order of (valid ? f32(x[pos[t, k]]) * w[t, k] : +0.0)),
+ * from an accumulator starting at +0.0; slot (t, k) is valid when topk[t, k] >= 0 and is row pos[t, k]
+ * of ``rows``. One pass over the rows: a block-sized float32 accumulator per token stays in L1. */
+static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
+    unsigned long long rows_p, pos_p, topk_p, w_p, out_p;
+    Py_ssize_t nb, block, T, K, H;
+    if (!PyArg_ParseTuple(args, "KnnnnnKKKK", &rows_p, &nb, &block, &T, &K, &H, &pos_p, &topk_p, &w_p, &out_p))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    weighted_loop((const uint8_t *)(uintptr_t)rows_p, nb, block, T, K, H, (const int64_t *)(uintptr_t)pos_p,
+                  (const int64_t *)(uintptr_t)topk_p, (const float *)(uintptr_t)w_p, (uint16_t *)(uintptr_t)out_p);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"write_rows", write_rows, METH_VARARGS, "TFF token-group stores into a peer's slots"},
+    {"arrived", arrived, METH_VARARGS, "number of leading rows whose every block carries the flag"},
+    {"unpack", unpack, METH_VARARGS, "copy arrived rows' payload, meta items and source tokens out"},
+    {"combine_pair_bf16", combine_pair_bf16, METH_VARARGS, "two-source bf16 normal combine"},
+    {"weighted_combine_bf16", weighted_combine_bf16, METH_VARARGS, "bf16 low-latency weighted combine"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_native", .m_doc = NULL, .m_size = -1, .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddIntConstant(m, "BLOCK_BYTES", BLOCK_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "FLAG_BYTES", FLAG_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "API_VERSION", API_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,168 @@
+"""``NativeEngine``: the TFF data path of ``TorchEngine`` as compiled C loops (``ubep_torch._native``).
+
+``Buffer(..., backend="auto")`` uses it when the C module was built at install time (it is optional:
+without a C compiler the package installs without it and ``"auto"`` means the torch path);
+``backend="native"`` asks for it explicitly and fails when it is missing.
+
+What runs in C (``sync="tff"``, the default): the token group's stores into a peer's slots (each
+512 B DataBlock written and then published by a release store of its flag word), the arrival poll
+(acquire loads of the flag words), Token-Reordering (payload, meta items and source tokens copied out of
+the slots, scattered straight to their final rows), and the two bf16 reductions (two-source normal
+combine, low-latency weighted combine), each one pass over the rows instead of several torch operators.
+Everything else (DC/SP/SW, other dtypes, control messages, CalCumSum) is the inherited torch
+implementation. Memory contents and outputs are bit-identical to ``TorchEngine``
+(``tests/test_native_engine.py``); ``ubep_torch/csrc/native.c`` states the memory-ordering argument.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import protocol as P
+from .engine import DirectRows, TorchEngine
+
+try:
+    from . import _native
+except ImportError:     # built without a C compiler: the torch path serves
+    _native = None
+
+
+#: the argument layout of ubep_torch/csrc/native.c this module calls
+API_VERSION = 1
+
+
+def _matches() -> bool:
+    return (_native.BLOCK_BYTES, _native.FLAG_BYTES, getattr(_native, "API_VERSION", 0)) == \
+        (P.BLOCK_BYTES, P.FLAG_BYTES, API_VERSION)
+
+
+def available() -> bool:
+    """Whether the C module was built from these sources (``backend="auto"`` then uses this engine)."""
+    return _native is not None and _matches()
+
+
+def _rowwise(t: Optional[torch.Tensor]) -> bool:
+    """Rows of contiguous bytes (any row stride): what the C loops address."""
+    return t is not None and t.dim() == 2 and (t.shape[1] <= 1 or t.stride(1) == 1)
+
+
+def _contiguous_int64(t: Optional[torch.Tensor]) -> bool:
+    return t is not None and t.dtype == torch.int64 and t.is_contiguous()
+
+
+class NativeEngine(TorchEngine):
+    name = "native"
+
+    def __init__(self) -> None:
+        if _native is None:
+            raise RuntimeError("backend='native' needs the C module ubep_torch._native, which was not built "
+                               "(install the package on a machine with a C compiler, or use backend='torch')")
+        if not _matches():
+            raise RuntimeError("ubep_torch._native was built from other sources than this package; reinstall it "
+                               "(make install, or pip install -e .)")
+        super().__init__()
+
+    # ------------------------------------------------------------------ sender side
+    def write_rows(self, fmt: P.RowFormat, staging, checked: Optional[torch.Tensor], sel: Optional[torch.Tensor],
+                   dst: torch.Tensor, flag: int, dst_index: Optional[torch.Tensor] = None,
+                   meta_patch: Optional[torch.Tensor] = None) -> None:
+        n = staging.n if sel is None and isinstance(staging, DirectRows) else (
+            sel.shape[0] if sel is not None else -1)
+        if not (fmt.sync == "tff" and isinstance(staging, DirectRows) and dst_index is None and n >= 0):
+            return super().write_rows(fmt, staging, checked, sel, dst, flag, dst_index, meta_patch)
+        if n == 0:
+            return
+        rows = dst[:n]
+        fields = []
+        for off, full, data, rem in staging.parts:
+            if not _rowwise(data):
+                return super().write_rows(fmt, staging, checked, sel, dst, flag, dst_index, meta_patch)
+            fields.append((data.data_ptr(), data.stride(0), full * P.TFF_PAYLOAD_BYTES + rem, off))
+        if sel is not None and not _contiguous_int64(sel):
+            sel = sel.to(torch.int64).contiguous()
+        if meta_patch is not None:
+            meta_patch = meta_patch[:n].to(torch.int32).contiguous()
+        meta = staging.meta
+        if not (rows.is_contiguous() and meta.is_contiguous() and meta.shape[1] == P.BLOCK_BYTES):
+            return super().write_rows(fmt, staging, checked, sel, dst, flag, dst_index, meta_patch)
+        _native.write_rows(rows.data_ptr(), n, fmt.blocks, 0 if sel is None else sel.data_ptr(), meta.data_ptr(),
+                           0 if meta_patch is None else meta_patch.data_ptr(), int(staging.rank), int(flag),
+                           tuple(fields))
+
+    # ------------------------------------------------------------------ receiver side
+    def rows_arrived(self, fmt: P.RowFormat, rows: torch.Tensor, flag: int, expected_sum: int = 0,
+                     index: Optional[torch.Tensor] = None) -> bool:
+        if fmt.sync != "tff" or index is not None or not rows.is_contiguous():
+            return super().rows_arrived(fmt, rows, flag, expected_sum, index)
+        n = rows.shape[0]
+        return n == 0 or _native.arrived(rows.data_ptr(), n, fmt.blocks, int(flag)) == n
+
+    def unpack_rows(self, fmt: P.RowFormat, rows: torch.Tensor, outs: Sequence[Optional[torch.Tensor]],
+                    rearm: bool = True) -> torch.Tensor:
+        n = rows.shape[0]
+        meta = torch.empty(n, fmt.meta_words, dtype=torch.int32)
+        if not self.unpack_to(fmt, rows, None, outs, meta if fmt.meta_words else None, None):
+            return super().unpack_rows(fmt, rows, outs, rearm)
+        return meta
+
+    def unpack_to(self, fmt: P.RowFormat, rows: torch.Tensor, at: Optional[torch.Tensor],
+                  outs: Sequence[Optional[torch.Tensor]], meta_out: Optional[torch.Tensor],
+                  src_out: Optional[torch.Tensor]) -> bool:
+        """Token-Reordering in one pass: row ``i`` of ``rows`` goes to row ``at[i]`` (or ``i``) of every
+        ``outs`` field ([rows, nbytes] uint8), of ``meta_out`` ([rows, m] int32, its first m meta items)
+        and of ``src_out`` ([rows] int32, the source token). Returns False (nothing written) when the rows
+        are not TFF or an output is not addressable row by row; the caller then takes the torch path."""
+        n = rows.shape[0]
+        if fmt.sync != "tff" or not rows.is_contiguous():
+            return False
+        if at is not None and not _contiguous_int64(at):
+            return False
+        fields = []
+        for i, out in enumerate(outs):
+            if out is None or fmt.field_blocks[i] == 0:
+                continue
+            if not _rowwise(out) or out.dtype != torch.uint8 or out.shape[1] != fmt.fields[i][1]:
+                return False
+            fields.append((out.data_ptr(), out.stride(0), fmt.fields[i][1], fmt.field_offset_blocks(i)))
+        meta_bytes = meta_stride = 0
+        if meta_out is not None:
+            if meta_out.dtype != torch.int32 or not _rowwise(meta_out) or meta_out.shape[1] > fmt.meta_words:
+                return False
+            meta_bytes, meta_stride = meta_out.shape[1] * 4, meta_out.stride(0) * 4
+        if src_out is not None and (src_out.dtype != torch.int32 or not src_out.is_contiguous()):
+            return False
+        if n:
+            _native.unpack(rows.data_ptr(), n, fmt.blocks, 0 if at is None else at.data_ptr(),
+                           0 if meta_out is None else meta_out.data_ptr(), meta_bytes, meta_stride,
+                           0 if src_out is None else src_out.data_ptr(), tuple(fields))
+        return True
+
+    # ------------------------------------------------------------------ combine reductions
+    def combine_pair(self, fmt: P.RowFormat, own: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+                     own_first: bool = True) -> bool:
+        H = out.shape[1]
+        if not (fmt.sync == "tff" and own.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
+                and out.is_contiguous() and _rowwise(own) and rows.is_contiguous()
+                and fmt.fields[0][1] == H * 2 and own.shape == out.shape == (rows.shape[0], H)):
+            return super().combine_pair(fmt, own, rows, out, own_first)
+        _native.combine_pair_bf16(own.data_ptr(), own.stride(0) * 2, rows.data_ptr(), rows.shape[0], fmt.blocks,
+                                  fmt.field_offset_blocks(0), H, out.data_ptr(), bool(own_first))
+        return True
+
+    def weighted_combine(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
+                         weights: torch.Tensor, out: torch.Tensor, pos: Optional[torch.Tensor] = None) -> None:
+        T, K = topk_idx.shape
+        H = out.shape[1]
+        if not (fmt.sync == "tff" and T and rows.shape[0] and out.dtype == torch.bfloat16 and out.is_contiguous()
+                and rows.is_contiguous() and fmt.fields[0][1] == H * 2 and weights.dtype == torch.float32):
+            return super().weighted_combine(fmt, rows, topk_idx, weights, out, pos)
+        if pos is None:
+            pos = torch.arange(T * K, dtype=torch.int64).view(T, K)
+        pos, topk_idx, weights = pos.contiguous(), topk_idx.to(torch.int64).contiguous(), weights.contiguous()
+        valid_rows = pos[topk_idx >= 0]
+        if valid_rows.numel() and (int(valid_rows.min()) < 0 or int(valid_rows.max()) >= rows.shape[0]):
+            raise IndexError(f"combine slot out of range [0, {rows.shape[0]})")
+        _native.weighted_combine_bf16(rows.data_ptr(), fmt.blocks, fmt.field_offset_blocks(0), T, K, H,
+                                      pos.data_ptr(), topk_idx.data_ptr(), weights.data_ptr(), out.data_ptr())
+
