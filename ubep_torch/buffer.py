@@ -1546,6 +1546,9 @@ class Buffer:
         seg_start = (torch.arange(E_local, dtype=torch.int64) * (R * N)).unsqueeze(1) + begin   # [E_local, R]
         per_src = [_segment_rows(seg_start[:, s], cnt[:, s], int(cnt[:, s].sum())) for s in range(R)]
         direct = eng.direct_rows
+        # engines that read this rank's own rows straight from x in the reduction: they skip the slots
+        # (not with a recv hook: x may change before the hook runs, and the rows must be those of the call)
+        own_direct = getattr(eng, "combines_local_rows", False) and fmt.sync == "tff" and not return_recv_hook
         if direct:   # payload is stored straight from x
             staging, checked, row_sums = eng.stage_rows(fmt, [P.as_bytes(xs)], None, eng.arange(xs.shape[0]), me)
             sels = per_src
@@ -1568,7 +1571,8 @@ class Buffer:
             peer = self._heap.peer(s)
             n, at = per_src[s].numel(), int(handle.return_slot[s])
             payload = torch.tensor([n, sig, 0, 0, 0, 0], dtype=torch.int64)
-            job.dests.append(Destination(s, sels[s], region.rows(peer, half, 0, fmt, N * K)[at:at + n],
+            sel = sels[s][:0] if s == me and own_direct else sels[s]
+            job.dests.append(Destination(s, sel, region.rows(peer, half, 0, fmt, N * K)[at:at + n],
                                          region.ctrl(peer, half, me)[:nctrl], payload))
         eng.send_phase(job)
 
@@ -1597,6 +1601,10 @@ class Buffer:
                                 f"rank dispatched {per_host.tolist()} (corrupted control message)")
             rows = region.rows(local, half, 0, fmt, n_valid)
             host_of_row = torch.repeat_interleave(torch.arange(R), per_host, output_size=n_valid)
+            # own rows (when they skipped the slots): slots [lo, hi) of this rank's dispatch order
+            lo = int(handle.return_slot[me]) if own_direct else 0
+            hi = lo + int(per_host[me]) if own_direct else 0
+            polled = [rows[:lo], rows[hi:]] if own_direct else [rows]
             if self.sync == "dc":
                 total = sum(ctrl_words[s][P.CTRL_CHECKSUM] for s in range(R))
                 total = ((total + (1 << 63)) % (1 << 64)) - (1 << 63)
@@ -1606,14 +1614,18 @@ class Buffer:
                         sorted(set(host_of_row.tolist()))
             else:
                 def poll_rows():
-                    if eng.rows_arrived(fmt, rows, flag, 0):
+                    if all(eng.rows_arrived(fmt, part, flag, 0) for part in polled):
                         return []
                     w0 = rows.view(torch.int64).view(n_valid, fmt.blocks, P.BLOCK_WORDS)[:, :, 0]
                     bad = (w0 != flag).any(1) if fmt.sync == "tff" else (w0 == P.SP_SENTINEL).any(1)
+                    bad[lo:hi] = False
                     return sorted(set(host_of_row[bad].tolist())) if fmt.sync in ("tff", "sp") else []
             self._wait("low_latency_combine: waiting for expert outputs", poll_rows)
             # slot (t, k) is row pos[t, k]; masked slots never reach the sum
-            eng.weighted_combine(fmt, rows, topk_idx, weights, result, pos)
+            if own_direct:
+                eng.weighted_combine(fmt, rows, topk_idx, weights, result, pos, local=(xs, lo, hi, per_src[me]))
+            else:
+                eng.weighted_combine(fmt, rows, topk_idx, weights, result, pos)
             eng.rearm(fmt, rows)
             for s in range(R):
                 self._send_ack(rid, s, epoch)

@@ -29,7 +29,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 1
+API_VERSION = 2
 
 
 def _matches() -> bool:
@@ -150,19 +150,43 @@ class NativeEngine(TorchEngine):
                                   fmt.field_offset_blocks(0), H, out.data_ptr(), bool(own_first))
         return True
 
+    #: low-latency combine can read this rank's own rows from the expert output tensor instead of slots
+    combines_local_rows = True
+
     def weighted_combine(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
-                         weights: torch.Tensor, out: torch.Tensor, pos: Optional[torch.Tensor] = None) -> None:
+                         weights: torch.Tensor, out: torch.Tensor, pos: Optional[torch.Tensor] = None,
+                         local: Optional[tuple] = None) -> None:
+        """``TorchEngine.weighted_combine`` in one pass. ``local = (src, lo, hi, src_rows)``: slots
+        ``[lo, hi)`` were not written; slot ``p`` of them is row ``src_rows[p - lo]`` of ``src`` ([n, H] bf16),
+        read in place."""
         T, K = topk_idx.shape
         H = out.shape[1]
-        if not (fmt.sync == "tff" and T and rows.shape[0] and out.dtype == torch.bfloat16 and out.is_contiguous()
-                and rows.is_contiguous() and fmt.fields[0][1] == H * 2 and weights.dtype == torch.float32):
+        if T == 0:
+            return
+        usable = (fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.is_contiguous()
+                  and rows.is_contiguous() and fmt.fields[0][1] == H * 2 and weights.dtype == torch.float32)
+        if local is not None and not (usable and local[0].dtype == torch.bfloat16 and _rowwise(local[0])
+                                      and local[0].shape[1] == H):
+            raise ValueError("weighted_combine reads local rows only for TFF bf16 rows")
+        if not usable or (rows.shape[0] == 0 and local is None):
             return super().weighted_combine(fmt, rows, topk_idx, weights, out, pos)
         if pos is None:
             pos = torch.arange(T * K, dtype=torch.int64).view(T, K)
-        pos, topk_idx, weights = pos.contiguous(), topk_idx.to(torch.int64).contiguous(), weights.contiguous()
-        valid_rows = pos[topk_idx >= 0]
-        if valid_rows.numel() and (int(valid_rows.min()) < 0 or int(valid_rows.max()) >= rows.shape[0]):
+        valid = topk_idx >= 0
+        addr = pos * fmt.row_bytes + (rows.data_ptr() + fmt.field_offset_blocks(0) * P.BLOCK_BYTES + P.FLAG_BYTES)
+        step = torch.full((T, K), P.BLOCK_BYTES, dtype=torch.int64)
+        in_slots = valid
+        if local is not None:
+            src, lo, hi, src_rows = local
+            own = valid & (pos >= lo) & (pos < hi)
+            if hi > lo:
+                at = src_rows[(pos - lo).clamp(0, hi - lo - 1)]
+                addr = torch.where(own, at * (src.stride(0) * 2) + src.data_ptr(), addr)
+                step.masked_fill_(own, P.TFF_PAYLOAD_BYTES)
+            in_slots = valid & ~own
+        checked = pos[in_slots]
+        if checked.numel() and (int(checked.min()) < 0 or int(checked.max()) >= rows.shape[0]):
             raise IndexError(f"combine slot out of range [0, {rows.shape[0]})")
-        _native.weighted_combine_bf16(rows.data_ptr(), fmt.blocks, fmt.field_offset_blocks(0), T, K, H,
-                                      pos.data_ptr(), topk_idx.data_ptr(), weights.data_ptr(), out.data_ptr())
-
+        addr = addr.masked_fill_(~valid, 0).contiguous()
+        w = weights.contiguous()
+        _native.weighted_combine_bf16(T, K, H, addr.data_ptr(), step.data_ptr(), w.data_ptr(), out.data_ptr())

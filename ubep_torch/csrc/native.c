@@ -29,7 +29,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 1              /* bumped whenever a function's arguments change */
+#define API_VERSION 2              /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -244,23 +244,20 @@ static PyObject *combine_pair_bf16(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-HOT static void weighted_loop(const uint8_t *rows, Py_ssize_t nb, Py_ssize_t block, Py_ssize_t T, Py_ssize_t K,
-                              Py_ssize_t H, const int64_t *pos, const int64_t *topk, const float *w,
-                              uint16_t *restrict out) {
-    const Py_ssize_t row_bytes = nb * BLOCK_BYTES;
+HOT static void weighted_loop(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
+                              const float *w, uint16_t *restrict out) {
     float acc[BF16_PER_BLOCK];
     for (Py_ssize_t t = 0; t < T; t++) {
         uint16_t *restrict o = out + t * H;
-        for (Py_ssize_t j0 = 0, b = block; j0 < H; j0 += BF16_PER_BLOCK, b++) {
+        for (Py_ssize_t j0 = 0, b = 0; j0 < H; j0 += BF16_PER_BLOCK, b++) {
             const Py_ssize_t m = H - j0 < BF16_PER_BLOCK ? H - j0 : BF16_PER_BLOCK;
             for (Py_ssize_t j = 0; j < m; j++) acc[j] = 0.0f;
             for (Py_ssize_t k = 0; k < K; k++) {
                 /* a masked slot adds +0.0, which changes nothing: an accumulator that starts at +0.0 and
                  * only adds never holds -0.0 (x + -x and +0 + -0 round to +0) */
-                if (topk[t * K + k] < 0) continue;
+                if (!addr[t * K + k]) continue;
                 const float wk = w[t * K + k];
-                const uint16_t *restrict p =
-                    (const uint16_t *)(rows + pos[t * K + k] * row_bytes + b * BLOCK_BYTES + FLAG_BYTES);
+                const uint16_t *restrict p = (const uint16_t *)(uintptr_t)(addr[t * K + k] + b * step[t * K + k]);
                 for (Py_ssize_t j = 0; j < m; j++) acc[j] = acc[j] + bf16_to_f32(p[j]) * wk;
             }
             for (Py_ssize_t j = 0; j < m; j++) o[j0 + j] = f32_to_bf16(acc[j]);
@@ -268,19 +265,20 @@ HOT static void weighted_loop(const uint8_t *rows, Py_ssize_t nb, Py_ssize_t blo
     }
 }
 
-/* weighted_combine_bf16(rows, nb, block, T, K, H, pos, topk, weights, out)
+/* weighted_combine_bf16(T, K, H, addr, step, weights, out)
  *
- * Low-latency combine: out[t] = bf16(sum over k in order of (valid ? f32(x[pos[t, k]]) * w[t, k] : +0.0)),
- * from an accumulator starting at +0.0; slot (t, k) is valid when topk[t, k] >= 0 and is row pos[t, k]
- * of ``rows``. One pass over the rows: a block-sized float32 accumulator per token stays in L1. */
+ * Low-latency combine: out[t] = bf16(sum over k in order of (valid ? f32(x_tk) * w[t, k] : +0.0)) from an
+ * accumulator starting at +0.0. Slot (t, k) is masked when addr[t, k] is 0; otherwise its elements
+ * [240 b, 240 b + 240) start at address addr[t, k] + b * step[t, k] (step 512 for a row in the slots,
+ * whose blocks carry a 32 B head, 480 for a plain bf16 row). One pass over the rows: a block-sized
+ * float32 accumulator per token stays in L1. */
 static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
-    unsigned long long rows_p, pos_p, topk_p, w_p, out_p;
-    Py_ssize_t nb, block, T, K, H;
-    if (!PyArg_ParseTuple(args, "KnnnnnKKKK", &rows_p, &nb, &block, &T, &K, &H, &pos_p, &topk_p, &w_p, &out_p))
-        return NULL;
+    unsigned long long addr_p, step_p, w_p, out_p;
+    Py_ssize_t T, K, H;
+    if (!PyArg_ParseTuple(args, "nnnKKKK", &T, &K, &H, &addr_p, &step_p, &w_p, &out_p)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    weighted_loop((const uint8_t *)(uintptr_t)rows_p, nb, block, T, K, H, (const int64_t *)(uintptr_t)pos_p,
-                  (const int64_t *)(uintptr_t)topk_p, (const float *)(uintptr_t)w_p, (uint16_t *)(uintptr_t)out_p);
+    weighted_loop(T, K, H, (const int64_t *)(uintptr_t)addr_p, (const int64_t *)(uintptr_t)step_p,
+                  (const float *)(uintptr_t)w_p, (uint16_t *)(uintptr_t)out_p);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
