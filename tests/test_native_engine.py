@@ -145,3 +145,20 @@ def test_three_ranks_same_bits():
     with RankPool(3, env=env) as p:
         _assert_all_same(p.run(F.normal_equivalence, "tff", backend="native", E=6, K=3, T=20, special=True))
         _assert_all_same(p.run(F.ll_equivalence, "tff", backend="native", E=6, K=3, T=8, special=True))
+
+
+@needs_native
+@pytest.mark.parametrize("nctrl,nwords", [(1, 6), (1, 60), (2, 61), (8, 300)])
+def test_control_messages_are_byte_identical(nctrl, nwords):
+    """The count group's control blocks: same bytes as torch's ``write_ctrl`` (zeroed heads and bodies over
+    stale bytes), arrival only with this call's flag, and the same payload words read back."""
+    payload = torch.arange(nwords, dtype=torch.int64) * -7 + 3
+    out = {}
+    for name, eng in (("torch", TorchEngine()), ("native", native_engine.NativeEngine())):
+        dst = torch.full((nctrl, P.BLOCK_BYTES), 0x5A, dtype=torch.uint8)
+        assert not eng.ctrl_arrived(dst, 99)
+        eng.write_ctrl(dst, payload, 99)
+        assert eng.ctrl_arrived(dst, 99) and not eng.ctrl_arrived(dst, 98)
+        out[name] = (dst, eng.read_ctrl_words(dst))
+    assert torch.equal(out["torch"][0], out["native"][0])
+    assert out["torch"][1] == out["native"][1] and out["native"][1][:nwords] == payload.tolist()

@@ -421,7 +421,7 @@ class Buffer:
                 if s not in words:
                     c = region.ctrl(local, half, s)[:nctrl]
                     if eng.ctrl_arrived(c, flag):
-                        words[s] = eng.read_ctrl(c).tolist()
+                        words[s] = eng.read_ctrl_words(c)
                     else:
                         missing.append(s)
             return missing

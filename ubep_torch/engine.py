@@ -391,6 +391,10 @@ class TorchEngine:
         words = ctrl.view(torch.int64).view(ctrl.shape[0], P.BLOCK_WORDS)
         return words[:, P.HEAD_WORDS:].reshape(-1).clone()
 
+    def read_ctrl_words(self, ctrl: torch.Tensor) -> list:
+        """The payload words of an arrived control message, as Python ints."""
+        return self.read_ctrl(ctrl).tolist()
+
     def rows_arrived(self, fmt: P.RowFormat, rows: torch.Tensor, flag: int, expected_sum: int = 0,
                      index: Optional[torch.Tensor] = None) -> bool:
         """Did every block of ``rows`` ([n, blocks, 512] local view) arrive? (``index``: only those rows)."""

@@ -29,7 +29,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 2
+API_VERSION = 3
 
 
 def _matches() -> bool:
@@ -90,6 +90,11 @@ class NativeEngine(TorchEngine):
                            0 if meta_patch is None else meta_patch.data_ptr(), int(staging.rank), int(flag),
                            tuple(fields))
 
+    def write_ctrl(self, dst: torch.Tensor, payload: torch.Tensor, flag: int) -> None:
+        if not (dst.is_contiguous() and payload.dtype == torch.int64 and payload.is_contiguous()):
+            return super().write_ctrl(dst, payload, flag)
+        _native.write_ctrl(dst.data_ptr(), dst.shape[0], payload.data_ptr(), payload.numel(), int(flag))
+
     # ------------------------------------------------------------------ receiver side
     def rows_arrived(self, fmt: P.RowFormat, rows: torch.Tensor, flag: int, expected_sum: int = 0,
                      index: Optional[torch.Tensor] = None) -> bool:
@@ -97,6 +102,16 @@ class NativeEngine(TorchEngine):
             return super().rows_arrived(fmt, rows, flag, expected_sum, index)
         n = rows.shape[0]
         return n == 0 or _native.arrived(rows.data_ptr(), n, fmt.blocks, int(flag)) == n
+
+    def ctrl_arrived(self, ctrl: torch.Tensor, flag: int) -> bool:
+        if not ctrl.is_contiguous():
+            return super().ctrl_arrived(ctrl, flag)
+        return _native.arrived(ctrl.data_ptr(), 1, ctrl.shape[0], int(flag)) == 1
+
+    def read_ctrl_words(self, ctrl: torch.Tensor) -> list:
+        if not ctrl.is_contiguous():
+            return super().read_ctrl_words(ctrl)
+        return _native.read_ctrl(ctrl.data_ptr(), ctrl.shape[0], ctrl.shape[0] * P.CTRL_WORDS_PER_BLOCK)
 
     def unpack_rows(self, fmt: P.RowFormat, rows: torch.Tensor, outs: Sequence[Optional[torch.Tensor]],
                     rearm: bool = True) -> torch.Tensor:

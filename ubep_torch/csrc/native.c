@@ -29,7 +29,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 2              /* bumped whenever a function's arguments change */
+#define API_VERSION 3              /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -195,6 +195,55 @@ static PyObject *unpack(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---------------------------------------------------------------- control messages (count group)
+ * A control message is nctrl blocks, each a 32 B head (w0 = flag, w1..w3 = 0) and 60 int64 payload words. */
+#define CTRL_WORDS ((BLOCK_BYTES - FLAG_BYTES) / 8)
+
+/* write_ctrl(dst, nctrl, payload, n, flag): payload words [0, n) into consecutive block bodies (the rest
+ * zero), every block published by its flag */
+static PyObject *write_ctrl(PyObject *self, PyObject *args) {
+    unsigned long long dst_p, payload_p;
+    Py_ssize_t nctrl, n;
+    long long flag;
+    if (!PyArg_ParseTuple(args, "KnKnL", &dst_p, &nctrl, &payload_p, &n, &flag)) return NULL;
+    if (n > nctrl * CTRL_WORDS) {
+        PyErr_SetString(PyExc_ValueError, "control payload does not fit its blocks");
+        return NULL;
+    }
+    uint8_t *dst = (uint8_t *)(uintptr_t)dst_p;
+    const int64_t *payload = (const int64_t *)(uintptr_t)payload_p;
+    for (Py_ssize_t b = 0; b < nctrl; b++) {
+        uint8_t *blk = dst + b * BLOCK_BYTES;
+        memset(blk + 8, 0, BLOCK_BYTES - 8);
+        const Py_ssize_t lo = b * CTRL_WORDS, hi = n < lo + CTRL_WORDS ? n : lo + CTRL_WORDS;
+        if (hi > lo) memcpy(blk + FLAG_BYTES, payload + lo, (size_t)(hi - lo) * 8);
+        publish(blk, flag);
+    }
+    Py_RETURN_NONE;
+}
+
+/* read_ctrl(src, nctrl, n) -> the first n payload words as a list of ints */
+static PyObject *read_ctrl(PyObject *self, PyObject *args) {
+    unsigned long long src_p;
+    Py_ssize_t nctrl, n;
+    if (!PyArg_ParseTuple(args, "Knn", &src_p, &nctrl, &n)) return NULL;
+    if (n > nctrl * CTRL_WORDS) n = nctrl * CTRL_WORDS;
+    const uint8_t *src = (const uint8_t *)(uintptr_t)src_p;
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t v;
+        memcpy(&v, src + (i / CTRL_WORDS) * BLOCK_BYTES + FLAG_BYTES + (i % CTRL_WORDS) * 8, 8);
+        PyObject *o = PyLong_FromLongLong(v);
+        if (o == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, o);
+    }
+    return out;
+}
+
 /* ---------------------------------------------------------------- bf16 reductions
  * Plain scalar loops that GCC vectorizes; they are compiled twice, for AVX2 and for the baseline ISA,
  * and the loader picks the one this CPU runs. Vector lanes do exactly the scalar operations, so the
@@ -285,6 +334,8 @@ static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"write_rows", write_rows, METH_VARARGS, "TFF token-group stores into a peer's slots"},
+    {"write_ctrl", write_ctrl, METH_VARARGS, "count-group store of one control message"},
+    {"read_ctrl", read_ctrl, METH_VARARGS, "payload words of an arrived control message"},
     {"arrived", arrived, METH_VARARGS, "number of leading rows whose every block carries the flag"},
     {"unpack", unpack, METH_VARARGS, "copy arrived rows' payload, meta items and source tokens out"},
     {"combine_pair_bf16", combine_pair_bf16, METH_VARARGS, "two-source bf16 normal combine"},
