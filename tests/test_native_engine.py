@@ -162,3 +162,30 @@ def test_control_messages_are_byte_identical(nctrl, nwords):
         out[name] = (dst, eng.read_ctrl_words(dst))
     assert torch.equal(out["torch"][0], out["native"][0])
     assert out["torch"][1] == out["native"][1] and out["native"][1][:nwords] == payload.tolist()
+
+
+@needs_native
+def test_out_of_range_indices_are_refused_before_any_store():
+    """The C loops write where indices say: an index outside its tensor raises IndexError and writes nothing."""
+    fmt, data, meta, sel, patch = _rows_case((("x", 1000),), 1, n=4, T=4)
+    eng = native_engine.NativeEngine()
+    st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(4), 0)
+    rows = torch.zeros(4, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    with pytest.raises(IndexError):
+        eng.write_rows(fmt, st, None, torch.tensor([0, 1, 2, 4]), rows, 5)
+    assert int(rows.count_nonzero()) == 0
+    eng.write_rows(fmt, st, None, sel, rows, 5, meta_patch=patch)
+    out = torch.zeros(4, 1000, dtype=torch.uint8)
+    with pytest.raises(IndexError):
+        eng.unpack_to(fmt, rows, torch.tensor([0, 1, 2, 4]), [out], None, None)
+    with pytest.raises(IndexError):
+        eng.unpack_to(fmt, rows, None, [out[:3]], None, None)
+    assert int(out.count_nonzero()) == 0
+    wfmt = P.row_format("tff", (("x", 500 * 2),), 0)
+    wrows = torch.zeros(2, wfmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    res = torch.zeros(1, 500, dtype=torch.bfloat16)
+    with pytest.raises(IndexError):
+        eng.weighted_combine(wfmt, wrows, torch.tensor([[0, 1]]), torch.ones(1, 2), res, torch.tensor([[0, 2]]))
+    with pytest.raises(IndexError):
+        eng.weighted_combine(wfmt, wrows, torch.tensor([[0, 1]]), torch.ones(1, 2), res, torch.tensor([[0, 1]]),
+                             local=(torch.zeros(3, 500, dtype=torch.bfloat16), 1, 2, torch.tensor([3])))

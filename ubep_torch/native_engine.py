@@ -51,6 +51,16 @@ def _contiguous_int64(t: Optional[torch.Tensor]) -> bool:
     return t is not None and t.dtype == torch.int64 and t.is_contiguous()
 
 
+def _slots(rows: torch.Tensor, fmt: P.RowFormat) -> bool:
+    """``rows`` is a contiguous [n, fmt.blocks, 512] uint8 view, as the C loops address it."""
+    return rows.dim() == 3 and tuple(rows.shape[1:]) == (fmt.blocks, P.BLOCK_BYTES) and rows.is_contiguous()
+
+
+def _within(idx: Optional[torch.Tensor], limit: int) -> bool:
+    """Every index in [0, limit): the C loops write where the indices say, so they are checked first."""
+    return idx is None or idx.numel() == 0 or (int(idx.min()) >= 0 and int(idx.max()) < limit)
+
+
 class NativeEngine(TorchEngine):
     name = "native"
 
@@ -74,18 +84,21 @@ class NativeEngine(TorchEngine):
         if n == 0:
             return
         rows = dst[:n]
+        meta = staging.meta
         fields = []
         for off, full, data, rem in staging.parts:
-            if not _rowwise(data):
+            if not _rowwise(data) or data.shape[0] < meta.shape[0]:
                 return super().write_rows(fmt, staging, checked, sel, dst, flag, dst_index, meta_patch)
             fields.append((data.data_ptr(), data.stride(0), full * P.TFF_PAYLOAD_BYTES + rem, off))
         if sel is not None and not _contiguous_int64(sel):
             sel = sel.to(torch.int64).contiguous()
         if meta_patch is not None:
             meta_patch = meta_patch[:n].to(torch.int32).contiguous()
-        meta = staging.meta
-        if not (rows.is_contiguous() and meta.is_contiguous() and meta.shape[1] == P.BLOCK_BYTES):
+        if not (rows.shape[0] == n and _slots(rows, fmt) and meta.is_contiguous() and meta.shape[1] == P.BLOCK_BYTES
+                and (meta_patch is None or meta_patch.numel() == n)):
             return super().write_rows(fmt, staging, checked, sel, dst, flag, dst_index, meta_patch)
+        if not _within(sel, meta.shape[0]):
+            raise IndexError(f"staging row out of range [0, {meta.shape[0]})")
         _native.write_rows(rows.data_ptr(), n, fmt.blocks, 0 if sel is None else sel.data_ptr(), meta.data_ptr(),
                            0 if meta_patch is None else meta_patch.data_ptr(), int(staging.rank), int(flag),
                            tuple(fields))
@@ -129,24 +142,34 @@ class NativeEngine(TorchEngine):
         and of ``src_out`` ([rows] int32, the source token). Returns False (nothing written) when the rows
         are not TFF or an output is not addressable row by row; the caller then takes the torch path."""
         n = rows.shape[0]
-        if fmt.sync != "tff" or not rows.is_contiguous():
+        if fmt.sync != "tff" or not _slots(rows, fmt):
             return False
-        if at is not None and not _contiguous_int64(at):
+        if at is not None and (not _contiguous_int64(at) or at.numel() != n):
             return False
         fields = []
+        limit = n if at is None else None            # how many output rows every output must have
+        targets = []
         for i, out in enumerate(outs):
             if out is None or fmt.field_blocks[i] == 0:
                 continue
             if not _rowwise(out) or out.dtype != torch.uint8 or out.shape[1] != fmt.fields[i][1]:
                 return False
             fields.append((out.data_ptr(), out.stride(0), fmt.fields[i][1], fmt.field_offset_blocks(i)))
+            targets.append(out.shape[0])
         meta_bytes = meta_stride = 0
         if meta_out is not None:
             if meta_out.dtype != torch.int32 or not _rowwise(meta_out) or meta_out.shape[1] > fmt.meta_words:
                 return False
             meta_bytes, meta_stride = meta_out.shape[1] * 4, meta_out.stride(0) * 4
-        if src_out is not None and (src_out.dtype != torch.int32 or not src_out.is_contiguous()):
-            return False
+            targets.append(meta_out.shape[0])
+        if src_out is not None:
+            if src_out.dtype != torch.int32 or not src_out.is_contiguous():
+                return False
+            targets.append(src_out.numel())
+        if n and targets:
+            room = min(targets)
+            if (limit is not None and limit > room) or (at is not None and not _within(at, room)):
+                raise IndexError(f"Token-Reordering target row out of range [0, {room})")
         if n:
             _native.unpack(rows.data_ptr(), n, fmt.blocks, 0 if at is None else at.data_ptr(),
                            0 if meta_out is None else meta_out.data_ptr(), meta_bytes, meta_stride,
@@ -158,7 +181,7 @@ class NativeEngine(TorchEngine):
                      own_first: bool = True) -> bool:
         H = out.shape[1]
         if not (fmt.sync == "tff" and own.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
-                and out.is_contiguous() and _rowwise(own) and rows.is_contiguous()
+                and out.is_contiguous() and _rowwise(own) and _slots(rows, fmt)
                 and fmt.fields[0][1] == H * 2 and own.shape == out.shape == (rows.shape[0], H)):
             return super().combine_pair(fmt, own, rows, out, own_first)
         _native.combine_pair_bf16(own.data_ptr(), own.stride(0) * 2, rows.data_ptr(), rows.shape[0], fmt.blocks,
@@ -178,8 +201,9 @@ class NativeEngine(TorchEngine):
         H = out.shape[1]
         if T == 0:
             return
-        usable = (fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.is_contiguous()
-                  and rows.is_contiguous() and fmt.fields[0][1] == H * 2 and weights.dtype == torch.float32)
+        usable = (fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.is_contiguous() and out.shape[0] == T
+                  and _slots(rows, fmt) and fmt.fields[0][1] == H * 2 and weights.dtype == torch.float32
+                  and tuple(weights.shape) == (T, K))
         if local is not None and not (usable and local[0].dtype == torch.bfloat16 and _rowwise(local[0])
                                       and local[0].shape[1] == H):
             raise ValueError("weighted_combine reads local rows only for TFF bf16 rows")
@@ -195,6 +219,8 @@ class NativeEngine(TorchEngine):
             src, lo, hi, src_rows = local
             own = valid & (pos >= lo) & (pos < hi)
             if hi > lo:
+                if src_rows.numel() != hi - lo or not _within(src_rows, src.shape[0]):
+                    raise IndexError(f"local combine rows out of range [0, {src.shape[0]})")
                 at = src_rows[(pos - lo).clamp(0, hi - lo - 1)]
                 addr = torch.where(own, at * (src.stride(0) * 2) + src.data_ptr(), addr)
                 step.masked_fill_(own, P.TFF_PAYLOAD_BYTES)
