@@ -11,6 +11,8 @@ the barrier's release skew between processes (often milliseconds for gloo) to ev
 
 * ``ubep normal``: ``dispatch`` (with ``get_dispatch_layout``'s outputs) and ``combine``.
 * ``ubep low_latency``: ``low_latency_dispatch`` (bf16) and ``low_latency_combine``.
+* Both once per ``--backends`` entry (default ``auto,torch``: the engine ``backend="auto"`` picks, which is
+  the C data path where it was built, then the vectorized torch path), in the same run.
 * ``naive gloo (rank rows)``: what an EP without a shared address space does for normal mode: counts with
   one ``all_to_all_single``, one row per (token, destination rank) with a second, the rows back with a
   third, summed with ``index_add_``. Same rows as normal-mode dispatch.
@@ -98,7 +100,7 @@ def naive_expert_rows(x, topk_idx, weights, E, R):
     return recv, out.to(x.dtype)
 
 
-def bench_rank(ctx, T, H, K, E, iters, rounds, sync):
+def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends):
     torch.manual_seed(ctx.rank)
     R = ctx.world_size
     x = torch.randn(T, H).bfloat16()
@@ -106,22 +108,28 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync):
     topk = topk.to(torch.int64)
     nvl = Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R)
     rdma = Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
-    buf = Buffer(ctx.group, nvl, rdma, low_latency_mode=True, sync=sync)
-    ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
     st = {}
+    paths = {}     # backend -> (dispatch, combine, low-latency dispatch, low-latency combine)
+    bufs = []
+    for backend in backends:
+        buf = Buffer(ctx.group, nvl, rdma, low_latency_mode=True, sync=sync, backend=backend)
+        bufs.append(buf)
+        ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
 
-    def disp():
-        st["d"] = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
-                               topk_idx=topk, topk_weights=w)
+        def disp(buf=buf, ntpr=ntpr, ntpe=ntpe, itr=itr):
+            st["d"] = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                                   topk_idx=topk, topk_weights=w)
 
-    def comb():
-        st["c"] = buf.combine(st["d"][0], st["d"][4])
+        def comb(buf=buf):
+            st["c"] = buf.combine(st["d"][0], st["d"][4])
 
-    def lld():
-        st["l"] = buf.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+        def lld(buf=buf):
+            st["l"] = buf.low_latency_dispatch(x, topk, T, E, use_fp8=False)
 
-    def llc():
-        st["lc"] = buf.low_latency_combine(st["l"][0], topk, w, st["l"][2])
+        def llc(buf=buf):
+            st["lc"] = buf.low_latency_combine(st["l"][0], topk, w, st["l"][2])
+
+        paths[buf.backend] = (disp, comb, lld, llc)
 
     def naive_n():
         st["n"] = naive_rank_rows(x, topk, E, R)
@@ -129,7 +137,9 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync):
     def naive_l():
         st["nl"] = naive_expert_rows(x, topk, w, E, R)
 
-    disp(), comb(), lld(), llc(), naive_n(), naive_l()          # warm up every path once
+    for disp, comb, lld, llc in paths.values():        # warm up every path once
+        disp(), comb(), lld(), llc()
+    naive_n(), naive_l()
     recv_bytes = st["d"][0].numel() * 2
     ll_bytes = int(st["l"][1].sum()) * H * 2
     src = torch.empty(recv_bytes, dtype=torch.uint8).fill_(1)
@@ -154,15 +164,16 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync):
         dst.copy_(mine[h * recv_bytes:(h + 1) * recv_bytes])
         return time.perf_counter() - t0
 
-    res = {k: [] for k in ("disp", "comb", "rt", "lld", "llc", "llrt", "naive_n", "naive_l", "copy", "bigcopy",
-                           "cross")}
+    keys = [f"{b}:{k}" for b in paths for k in ("disp", "comb", "rt", "lld", "llc", "llrt")]
+    res = {k: [] for k in keys + ["naive_n", "naive_l", "copy", "bigcopy", "cross"]}
     for _ in range(rounds):
-        res["disp"].append(_loop(disp, iters))
-        res["comb"].append(_loop(comb, iters))
-        res["rt"].append(_loop(lambda: (disp(), comb()), iters))
-        res["lld"].append(_loop(lld, iters))
-        res["llc"].append(_loop(llc, iters))
-        res["llrt"].append(_loop(lambda: (lld(), llc()), iters))
+        for b, (disp, comb, lld, llc) in paths.items():
+            res[f"{b}:disp"].append(_loop(disp, iters))
+            res[f"{b}:comb"].append(_loop(comb, iters))
+            res[f"{b}:rt"].append(_loop(lambda: (disp(), comb()), iters))
+            res[f"{b}:lld"].append(_loop(lld, iters))
+            res[f"{b}:llc"].append(_loop(llc, iters))
+            res[f"{b}:llrt"].append(_loop(lambda: (lld(), llc()), iters))
         res["naive_n"].append(_loop(naive_n, max(2, iters // 2)))
         res["naive_l"].append(_loop(naive_l, max(2, iters // 2)))
         res["copy"].append(_loop(lambda: dst.copy_(src), iters * 4))
@@ -172,8 +183,9 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync):
         loads = [cross_copy() for _ in range(iters)]
         res["cross"].append(t_store + statistics.median(loads))
     heap.close()
-    buf.destroy()
-    return res, recv_bytes, ll_bytes
+    for buf in bufs:
+        buf.destroy()
+    return res, recv_bytes, ll_bytes, list(paths)
 
 
 def main() -> None:
@@ -186,12 +198,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sync", default="tff", choices=["tff", "dc", "sp", "sw"])
+    ap.add_argument("--backends", default="auto,torch",
+                    help="comma-separated Buffer backends to time side by side (auto = the C path where built)")
     a = ap.parse_args()
+    backends = [b for b in a.backends.split(",") if b]
     here = os.path.dirname(os.path.abspath(__file__))
     with RankPool(a.ranks, env={"PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])}) as pool:
-        per_rank = pool.run(bench_rank, a.tokens, a.hidden, a.topk, a.experts, a.iters, a.rounds, a.sync,
+        per_rank = pool.run(bench_rank, a.tokens, a.hidden, a.topk, a.experts, a.iters, a.rounds, a.sync, backends,
                             timeout_s=1800)
-    recv_bytes, ll_bytes = per_rank[0][1], per_rank[0][2]
+    recv_bytes, ll_bytes, names = per_rank[0][1], per_rank[0][2], per_rank[0][3]
     # slowest rank of every round, then the median over rounds
     t = {k: statistics.median(max(r[0][k][i] for r in per_rank) for i in range(a.rounds)) for k in per_rank[0][0]}
     print(f"ubep_torch benchmark: {a.ranks} ranks, {a.tokens} tokens/rank, hidden {a.hidden}, top-{a.topk}, "
@@ -200,21 +215,25 @@ def main() -> None:
     hdr = (f"{'path':<28}{'dispatch ms':>12}{'combine ms':>12}{'round trip':>12}{'recv MB':>9}"
            f"{'disp GB/s':>11}{'vs naive':>10}")
     print(hdr)
-    rows = [("ubep normal", t["disp"], t["comb"], t["rt"], recv_bytes, t["naive_n"]),
-            ("ubep low_latency", t["lld"], t["llc"], t["llrt"], ll_bytes, t["naive_l"])]
-    for name, d, c, rt, b, naive in rows:
-        print(f"{name:<28}{d * 1e3:>12.3f}{c * 1e3:>12.3f}{rt * 1e3:>12.3f}{b / 1e6:>9.2f}"
-              f"{b / d / 1e9:>11.2f}{naive / rt:>9.1f}x")
+    first = names[0]
+    for b in names:
+        tag = "" if b == first else f" ({b})"
+        rows = [(f"ubep normal{tag}", t[f"{b}:disp"], t[f"{b}:comb"], t[f"{b}:rt"], recv_bytes, t["naive_n"]),
+                (f"ubep low_latency{tag}", t[f"{b}:lld"], t[f"{b}:llc"], t[f"{b}:llrt"], ll_bytes, t["naive_l"])]
+        for name, d, c, rt, nbytes, naive in rows:
+            print(f"{name:<28}{d * 1e3:>12.3f}{c * 1e3:>12.3f}{rt * 1e3:>12.3f}{nbytes / 1e6:>9.2f}"
+                  f"{nbytes / d / 1e9:>11.2f}{naive / rt:>9.1f}x")
     print(f"{'naive gloo (rank rows)':<28}{'':>24}{t['naive_n'] * 1e3:>12.3f}{recv_bytes / 1e6:>9.2f}"
           f"{'':>11}{'1.0x':>10}   <- baseline of ubep normal")
     print(f"{'naive gloo (expert rows)':<28}{'':>24}{t['naive_l'] * 1e3:>12.3f}{ll_bytes / 1e6:>9.2f}"
           f"{'':>11}{'1.0x':>10}   <- baseline of ubep low_latency")
+    print(f"(untagged ubep rows: the {first!r} engine, from backend={backends[0]!r})")
     # normal mode against the EP that sends one row per (token, expert), as all-to-all token dispatchers
     # without per-rank deduplication do: a second, weaker baseline, printed apart from the strict one
-    print(f"ubep normal round trip vs naive gloo (expert rows): {t['naive_l'] / t['rt']:.1f}x")
+    print(f"ubep normal round trip vs naive gloo (expert rows): {t['naive_l'] / t[f'{first}:rt']:.1f}x")
     print(f"\nphysical references for {recv_bytes / 1e6:.2f} MB (every rank at once)   ms      GB/s   "
           f"normal dispatch / reference")
-    disp_bw = recv_bytes / t["disp"] / 1e9
+    disp_bw = recv_bytes / t[f"{first}:disp"] / 1e9
     for name, key in (("plain copy, in cache", "copy"), ("plain copy, 64 MiB buffers", "bigcopy"),
                       ("store to peer + load back", "cross")):
         bw = recv_bytes / t[key] / 1e9
