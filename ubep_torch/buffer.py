@@ -1600,26 +1600,23 @@ class Buffer:
                 raise UBEPError(f"low_latency_combine on rank {me}: hosts announced {nrows.tolist()} rows, this "
                                 f"rank dispatched {per_host.tolist()} (corrupted control message)")
             rows = region.rows(local, half, 0, fmt, n_valid)
-            host_of_row = torch.repeat_interleave(torch.arange(R), per_host, output_size=n_valid)
-            # own rows (when they skipped the slots): slots [lo, hi) of this rank's dispatch order
-            lo = int(handle.return_slot[me]) if own_direct else 0
-            hi = lo + int(per_host[me]) if own_direct else 0
-            polled = [rows[:lo], rows[hi:]] if own_direct else [rows]
+            # each host's rows form one run of slots, in rank order; own rows that skipped the slots
+            # (own_direct) are slots [lo, hi) and are not polled
+            bounds = [0] + torch.cumsum(per_host, 0).tolist()
+            lo, hi = (bounds[me], bounds[me + 1]) if own_direct else (0, 0)
+            pending_hosts = [h for h in range(R) if bounds[h + 1] > bounds[h] and not (own_direct and h == me)]
             if self.sync == "dc":
                 total = sum(ctrl_words[s][P.CTRL_CHECKSUM] for s in range(R))
                 total = ((total + (1 << 63)) % (1 << 64)) - (1 << 63)
 
                 def poll_rows():
-                    return [] if eng.rows_arrived(fmt, rows, flag, total) else \
-                        sorted(set(host_of_row.tolist()))
+                    return [] if eng.rows_arrived(fmt, rows, flag, total) else pending_hosts
             else:
                 def poll_rows():
-                    if all(eng.rows_arrived(fmt, part, flag, 0) for part in polled):
-                        return []
-                    w0 = rows.view(torch.int64).view(n_valid, fmt.blocks, P.BLOCK_WORDS)[:, :, 0]
-                    bad = (w0 != flag).any(1) if fmt.sync == "tff" else (w0 == P.SP_SENTINEL).any(1)
-                    bad[lo:hi] = False
-                    return sorted(set(host_of_row[bad].tolist())) if fmt.sync in ("tff", "sp") else []
+                    # a host whose run has arrived is not scanned again; "sw" rows are ordered by SyncAll
+                    pending_hosts[:] = [h for h in pending_hosts
+                                        if not eng.rows_arrived(fmt, rows[bounds[h]:bounds[h + 1]], flag, 0)]
+                    return pending_hosts
             self._wait("low_latency_combine: waiting for expert outputs", poll_rows)
             # slot (t, k) is row pos[t, k]; masked slots never reach the sum
             if own_direct:
