@@ -189,3 +189,30 @@ def test_out_of_range_indices_are_refused_before_any_store():
     with pytest.raises(IndexError):
         eng.weighted_combine(wfmt, wrows, torch.tensor([[0, 1]]), torch.ones(1, 2), res, torch.tensor([[0, 1]]),
                              local=(torch.zeros(3, 500, dtype=torch.bfloat16), 1, 2, torch.tensor([3])))
+
+
+@needs_native
+@pytest.mark.parametrize("first,every_token", [(True, True), (True, False), (False, True), (False, False)])
+def test_general_combine_accumulation_same_bits(first, every_token):
+    """One source of the combine of three or more ranks: ``acc[index] (+)= f32(x)`` read from the slots,
+    the first source counting as ``0 + x`` (so -0.0 comes out +0.0), and the weights reduced alongside."""
+    g = torch.Generator().manual_seed(3)
+    T, H, K = 12, 1000, 3
+    idx = torch.arange(T) if every_token else torch.tensor([0, 2, 3, 7, 11])
+    n = idx.numel()
+    x = F._with_specials(torch.randn(n, H, generator=g), g).bfloat16()
+    x[1] = -0.0
+    w = torch.rand(n, K, generator=g)
+    fmt = P.row_format("tff", (("x", H * 2),), K)
+    rows, _, _ = TorchEngine().pack_rows(fmt, [P.as_bytes(x)], w.view(torch.int32), torch.arange(n), 1)
+    start = F._with_specials(torch.randn(T, H, generator=g), g)
+    start[0] = -0.0
+    out = {}
+    for name, eng in (("torch", TorchEngine()), ("native", native_engine.NativeEngine())):
+        acc, wacc = start.clone(), torch.ones(T, K)
+        eng.combine_accumulate(fmt, rows, idx, acc, torch.bfloat16, wacc, first=first)
+        out[name] = (acc.bfloat16().view(torch.int16), acc.signbit() & ~acc.isnan(), wacc)
+    assert torch.equal(out["torch"][0], out["native"][0])
+    assert torch.equal(out["torch"][1], out["native"][1])   # signed zeros of the float32 accumulator (NaN aside:
+    # the result is rounded to bf16, where every NaN is stored as 0xFFFF)
+    assert torch.equal(out["torch"][2], out["native"][2])

@@ -29,7 +29,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 3
+API_VERSION = 4
 
 
 def _matches() -> bool:
@@ -177,6 +177,24 @@ class NativeEngine(TorchEngine):
         return True
 
     # ------------------------------------------------------------------ combine reductions
+    def combine_accumulate(self, fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor, acc: torch.Tensor,
+                           x_dtype: torch.dtype, wacc: Optional[torch.Tensor] = None, first: bool = False) -> None:
+        n, H = rows.shape[0], acc.shape[1]
+        if not (fmt.sync == "tff" and n and x_dtype == torch.bfloat16 and acc.dtype == torch.float32
+                and acc.is_contiguous() and _slots(rows, fmt) and fmt.fields[0][1] == H * 2
+                and _contiguous_int64(index) and index.numel() == n):
+            return super().combine_accumulate(fmt, rows, index, acc, x_dtype, wacc, first)
+        if not _within(index, acc.shape[0]):
+            raise IndexError(f"combine row out of range [0, {acc.shape[0]})")
+        assign = first and n == acc.shape[0]          # every token, in order: acc = 0 + x, no zeroing
+        if first and not assign:
+            acc.zero_()
+        _native.accumulate_bf16(rows.data_ptr(), n, fmt.blocks, fmt.field_offset_blocks(0), H, index.data_ptr(),
+                                acc.data_ptr(), assign)
+        if wacc is not None and wacc.shape[1]:
+            meta = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, : fmt.meta_words]
+            wacc.index_add_(0, index, P.fresh(meta).view(wacc.dtype))
+
     def combine_pair(self, fmt: P.RowFormat, own: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
                      own_first: bool = True) -> bool:
         H = out.shape[1]

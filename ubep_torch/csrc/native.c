@@ -29,7 +29,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 3              /* bumped whenever a function's arguments change */
+#define API_VERSION 4              /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -293,6 +293,39 @@ static PyObject *combine_pair_bf16(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+HOT static void accumulate_loop(const uint8_t *rows, Py_ssize_t n, Py_ssize_t nb, Py_ssize_t block, Py_ssize_t H,
+                                const int64_t *index, float *restrict acc, int assign) {
+    for (Py_ssize_t r = 0; r < n; r++) {
+        const uint8_t *row = rows + r * nb * BLOCK_BYTES;
+        float *restrict a = acc + index[r] * H;
+        for (Py_ssize_t j0 = 0, b = block; j0 < H; j0 += BF16_PER_BLOCK, b++) {
+            const uint16_t *restrict p = (const uint16_t *)(row + b * BLOCK_BYTES + FLAG_BYTES);
+            const Py_ssize_t m = H - j0 < BF16_PER_BLOCK ? H - j0 : BF16_PER_BLOCK;
+            if (assign) {
+                for (Py_ssize_t j = 0; j < m; j++) a[j0 + j] = 0.0f + bf16_to_f32(p[j]);
+            } else {
+                for (Py_ssize_t j = 0; j < m; j++) a[j0 + j] = a[j0 + j] + bf16_to_f32(p[j]);
+            }
+        }
+    }
+}
+
+/* accumulate_bf16(rows, n, nb, block, H, index, acc, assign)
+ *
+ * Normal combine, one source: acc[index[r]] = acc[index[r]] + f32(x_r) for the n bf16 rows in the slots
+ * (float32 accumulator [*, H]); ``assign``: acc[index[r]] = 0 + f32(x_r) instead (the first source). */
+static PyObject *accumulate_bf16(PyObject *self, PyObject *args) {
+    unsigned long long rows_p, index_p, acc_p;
+    Py_ssize_t n, nb, block, H;
+    int assign;
+    if (!PyArg_ParseTuple(args, "KnnnnKKp", &rows_p, &n, &nb, &block, &H, &index_p, &acc_p, &assign)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    accumulate_loop((const uint8_t *)(uintptr_t)rows_p, n, nb, block, H, (const int64_t *)(uintptr_t)index_p,
+                    (float *)(uintptr_t)acc_p, assign);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 HOT static void weighted_loop(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
                               const float *w, uint16_t *restrict out) {
     float acc[BF16_PER_BLOCK];
@@ -338,6 +371,7 @@ static PyMethodDef methods[] = {
     {"read_ctrl", read_ctrl, METH_VARARGS, "payload words of an arrived control message"},
     {"arrived", arrived, METH_VARARGS, "number of leading rows whose every block carries the flag"},
     {"unpack", unpack, METH_VARARGS, "copy arrived rows' payload, meta items and source tokens out"},
+    {"accumulate_bf16", accumulate_bf16, METH_VARARGS, "one source of the general bf16 normal combine"},
     {"combine_pair_bf16", combine_pair_bf16, METH_VARARGS, "two-source bf16 normal combine"},
     {"weighted_combine_bf16", weighted_combine_bf16, METH_VARARGS, "bf16 low-latency weighted combine"},
     {NULL, NULL, 0, NULL},
