@@ -87,7 +87,8 @@ def main() -> None:
         best = min(a + b for a, b in times[1:] or times)
         d, c = min(times[1:] or times, key=lambda p: p[0] + p[1])
         lld, llc = min(ll_times[1:] or ll_times, key=lambda p: p[0] + p[1])
-        print(f"ubep_torch demo: {world} ranks, {T} tokens/rank, hidden {H}, top-{K}, {E} experts, sync={args.sync}")
+        print(f"ubep_torch demo: {world} ranks, {T} tokens/rank, hidden {H}, top-{K}, {E} experts, sync={args.sync}, "
+              f"engine {buf.backend}")
         print(f"  normal mode : dispatch {d * 1e3:7.3f} ms, combine {c * 1e3:7.3f} ms; rank 0 received "
               f"{moved / 1e6:.2f} MB ({moved / d / 1e9:.2f} GB/s); round trip {best * 1e3:.3f} ms")
         print(f"  low-latency : dispatch {lld * 1e3:7.3f} ms, combine {llc * 1e3:7.3f} ms; rank 0 received "
