@@ -216,3 +216,21 @@ def test_general_combine_accumulation_same_bits(first, every_token):
     assert torch.equal(out["torch"][1], out["native"][1])   # signed zeros of the float32 accumulator (NaN aside:
     # the result is rounded to bf16, where every NaN is stored as 0xFFFF)
     assert torch.equal(out["torch"][2], out["native"][2])
+
+
+def test_engine_selection(monkeypatch):
+    """"auto" takes the C path when it is built and allowed, else torch; "native" without it says how to get it."""
+    from ubep_torch.engine import make_engine
+
+    assert make_engine("torch").name == "torch"
+    with pytest.raises(ValueError, match="backend must be"):
+        make_engine("cuda")
+    if native_engine.available():
+        assert make_engine("auto").name == "native"
+        monkeypatch.setenv("UBEP_NATIVE", "0")
+        assert make_engine("auto").name == "torch"
+        monkeypatch.delenv("UBEP_NATIVE")
+    monkeypatch.setattr(native_engine, "_native", None)
+    assert make_engine("auto").name == "torch"
+    with pytest.raises(RuntimeError, match="C compiler"):
+        make_engine("native")

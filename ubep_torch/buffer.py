@@ -201,7 +201,9 @@ class Buffer:
             DeepEP compatibility (no queue pairs exist in shared memory).
         timeout_s: deadline of every wait (``UBEP_TIMEOUT_S`` overrides).
         sync: Data-as-Flag variant for payload blocks: ``"tff"`` (default), ``"dc"``, ``"sp"`` or ``"sw"``.
-        backend: ``"auto"``/``"torch"`` (vectorized torch path) or ``"triton"`` (kernels of ``kernels/``).
+        backend: ``"auto"`` (the C data path ``ubep_torch._native`` when it was built and ``UBEP_NATIVE`` is not
+            ``0``, else the torch path), ``"native"`` (the C path, or RuntimeError when it is missing),
+            ``"torch"`` (vectorized torch path) or ``"triton"`` (kernels of ``kernels/``); all give the same bits.
         cost_model: optional ``ubep_torch.cost_model.CostModel``: every call then gets a modeled CM384
             report (``last_report``), UBEP against the CANN EP baseline.
         on_report: optional callback ``fn(kind, report)`` called with every report.
