@@ -29,7 +29,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 4
+API_VERSION = 5
 
 
 def _matches() -> bool:
@@ -114,12 +114,12 @@ class NativeEngine(TorchEngine):
         if fmt.sync != "tff" or index is not None or not rows.is_contiguous():
             return super().rows_arrived(fmt, rows, flag, expected_sum, index)
         n = rows.shape[0]
-        return n == 0 or _native.arrived(rows.data_ptr(), n, fmt.blocks, int(flag)) == n
+        return n == 0 or _native.arrived(rows.data_ptr(), n, fmt.blocks, int(flag))
 
     def ctrl_arrived(self, ctrl: torch.Tensor, flag: int) -> bool:
         if not ctrl.is_contiguous():
             return super().ctrl_arrived(ctrl, flag)
-        return _native.arrived(ctrl.data_ptr(), 1, ctrl.shape[0], int(flag)) == 1
+        return _native.arrived(ctrl.data_ptr(), 1, ctrl.shape[0], int(flag))
 
     def read_ctrl_words(self, ctrl: torch.Tensor) -> list:
         if not ctrl.is_contiguous():

@@ -29,7 +29,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 4              /* bumped whenever a function's arguments change */
+#define API_VERSION 5              /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -134,21 +134,22 @@ static PyObject *write_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* arrived(rows, n, nb, flag) -> number of leading rows whose every block carries ``flag`` */
+/* arrived(rows, n, nb, flag) -> whether every block of the n rows carries ``flag``
+ *
+ * The last block of the last row is probed first: senders store rows in order, so while it is missing
+ * the poll returns at once instead of reading (and pulling from the writer's cache) the blocks that are
+ * already there. Only when it is present are all blocks checked. */
 static PyObject *arrived(PyObject *self, PyObject *args) {
     unsigned long long rows_p;
     Py_ssize_t n, nb;
     long long flag;
     if (!PyArg_ParseTuple(args, "KnnL", &rows_p, &n, &nb, &flag)) return NULL;
     const uint8_t *rows = (const uint8_t *)(uintptr_t)rows_p;
-    Py_ssize_t i = 0;
-    for (; i < n; i++) {
-        const uint8_t *row = rows + i * nb * BLOCK_BYTES;
-        Py_ssize_t b = 0;
-        while (b < nb && flag_of(row + b * BLOCK_BYTES) == flag) b++;
-        if (b < nb) break;
-    }
-    return PyLong_FromSsize_t(i);
+    const Py_ssize_t total = n * nb;
+    if (total && flag_of(rows + (total - 1) * BLOCK_BYTES) != flag) Py_RETURN_FALSE;
+    for (Py_ssize_t b = 0; b < total; b++)
+        if (flag_of(rows + b * BLOCK_BYTES) != flag) Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
 }
 
 /* unpack(rows, n, nb, dst_index, meta_out, meta_bytes, meta_stride, src_out, fields)
@@ -369,7 +370,7 @@ static PyMethodDef methods[] = {
     {"write_rows", write_rows, METH_VARARGS, "TFF token-group stores into a peer's slots"},
     {"write_ctrl", write_ctrl, METH_VARARGS, "count-group store of one control message"},
     {"read_ctrl", read_ctrl, METH_VARARGS, "payload words of an arrived control message"},
-    {"arrived", arrived, METH_VARARGS, "number of leading rows whose every block carries the flag"},
+    {"arrived", arrived, METH_VARARGS, "whether every block of the rows carries the flag"},
     {"unpack", unpack, METH_VARARGS, "copy arrived rows' payload, meta items and source tokens out"},
     {"accumulate_bf16", accumulate_bf16, METH_VARARGS, "one source of the general bf16 normal combine"},
     {"combine_pair_bf16", combine_pair_bf16, METH_VARARGS, "two-source bf16 normal combine"},
