@@ -234,3 +234,8 @@ def test_engine_selection(monkeypatch):
     assert make_engine("auto").name == "torch"
     with pytest.raises(RuntimeError, match="C compiler"):
         make_engine("native")
+
+
+@needs_native
+def test_low_latency_combine_into_strided_out(pool):
+    _assert_all_same(pool.run(F.ll_strided_out))

@@ -140,3 +140,21 @@ def launch_shape(ctx, sync: str = "tff") -> dict:
     bk.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk,
                 topk_weights=w)
     return dict(bk.engine.last_launch)
+
+
+def ll_strided_out(ctx, backend: str = "native", T: int = 6, H: int = 256, K: int = 3, E: int = 4, N: int = 8) -> dict:
+    """low_latency_combine into caller-provided ``out=`` tensors that are not contiguous (a transposed view
+    and a column slice): the same bits as the torch path into a plain tensor."""
+    bt = get_buffer(ctx, "tff", backend="torch", low_latency=True, N=N, H=H, E=E)
+    bk = get_buffer(ctx, "tff", backend=backend, low_latency=True, N=N, H=H, E=E)
+    topk, w = make_routing(9, ctx.rank, T, K, E)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(4 + ctx.rank)).bfloat16()
+    rx, _, h, _, _ = bt.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+    ref, _, _ = bt.low_latency_combine(rx, topk, w, h)
+    same = {}
+    for name, out in (("transposed", torch.zeros(H, T, dtype=torch.bfloat16).t()),
+                      ("column_slice", torch.zeros(T, 2 * H, dtype=torch.bfloat16)[:, H:])):
+        rk, _, hk, _, _ = bk.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+        got, _, _ = bk.low_latency_combine(rk, topk, w, hk, out=out)
+        same[name] = got is out and torch.equal(got.contiguous().view(torch.int16), ref.view(torch.int16))
+    return {"same": same}

@@ -9,8 +9,9 @@ What runs in C (``sync="tff"``, the default): the token group's stores into a pe
 (acquire loads of the flag words), Token-Reordering (payload, meta items and source tokens copied out of
 the slots, scattered straight to their final rows), and the two bf16 reductions (two-source normal
 combine, low-latency weighted combine), each one pass over the rows instead of several torch operators.
-Everything else (DC/SP/SW, other dtypes, control messages, CalCumSum) is the inherited torch
-implementation. Memory contents and outputs are bit-identical to ``TorchEngine``
+The count group's control messages (write, poll, read-back) and the general bf16 combine of three or more
+sources run in C too. Everything else (DC/SP/SW rows, other dtypes, CalCumSum, the call bookkeeping) is
+the inherited torch implementation. Memory contents and outputs are bit-identical to ``TorchEngine``
 (``tests/test_native_engine.py``); ``ubep_torch/csrc/native.c`` states the memory-ordering argument.
 """
 from __future__ import annotations
@@ -219,7 +220,12 @@ class NativeEngine(TorchEngine):
         H = out.shape[1]
         if T == 0:
             return
-        usable = (fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.is_contiguous() and out.shape[0] == T
+        if out.dtype == torch.bfloat16 and not out.is_contiguous():     # e.g. a strided ``out=`` of the caller
+            tmp = torch.empty(T, H, dtype=torch.bfloat16)
+            self.weighted_combine(fmt, rows, topk_idx, weights, tmp, pos, local)
+            out.copy_(tmp)
+            return
+        usable = (fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.shape[0] == T
                   and _slots(rows, fmt) and fmt.fields[0][1] == H * 2 and weights.dtype == torch.float32
                   and tuple(weights.shape) == (T, K))
         if local is not None and not (usable and local[0].dtype == torch.bfloat16 and _rowwise(local[0])
