@@ -144,7 +144,7 @@ def launch_shape(ctx, sync: str = "tff") -> dict:
 
 def ll_strided_out(ctx, backend: str = "native", T: int = 6, H: int = 256, K: int = 3, E: int = 4, N: int = 8) -> dict:
     """low_latency_combine into caller-provided ``out=`` tensors that are not contiguous (a transposed view
-    and a column slice): the same bits as the torch path into a plain tensor."""
+    and a column slice), and from a strided ``x``: the same bits as the torch path with plain tensors."""
     bt = get_buffer(ctx, "tff", backend="torch", low_latency=True, N=N, H=H, E=E)
     bk = get_buffer(ctx, "tff", backend=backend, low_latency=True, N=N, H=H, E=E)
     topk, w = make_routing(9, ctx.rank, T, K, E)
@@ -157,4 +157,8 @@ def ll_strided_out(ctx, backend: str = "native", T: int = 6, H: int = 256, K: in
         rk, _, hk, _, _ = bk.low_latency_dispatch(x, topk, N, E, use_fp8=False)
         got, _, _ = bk.low_latency_combine(rk, topk, w, hk, out=out)
         same[name] = got is out and torch.equal(got.contiguous().view(torch.int16), ref.view(torch.int16))
+    rk, _, hk, _, _ = bk.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+    strided = rk.permute(1, 0, 2).contiguous().permute(1, 0, 2)     # same values, expert dim not outermost
+    got, _, _ = bk.low_latency_combine(strided, topk, w, hk)
+    same["strided_x"] = torch.equal(got.view(torch.int16), ref.view(torch.int16))
     return {"same": same}

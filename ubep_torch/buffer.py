@@ -1542,7 +1542,7 @@ class Buffer:
         # one contiguous run starting at the slot s named in its dispatch control message, in dispatch
         # order, so every segment is a strided copy out of x (no gather, no scatter).
         eng = self.engine
-        xs = x.view(E_local * R * N, H)
+        xs = x.reshape(E_local * R * N, H)      # a strided x is copied once, like every other input
         epoch = self._next_epoch(rid)
         half, flag = P.half_of(epoch), P.flag_word(epoch, rid)
         seg_start = (torch.arange(E_local, dtype=torch.int64) * (R * N)).unsqueeze(1) + begin   # [E_local, R]
