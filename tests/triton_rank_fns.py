@@ -144,7 +144,8 @@ def launch_shape(ctx, sync: str = "tff") -> dict:
 
 def ll_strided_out(ctx, backend: str = "native", T: int = 6, H: int = 256, K: int = 3, E: int = 4, N: int = 8) -> dict:
     """low_latency_combine into caller-provided ``out=`` tensors that are not contiguous (a transposed view
-    and a column slice), and from a strided ``x``: the same bits as the torch path with plain tensors."""
+    and a column slice), into an ``out=`` inside ``x``, and from strided ``x``: the same bits as the torch path
+    with plain tensors."""
     bt = get_buffer(ctx, "tff", backend="torch", low_latency=True, N=N, H=H, E=E)
     bk = get_buffer(ctx, "tff", backend=backend, low_latency=True, N=N, H=H, E=E)
     topk, w = make_routing(9, ctx.rank, T, K, E)
@@ -161,4 +162,20 @@ def ll_strided_out(ctx, backend: str = "native", T: int = 6, H: int = 256, K: in
     strided = rk.permute(1, 0, 2).contiguous().permute(1, 0, 2)     # same values, expert dim not outermost
     got, _, _ = bk.low_latency_combine(strided, topk, w, hk)
     same["strided_x"] = torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    rk, _, hk, _, _ = bk.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+    wide = torch.zeros(*rk.shape[:2], 2 * H, dtype=torch.bfloat16)
+    wide[:, :, ::2] = rk
+    got, _, _ = bk.low_latency_combine(wide[:, :, ::2], topk, w, hk)        # elements two apart
+    same["element_stride_2_x"] = torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    # out= inside x: the result is the one of x's values at call time
+    rk, _, hk, _, _ = bk.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+    got, _, _ = bk.low_latency_combine(rk, topk, w, hk, out=rk[0, :T])
+    same["out_inside_x"] = torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    # NaN expert outputs into a transposed out=: stored as 0xFFFF, as without out=, on every engine
+    for name, b in (("torch", bt), (backend, bk)):
+        rk, _, hk, _, _ = b.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+        rk.fill_(float("nan"))
+        got, _, _ = b.low_latency_combine(rk, topk, w, hk, out=torch.zeros(H, T, dtype=torch.bfloat16).t())
+        bits = got.contiguous().view(torch.int16)[(topk >= 0).any(1)]
+        same[f"nan_bits_{name}"] = bool((bits == -1).all())
     return {"same": same}

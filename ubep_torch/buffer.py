@@ -1543,6 +1543,8 @@ class Buffer:
         # order, so every segment is a strided copy out of x (no gather, no scatter).
         eng = self.engine
         xs = x.reshape(E_local * R * N, H)      # a strided x is copied once, like every other input
+        if H > 1 and xs.stride(1) != 1:
+            xs = xs.contiguous()
         epoch = self._next_epoch(rid)
         half, flag = P.half_of(epoch), P.flag_word(epoch, rid)
         seg_start = (torch.arange(E_local, dtype=torch.int64) * (R * N)).unsqueeze(1) + begin   # [E_local, R]
@@ -1550,7 +1552,9 @@ class Buffer:
         direct = eng.direct_rows
         # engines that read this rank's own rows straight from x in the reduction: they skip the slots
         # (not with a recv hook: x may change before the hook runs, and the rows must be those of the call)
-        own_direct = getattr(eng, "combines_local_rows", False) and fmt.sync == "tff" and not return_recv_hook
+        # (nor when out= shares x's memory: the reduction would read rows it has already overwritten)
+        own_direct = (getattr(eng, "combines_local_rows", False) and fmt.sync == "tff" and not return_recv_hook
+                      and (out is None or out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()))
         if direct:   # payload is stored straight from x
             staging, checked, row_sums = eng.stage_rows(fmt, [P.as_bytes(xs)], None, eng.arange(xs.shape[0]), me)
             sels = per_src

@@ -584,7 +584,12 @@ class TorchEngine:
                     torch.add(p3[:, j], 0.0, out=acc)
                 else:
                     acc.add_(p3[:, j])
-        out.copy_(acc)
+        # float32 -> bf16 into a strided destination takes torch's scalar conversion, which stores NaN as
+        # 0x7FC0 instead of the vectorized 0xFFFF: convert contiguously, then move the bf16 bits
+        if out.is_contiguous():
+            out.copy_(acc)
+        else:
+            out.copy_(acc.to(out.dtype))
 
     @staticmethod
     def _restore_escaped(fmt: P.RowFormat, esc: torch.Tensor, outs: Sequence[Optional[torch.Tensor]]) -> None:

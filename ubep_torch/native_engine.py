@@ -228,8 +228,9 @@ class NativeEngine(TorchEngine):
         usable = (fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.shape[0] == T
                   and _slots(rows, fmt) and fmt.fields[0][1] == H * 2 and weights.dtype == torch.float32
                   and tuple(weights.shape) == (T, K))
-        if local is not None and not (usable and local[0].dtype == torch.bfloat16 and _rowwise(local[0])
-                                      and local[0].shape[1] == H):
+        if local is not None and not _rowwise(local[0]):
+            local = (local[0].contiguous(),) + tuple(local[1:])
+        if local is not None and not (usable and local[0].dtype == torch.bfloat16 and local[0].shape[1] == H):
             raise ValueError("weighted_combine reads local rows only for TFF bf16 rows")
         if not usable or (rows.shape[0] == 0 and local is None):
             return super().weighted_combine(fmt, rows, topk_idx, weights, out, pos)
