@@ -170,10 +170,10 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends):
         for b, (disp, comb, lld, llc) in paths.items():
             res[f"{b}:disp"].append(_loop(disp, iters))
             res[f"{b}:comb"].append(_loop(comb, iters))
-            res[f"{b}:rt"].append(_loop(lambda: (disp(), comb()), iters))
+            res[f"{b}:rt"].append(_loop(lambda d=disp, c=comb: (d(), c()), iters))
             res[f"{b}:lld"].append(_loop(lld, iters))
             res[f"{b}:llc"].append(_loop(llc, iters))
-            res[f"{b}:llrt"].append(_loop(lambda: (lld(), llc()), iters))
+            res[f"{b}:llrt"].append(_loop(lambda d=lld, c=llc: (d(), c()), iters))
         res["naive_n"].append(_loop(naive_n, max(2, iters // 2)))
         res["naive_l"].append(_loop(naive_l, max(2, iters // 2)))
         res["copy"].append(_loop(lambda: dst.copy_(src), iters * 4))
