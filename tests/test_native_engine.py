@@ -98,44 +98,38 @@ def pool():
         yield p
 
 
-def _assert_all_same(results):
-    for rank, res in enumerate(results):
-        bad = [k for k, ok in res["same"].items() if not ok]
-        assert not bad, f"rank {rank}: outputs differ between backends for {bad}"
-
-
 @needs_native
 @pytest.mark.parametrize("sync", SYNCS)
 def test_normal_mode_same_bits(pool, sync):
     """dispatch, weighted-reduced combine, cached dispatch, expert-major dispatch and combine; NaN,
     infinities, signed zeros and subnormals in x; a hidden size that ends in a partial block."""
-    _assert_all_same(pool.run(F.normal_equivalence, sync, backend="native", special=True))
-    _assert_all_same(pool.run(F.normal_equivalence, sync, backend="native", H=1000, T=40, K=5, E=8))
+    F.assert_all_same(pool.run(F.normal_equivalence, sync, backend="native", special=True))
+    F.assert_all_same(pool.run(F.normal_equivalence, sync, backend="native", H=1000, T=40, K=5, E=8))
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
 def test_normal_mode_other_dtypes_same_bits(pool, dtype):
-    _assert_all_same(pool.run(F.normal_equivalence, "tff", backend="native", dtype=getattr(torch, dtype),
+    F.assert_all_same(pool.run(F.normal_equivalence, "tff", backend="native", dtype=getattr(torch, dtype),
                               special=True))
 
 
 @needs_native
 def test_normal_mode_fp8_same_bits(pool):
-    _assert_all_same(pool.run(F.normal_equivalence, "tff", fp8=True, backend="native"))
+    F.assert_all_same(pool.run(F.normal_equivalence, "tff", fp8=True, backend="native"))
 
 
 @needs_native
 @pytest.mark.parametrize("sync", SYNCS)
 @pytest.mark.parametrize("use_fp8", (False, True))
 def test_low_latency_same_bits(pool, sync, use_fp8):
-    _assert_all_same(pool.run(F.ll_equivalence, sync, use_fp8=use_fp8, backend="native", special=not use_fp8))
+    F.assert_all_same(pool.run(F.ll_equivalence, sync, use_fp8=use_fp8, backend="native", special=not use_fp8))
 
 
 @needs_native
 def test_low_latency_large_rows_same_bits(pool):
     """Rows of a DeepSeek-size hidden (7168: 30 blocks), top-8, masked slots."""
-    _assert_all_same(pool.run(F.ll_equivalence, "tff", backend="native", T=8, K=8, E=16, N=8, H=7168))
+    F.assert_all_same(pool.run(F.ll_equivalence, "tff", backend="native", T=8, K=8, E=16, N=8, H=7168))
 
 
 @needs_native
@@ -143,8 +137,8 @@ def test_three_ranks_same_bits():
     """Three ranks: the general combine (no two-source pass) and uneven per-source row counts."""
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with RankPool(3, env=env) as p:
-        _assert_all_same(p.run(F.normal_equivalence, "tff", backend="native", E=6, K=3, T=20, special=True))
-        _assert_all_same(p.run(F.ll_equivalence, "tff", backend="native", E=6, K=3, T=8, special=True))
+        F.assert_all_same(p.run(F.normal_equivalence, "tff", backend="native", E=6, K=3, T=20, special=True))
+        F.assert_all_same(p.run(F.ll_equivalence, "tff", backend="native", E=6, K=3, T=8, special=True))
 
 
 @needs_native
@@ -238,4 +232,4 @@ def test_engine_selection(monkeypatch):
 
 @needs_native
 def test_low_latency_combine_into_strided_out(pool):
-    _assert_all_same(pool.run(F.ll_strided_out))
+    F.assert_all_same(pool.run(F.ll_strided_out))

@@ -23,27 +23,21 @@ def pool():
         yield p
 
 
-def _assert_all_same(results):
-    for rank, res in enumerate(results):
-        bad = [k for k, ok in res["same"].items() if not ok]
-        assert not bad, f"rank {rank}: outputs differ between backends for {bad}"
-
-
 @pytest.mark.parametrize("sync", SYNCS)
 def test_normal_bf16(pool, sync):
     """dispatch, weighted combine, cached dispatch, expert-major dispatch and combine."""
-    _assert_all_same(pool.run(F.normal_equivalence, sync))
+    F.assert_all_same(pool.run(F.normal_equivalence, sync))
 
 
 @pytest.mark.parametrize("sync", ("tff", "sp"))
 def test_normal_fp8_tuple(pool, sync):
-    _assert_all_same(pool.run(F.normal_equivalence, sync, fp8=True))
+    F.assert_all_same(pool.run(F.normal_equivalence, sync, fp8=True))
 
 
 @pytest.mark.parametrize("sync", SYNCS)
 @pytest.mark.parametrize("use_fp8", (False, True))
 def test_low_latency(pool, sync, use_fp8):
-    _assert_all_same(pool.run(F.ll_equivalence, sync, use_fp8=use_fp8))
+    F.assert_all_same(pool.run(F.ll_equivalence, sync, use_fp8=use_fp8))
 
 
 def test_sp_sentinel_collision(pool):

@@ -28,6 +28,13 @@ def _same(a, b) -> bool:
     return torch.equal(_bytes(a), _bytes(b))
 
 
+def assert_all_same(results) -> None:
+    """Test side: every call of every rank reported bit-identical outputs on both backends."""
+    for rank, res in enumerate(results):
+        bad = [k for k, ok in res["same"].items() if not ok]
+        assert not bad, f"rank {rank}: outputs differ between backends for {bad}"
+
+
 def _with_specials(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """``x`` with about one element in eight replaced by NaN, +-inf, +-0.0, a subnormal or a huge value."""
     specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38])

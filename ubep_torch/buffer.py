@@ -1266,8 +1266,8 @@ class Buffer:
                                 dtype=torch.int64)
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending"))
-        # torch path: this rank's own rows skip the slots (the receive side copies them straight from x);
-        # the kernels' decomposed receive reads every source from the slots
+        # torch and C paths: this rank's own rows skip the slots (the receive side copies them straight from
+        # x); the kernels' decomposed receive reads every source from the slots
         local_direct = eng.direct_rows
         none = torch.zeros(0, dtype=torch.int64)
         for i in range(R):
@@ -1553,7 +1553,7 @@ class Buffer:
         # engines that read this rank's own rows straight from x in the reduction: they skip the slots
         # (not with a recv hook: x may change before the hook runs, and the rows must be those of the call)
         # (nor when out= shares x's memory: the reduction would read rows it has already overwritten)
-        own_direct = (getattr(eng, "combines_local_rows", False) and fmt.sync == "tff" and not return_recv_hook
+        own_direct = (eng.combines_local_rows and fmt.sync == "tff" and not return_recv_hook
                       and (out is None or out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()))
         if direct:   # payload is stored straight from x
             staging, checked, row_sums = eng.stage_rows(fmt, [P.as_bytes(xs)], None, eng.arange(xs.shape[0]), me)

@@ -59,6 +59,9 @@ class TorchEngine:
     #: the Buffer may hand this engine DirectRows, skip the slots for a rank's own rows and read payload
     #: in place from the slots (engines that run kernels on packed staging rows say False)
     direct_rows = True
+    #: low-latency combine may leave a rank's own expert outputs out of the slots and hand them to
+    #: ``weighted_combine(..., local=...)`` to read in place (the C path does)
+    combines_local_rows = False
     #: low-latency combines of at most this many T*K*H elements take every top-k column in one step
     small_combine_elems = 1 << 20
 

@@ -207,7 +207,6 @@ class NativeEngine(TorchEngine):
                                   fmt.field_offset_blocks(0), H, out.data_ptr(), bool(own_first))
         return True
 
-    #: low-latency combine can read this rank's own rows from the expert output tensor instead of slots
     combines_local_rows = True
 
     def weighted_combine(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
