@@ -48,7 +48,7 @@ def _row_bytes_worst(payload_bytes: int, meta_bytes: int = 0) -> int:
 
 def normal_buffer_bytes(num_tokens: int, hidden_bytes: int, num_ranks: int) -> int:
     """``num_nvl_bytes`` that lets every rank send ``num_tokens`` rows of ``hidden_bytes`` to every peer."""
-    per_region = 2 * num_ranks * (P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES + num_tokens * _row_bytes_worst(hidden_bytes))
+    per_region = num_ranks * (P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES + num_tokens * _row_bytes_worst(hidden_bytes))
     return 2 * per_region + 4096
 
 
@@ -63,18 +63,29 @@ def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int,
 
 
 class _Region:
-    """Byte ranges of one protocol region inside every rank's segment (identical on all ranks)."""
+    """Byte ranges of one protocol region inside every rank's segment (identical on all ranks).
 
-    def __init__(self, rid: int, base: int, nbytes: int, world: int, parts: int):
+    A region holds ``halves`` copies of its control blocks and slots; call ``epoch`` uses copy
+    ``epoch % halves``. Low-latency regions have two, so a call can be sent while a peer still holds the
+    previous call's rows (receive hooks, ``zero_copy``). Normal calls complete before they return, so
+    their regions have one: a peer's rows of the previous call are consumed (acknowledged) before the
+    next call overwrites them, and the slots stay half as large, and warm in cache, across calls.
+    """
+
+    def __init__(self, rid: int, base: int, nbytes: int, world: int, parts: int, halves: int = 2):
         self.rid = rid
         self.world = world
         self.parts = parts
+        self.halves = halves
         self.ctrl_base = base
-        ctrl_bytes = 2 * world * P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
+        ctrl_bytes = halves * world * P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
         self.rows_base = base + ctrl_bytes
         rem = max(0, nbytes - ctrl_bytes)
-        self.part_bytes = (rem // (2 * parts)) // P.BLOCK_BYTES * P.BLOCK_BYTES
+        self.part_bytes = (rem // (halves * parts)) // P.BLOCK_BYTES * P.BLOCK_BYTES
         self.nbytes = nbytes
+
+    def half(self, epoch: int) -> int:
+        return int(epoch) % self.halves
 
     def ctrl(self, mem: torch.Tensor, half: int, src: int) -> torch.Tensor:
         nb = P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
@@ -272,8 +283,8 @@ class Buffer:
         base = aux
         half_nvl = self.num_nvl_bytes // 2 // 4096 * 4096
         self._regions = {
-            P.REGION_DISPATCH: _Region(P.REGION_DISPATCH, base, half_nvl, R, R),
-            P.REGION_COMBINE: _Region(P.REGION_COMBINE, base + half_nvl, half_nvl, R, R),
+            P.REGION_DISPATCH: _Region(P.REGION_DISPATCH, base, half_nvl, R, R, halves=1),
+            P.REGION_COMBINE: _Region(P.REGION_COMBINE, base + half_nvl, half_nvl, R, R, halves=1),
         }
         base += 2 * half_nvl
         if self.num_rdma_bytes:
@@ -391,26 +402,28 @@ class Buffer:
         return (rid * 2 + half) * self.group_size
 
     def _wait_acks(self, rid: int, epoch: int) -> None:
-        """Before writing call ``epoch`` into half ``epoch % 2`` of every peer: they consumed ``epoch - 2``.
+        """Before writing call ``epoch`` into a half of every peer: they consumed the call that used it last.
 
         Acks are kept per half, so recv hooks completed in any order never move an ack backwards."""
-        need = epoch - 2
+        region = self._regions[rid]
+        need = epoch - region.halves
         if need <= 0:
             return
         words = self._aux_words
         R = self.group_size
-        base = self._ack_base(rid, epoch % 2)
+        half = region.half(epoch)
+        base = self._ack_base(rid, half)
 
         def poll():
             acks = words[base:base + R]
             return [r for r in range(R) if int(acks[r]) < need]
-        self._wait(f"{P.REGION_NAMES[rid]}: waiting for peers to release buffer half {epoch % 2}", poll)
+        self._wait(f"{P.REGION_NAMES[rid]}: waiting for peers to release buffer half {half}", poll)
 
     def _send_ack(self, rid: int, src: int, epoch: int) -> None:
         """Tell ``src`` that this rank has consumed its call-``epoch`` rows (that half may be reused)."""
         peer_words = self._heap.peer(src)[: self._aux_words.numel() * 8].view(torch.int64)
         P.memory_fence()
-        peer_words[self._ack_base(rid, epoch % 2) + self.rank] = epoch
+        peer_words[self._ack_base(rid, self._regions[rid].half(epoch)) + self.rank] = epoch
 
     def _wait_ctrl(self, region: "_Region", half: int, nctrl: int, flag: int, phase: str) -> dict:
         """Wait (with the deadline) for every source's control message of this call; returns their words
@@ -902,7 +915,7 @@ class Buffer:
             raise ValueError(f"too many counts for one control message ({extra_ctrl}); at most "
                              f"{P.MAX_CTRL_BLOCKS * P.CTRL_WORDS_PER_BLOCK - P.CTRL_COUNTS}")
         epoch = self._next_epoch(rid)
-        half = P.half_of(epoch)
+        half = region.half(epoch)
         flag = P.flag_word(epoch, rid)
         eng = self.engine
         staging, checked, row_sums = eng.stage_rows(fmt, fields_data, meta, src_index, me)
@@ -1251,7 +1264,7 @@ class Buffer:
         pair_k = [k_idx[bounds[d]:bounds[d + 1]] for d in range(R)]
         rid = P.REGION_LL_DISPATCH
         epoch = self._next_epoch(rid)
-        half, flag = P.half_of(epoch), P.flag_word(epoch, rid)
+        half, flag = region.half(epoch), P.flag_word(epoch, rid)
         eng = self.engine
         meta = torch.zeros(T, 1, dtype=torch.int32)
         staging, checked, row_sums = eng.stage_rows(fmt, staging_fields, meta, src_index, me)
@@ -1546,7 +1559,7 @@ class Buffer:
         if H > 1 and xs.stride(1) != 1:
             xs = xs.contiguous()
         epoch = self._next_epoch(rid)
-        half, flag = P.half_of(epoch), P.flag_word(epoch, rid)
+        half, flag = region.half(epoch), P.flag_word(epoch, rid)
         seg_start = (torch.arange(E_local, dtype=torch.int64) * (R * N)).unsqueeze(1) + begin   # [E_local, R]
         per_src = [_segment_rows(seg_start[:, s], cnt[:, s], int(cnt[:, s].sum())) for s in range(R)]
         direct = eng.direct_rows

@@ -36,13 +36,17 @@ words. Every rank sends one control message to every peer on every call, even wh
 Epochs and buffer reuse
 -----------------------
 Each region (normal dispatch, normal combine, low-latency dispatch, low-latency combine) has a call
-counter ``epoch`` that advances identically on every rank (calls are collective and ordered). Call
-``epoch`` uses half ``epoch % 2`` of the region. Flags carry the epoch, so stale blocks of earlier calls
-never match and buffers need no reset between calls.
+counter ``epoch`` that advances identically on every rank (calls are collective and ordered). A region
+holds ``halves`` copies of its control blocks and slots and call ``epoch`` uses copy ``epoch % halves``:
+two for the low-latency regions (a call may be sent while a receive hook of the previous one is still
+pending), one for the normal regions (their calls complete before they return). Flags carry the epoch, so
+stale blocks of earlier calls never match and buffers need no reset between calls.
 
-Deadlock/reuse argument: a sender S writes call ``n + 2`` into half ``n % 2`` of receiver R only after
-S finished call ``n + 1``, which needs R's call-``n + 1`` control message, which R sends only after it
-finished consuming call ``n``. So no half is overwritten while it is being read, without any barrier.
+Reuse argument: after consuming a source's rows of call ``n`` (and re-arming them in ``sp`` mode) a
+receiver R stores ``n`` into that source's ack word for the half in the source's memory. A sender S
+writes call ``n + halves`` into a half of R only after R's ack word for that half reached ``n``. So no
+half is overwritten while it is being read, without any barrier, and the wait has a deadline like every
+other.
 
 Memory ordering (why the emulated 512 B atomic write is safe on this machine)
 -----------------------------------------------------------------------------
@@ -130,10 +134,6 @@ def ctrl_blocks(num_counts: int) -> int:
 def flag_word(epoch: int, region: int) -> int:
     """The value of ``w0`` that marks a block of call ``epoch`` in ``region`` as arrived."""
     return (int(epoch) << 8) | int(region)
-
-
-def half_of(epoch: int) -> int:
-    return int(epoch) % 2
 
 
 def payload_per_block(sync: str) -> int:
