@@ -186,7 +186,7 @@ def hostile_ctrl(ctx, what, sync):
                 words[P.CTRL_COUNTS] = -3
                 words[P.CTRL_COUNTS + 1] = 3
             nctrl = P.ctrl_blocks(2 if ll else 2 + R)
-            ctrl = region.ctrl(buf._heap.peer(0), 1, 1)[:nctrl]
+            ctrl = region.ctrl(buf._heap.peer(0), region.half(1), 1, nctrl)
             buf.engine.write_ctrl(ctrl, torch.tensor(words, dtype=torch.int64), P.flag_word(1, rid))
             _t.sleep(1.0)
             return "forged"

@@ -83,22 +83,40 @@ class _Region:
         rem = max(0, nbytes - ctrl_bytes)
         self.part_bytes = (rem // (halves * parts)) // P.BLOCK_BYTES * P.BLOCK_BYTES
         self.nbytes = nbytes
+        self._views: dict = {}     # (memory, half, part or source, row blocks) -> view, made once
+
+    def forget_views(self) -> None:
+        self._views = {}
 
     def half(self, epoch: int) -> int:
         return int(epoch) % self.halves
 
-    def ctrl(self, mem: torch.Tensor, half: int, src: int) -> torch.Tensor:
-        nb = P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
-        off = self.ctrl_base + (half * self.world + src) * nb
-        return mem[off:off + nb].view(P.MAX_CTRL_BLOCKS, P.BLOCK_BYTES)
+    def ctrl(self, mem: torch.Tensor, half: int, src: int, nctrl: int = P.MAX_CTRL_BLOCKS) -> torch.Tensor:
+        """The first ``nctrl`` control blocks of source ``src`` in ``mem``, as [nctrl, 512] uint8."""
+        key = (mem.data_ptr(), half, src, -nctrl)
+        view = self._views.get(key)
+        if view is None:
+            nb = P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
+            off = self.ctrl_base + (half * self.world + src) * nb
+            view = self._views[key] = mem[off:off + nb].view(P.MAX_CTRL_BLOCKS, P.BLOCK_BYTES)[:nctrl]
+        return view
 
     def capacity(self, fmt: P.RowFormat) -> int:
         return self.part_bytes // fmt.row_bytes
 
     def rows(self, mem: torch.Tensor, half: int, part: int, fmt: P.RowFormat, n: Optional[int] = None) -> torch.Tensor:
-        cap = self.capacity(fmt) if n is None else n
-        off = self.rows_base + (half * self.parts + part) * self.part_bytes
-        return mem[off:off + cap * fmt.row_bytes].view(cap, fmt.blocks, P.BLOCK_BYTES)
+        """[n, blocks, 512] uint8 view of part ``part`` (n: the part's capacity in rows of ``fmt``)."""
+        key = (mem.data_ptr(), half, part, fmt.blocks)
+        full = self._views.get(key)
+        if full is None:
+            cap = self.capacity(fmt)
+            off = self.rows_base + (half * self.parts + part) * self.part_bytes
+            full = self._views[key] = mem[off:off + cap * fmt.row_bytes].view(cap, fmt.blocks, P.BLOCK_BYTES)
+        if n is None or n == full.shape[0]:
+            return full
+        if n > full.shape[0]:
+            raise ValueError(f"{n} rows do not fit a part of {full.shape[0]} rows")
+        return full[:n]
 
 
 class DispatchHandle(tuple):
@@ -297,6 +315,10 @@ class Buffer:
                                           "num_rdma_bytes": self.num_rdma_bytes,
                                           "low_latency_mode": self.low_latency_mode, "sync": sync})
         self._aux_words = self._heap.local[:aux].view(torch.int64)
+        # views of every rank's memory and aux words, made once (slicing a view per access costs more than
+        # the small stores through it)
+        self._peer_mem = [self._heap.peer(r) for r in range(R)]
+        self._peer_words = [m[:aux].view(torch.int64) for m in self._peer_mem]
         self._epoch = {rid: 0 for rid in self._regions}
         self._barrier_count = 0
         self._broken: Optional[str] = None
@@ -324,6 +346,9 @@ class Buffer:
         if self._destroyed:
             return
         self._destroyed = True
+        self._peer_mem, self._peer_words = [], []
+        for region in self._regions.values():
+            region.forget_views()
         self._heap.close()
 
     def is_available(self) -> bool:
@@ -415,13 +440,13 @@ class Buffer:
         base = self._ack_base(rid, half)
 
         def poll():
-            acks = words[base:base + R]
-            return [r for r in range(R) if int(acks[r]) < need]
+            acks = words[base:base + R].tolist()
+            return [r for r in range(R) if acks[r] < need]
         self._wait(f"{P.REGION_NAMES[rid]}: waiting for peers to release buffer half {half}", poll)
 
     def _send_ack(self, rid: int, src: int, epoch: int) -> None:
         """Tell ``src`` that this rank has consumed its call-``epoch`` rows (that half may be reused)."""
-        peer_words = self._heap.peer(src)[: self._aux_words.numel() * 8].view(torch.int64)
+        peer_words = self._peer_words[src]
         P.memory_fence()
         peer_words[self._ack_base(rid, self._regions[rid].half(epoch)) + self.rank] = epoch
 
@@ -434,7 +459,7 @@ class Buffer:
             missing = []
             for s in range(self.group_size):
                 if s not in words:
-                    c = region.ctrl(local, half, s)[:nctrl]
+                    c = region.ctrl(local, half, s, nctrl)
                     if eng.ctrl_arrived(c, flag):
                         words[s] = eng.read_ctrl_words(c)
                     else:
@@ -450,13 +475,12 @@ class Buffer:
         R = self.group_size
         off = _ACK_WORDS * R
         for r in range(R):
-            pw = self._heap.peer(r)[: self._aux_words.numel() * 8].view(torch.int64)
-            pw[off + self.rank] = count
+            self._peer_words[r][off + self.rank] = count
         words = self._aux_words
 
         def poll():
-            vals = words[off:off + R]
-            return [r for r in range(R) if int(vals[r]) < count]
+            vals = words[off:off + R].tolist()
+            return [r for r in range(R) if vals[r] < count]
         self._wait(phase, poll)
 
     def _next_epoch(self, rid: int) -> int:
@@ -472,7 +496,7 @@ class Buffer:
         slot = (_ACK_WORDS + 1) * self.group_size + self.rank
         for r in range(self.group_size):
             try:
-                self._heap.peer(r)[: self._aux_words.numel() * 8].view(torch.int64)[slot] = 1
+                self._peer_words[r][slot] = 1
             except Exception:
                 pass
 
@@ -926,11 +950,11 @@ class Buffer:
         none = torch.zeros(0, dtype=torch.int64)
         for i in range(R):
             d = (me + i) % R
-            peer = self._heap.peer(d)
+            peer = self._peer_mem[d]
             # rows for this rank itself skip the slots: the receive side copies them straight from the source
             sel = none if d == me else send_idx[d]
             job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt),
-                                         region.ctrl(peer, half, me)[:nctrl], ctrl_payload(d)))
+                                         region.ctrl(peer, half, me, nctrl), ctrl_payload(d)))
         eng.send_phase(job)
         # receive the control messages of every source (verification of flags and counts)
         ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
@@ -1285,10 +1309,10 @@ class Buffer:
         none = torch.zeros(0, dtype=torch.int64)
         for i in range(R):
             d = (me + i) % R
-            peer = self._heap.peer(d)
+            peer = self._peer_mem[d]
             sel = none if d == me and local_direct else send_idx[d]
             job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt, send_idx[d].numel()),
-                                         region.ctrl(peer, half, me)[:nctrl], ctrl_payload(d),
+                                         region.ctrl(peer, half, me, nctrl), ctrl_payload(d),
                                          meta_patch=pair_k[d][:sel.numel()].to(torch.int32)))
         eng.send_phase(job)
         local_x = (xq, sc) if use_fp8 else (x, None)
@@ -1422,7 +1446,7 @@ class Buffer:
             self._wait("low_latency_dispatch: Token-Reordering (waiting for token blocks)", poll_rows)
             if in_kernel:
                 views = [region.rows(local, half, s, fmt, int(cnt[s].sum())) for s in range(R)]
-                sig_table = eng.ll_receive(fmt, [region.ctrl(local, half, s)[:nctrl] for s in range(R)], views, flag,
+                sig_table = eng.ll_receive(fmt, [region.ctrl(local, half, s, nctrl) for s in range(R)], views, flag,
                                            E_local, recv_x.view(E_local, R * N, H))
                 if not (torch.equal(sig_table[:, :E_local], begin) and torch.equal(sig_table[:, E_local:2 * E_local],
                                                                                    cnt)):
@@ -1587,12 +1611,12 @@ class Buffer:
                       sync_all=lambda: self._sync_all("low_latency_combine: SyncAll after Token-Sending"))
         for i in range(R):
             s = (me + i) % R
-            peer = self._heap.peer(s)
+            peer = self._peer_mem[s]
             n, at = per_src[s].numel(), int(handle.return_slot[s])
             payload = torch.tensor([n, sig, 0, 0, 0, 0], dtype=torch.int64)
             sel = sels[s][:0] if s == me and own_direct else sels[s]
             job.dests.append(Destination(s, sel, region.rows(peer, half, 0, fmt, N * K)[at:at + n],
-                                         region.ctrl(peer, half, me)[:nctrl], payload))
+                                         region.ctrl(peer, half, me, nctrl), payload))
         eng.send_phase(job)
 
         result = out if out is not None else self._out.empty((T, H), torch.bfloat16)

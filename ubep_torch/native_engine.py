@@ -30,7 +30,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 5
+API_VERSION = 6
 
 
 def _matches() -> bool:
@@ -98,11 +98,10 @@ class NativeEngine(TorchEngine):
         if not (rows.shape[0] == n and _slots(rows, fmt) and meta.is_contiguous() and meta.shape[1] == P.BLOCK_BYTES
                 and (meta_patch is None or meta_patch.numel() == n)):
             return super().write_rows(fmt, staging, checked, sel, dst, flag, dst_index, meta_patch)
-        if not _within(sel, meta.shape[0]):
-            raise IndexError(f"staging row out of range [0, {meta.shape[0]})")
-        _native.write_rows(rows.data_ptr(), n, fmt.blocks, 0 if sel is None else sel.data_ptr(), meta.data_ptr(),
-                           0 if meta_patch is None else meta_patch.data_ptr(), int(staging.rank), int(flag),
-                           tuple(fields))
+        # (the C loop checks every staging row index against meta.shape[0] before it stores anything)
+        _native.write_rows(rows.data_ptr(), n, fmt.blocks, 0 if sel is None else sel.data_ptr(), meta.shape[0],
+                           meta.data_ptr(), 0 if meta_patch is None else meta_patch.data_ptr(), int(staging.rank),
+                           int(flag), tuple(fields))
 
     def write_ctrl(self, dst: torch.Tensor, payload: torch.Tensor, flag: int) -> None:
         if not (dst.is_contiguous() and payload.dtype == torch.int64 and payload.is_contiguous()):
@@ -148,8 +147,7 @@ class NativeEngine(TorchEngine):
         if at is not None and (not _contiguous_int64(at) or at.numel() != n):
             return False
         fields = []
-        limit = n if at is None else None            # how many output rows every output must have
-        targets = []
+        targets = []                                 # rows of every output: the C loop checks targets against them
         for i, out in enumerate(outs):
             if out is None or fmt.field_blocks[i] == 0:
                 continue
@@ -167,12 +165,9 @@ class NativeEngine(TorchEngine):
             if src_out.dtype != torch.int32 or not src_out.is_contiguous():
                 return False
             targets.append(src_out.numel())
-        if n and targets:
-            room = min(targets)
-            if (limit is not None and limit > room) or (at is not None and not _within(at, room)):
-                raise IndexError(f"Token-Reordering target row out of range [0, {room})")
         if n:
-            _native.unpack(rows.data_ptr(), n, fmt.blocks, 0 if at is None else at.data_ptr(),
+            room = min(targets) if targets else n
+            _native.unpack(rows.data_ptr(), n, fmt.blocks, 0 if at is None else at.data_ptr(), room,
                            0 if meta_out is None else meta_out.data_ptr(), meta_bytes, meta_stride,
                            0 if src_out is None else src_out.data_ptr(), tuple(fields))
         return True

@@ -29,7 +29,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 5              /* bumped whenever a function's arguments change */
+#define API_VERSION 6              /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -82,25 +82,44 @@ static int parse_fields(PyObject *tuple, field_t *f, int *nf) {
     return 0;
 }
 
-/* write_rows(dst, n, nb, sel, meta, meta_patch, rank, flag, fields)
+/* Every index in idx[0, n) lies in [0, limit); else IndexError naming ``what``, and nothing is written. */
+static int check_index(const int64_t *idx, Py_ssize_t n, int64_t limit, const char *what) {
+    int64_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) bad |= (idx[i] < 0) | (idx[i] >= limit);
+    if (!bad) return 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (idx[i] < 0 || idx[i] >= limit) {
+            PyErr_Format(PyExc_IndexError, "%s %lld out of range [0, %lld)", what, (long long)idx[i],
+                         (long long)limit);
+            return -1;
+        }
+    return -1;
+}
+
+/* write_rows(dst, n, nb, sel, limit, meta, meta_patch, rank, flag, fields)
  *
  * The token group's stores: row i of the destination (``dst + i * nb * 512``) gets staging row
- * t = sel[i] (or i when sel is 0): the 512 B meta block ``meta + t * 512`` (its meta item 0 replaced by
+ * t = sel[i] (or i when sel is 0; every t must lie in [0, limit)): the 512 B meta block ``meta + t * 512`` (its meta item 0 replaced by
  * meta_patch[i] when given), then every field's payload in 480 B pieces, each block with head words
  * (source token = the meta block's word 1, block index, rank) and zeroed padding, each published by its
  * flag. */
 static PyObject *write_rows(PyObject *self, PyObject *args) {
     unsigned long long dst_p, sel_p, meta_p, patch_p;
-    Py_ssize_t n, nb;
+    Py_ssize_t n, nb, limit;
     long long rank, flag;
     PyObject *ftuple;
     field_t f[MAX_FIELDS];
     int nf = 0;
-    if (!PyArg_ParseTuple(args, "KnnKKKLLO", &dst_p, &n, &nb, &sel_p, &meta_p, &patch_p, &rank, &flag, &ftuple))
+    if (!PyArg_ParseTuple(args, "KnnKnKKLLO", &dst_p, &n, &nb, &sel_p, &limit, &meta_p, &patch_p, &rank, &flag,
+                          &ftuple))
         return NULL;
     if (parse_fields(ftuple, f, &nf) < 0) return NULL;
     uint8_t *dst = (uint8_t *)(uintptr_t)dst_p;
     const int64_t *sel = (const int64_t *)(uintptr_t)sel_p;
+    if (sel ? check_index(sel, n, limit, "staging row") < 0 : n > limit) {
+        if (!sel) PyErr_SetString(PyExc_IndexError, "more rows than staging rows");
+        return NULL;
+    }
     const uint8_t *meta = (const uint8_t *)(uintptr_t)meta_p;
     const int32_t *patch = (const int32_t *)(uintptr_t)patch_p;
     const Py_ssize_t row_bytes = nb * BLOCK_BYTES;
@@ -152,23 +171,29 @@ static PyObject *arrived(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
-/* unpack(rows, n, nb, dst_index, meta_out, meta_bytes, meta_stride, src_out, fields)
+/* unpack(rows, n, nb, dst_index, room, meta_out, meta_bytes, meta_stride, src_out, fields)
  *
- * Token-Reordering: row i's payload goes to row o = dst_index[i] (or i) of every field's destination,
+ * Token-Reordering: row i's payload goes to row o = dst_index[i] (or i; o must lie in [0, room), the
+ * rows every output has) of every field's destination,
  * its first meta_bytes of meta items to ``meta_out + o * meta_stride`` and its source token (head
  * word 1, as int32) to src_out[o]. Addresses of 0 skip that output. */
 static PyObject *unpack(PyObject *self, PyObject *args) {
     unsigned long long rows_p, idx_p, meta_p, src_p;
-    Py_ssize_t n, nb, meta_bytes, meta_stride;
+    Py_ssize_t n, nb, room, meta_bytes, meta_stride;
     PyObject *ftuple;
     field_t f[MAX_FIELDS];
     int nf = 0;
-    if (!PyArg_ParseTuple(args, "KnnKKnnKO", &rows_p, &n, &nb, &idx_p, &meta_p, &meta_bytes, &meta_stride, &src_p,
-                          &ftuple))
+    if (!PyArg_ParseTuple(args, "KnnKnKnnKO", &rows_p, &n, &nb, &idx_p, &room, &meta_p, &meta_bytes, &meta_stride,
+                          &src_p, &ftuple))
         return NULL;
     if (parse_fields(ftuple, f, &nf) < 0) return NULL;
     const uint8_t *rows = (const uint8_t *)(uintptr_t)rows_p;
     const int64_t *idx = (const int64_t *)(uintptr_t)idx_p;
+    if (idx ? check_index(idx, n, room, "Token-Reordering target row") < 0 : n > room) {
+        if (!idx) PyErr_Format(PyExc_IndexError, "Token-Reordering target row out of range [0, %lld)",
+                               (long long)room);
+        return NULL;
+    }
     uint8_t *meta_out = (uint8_t *)(uintptr_t)meta_p;
     int32_t *src_out = (int32_t *)(uintptr_t)src_p;
     Py_BEGIN_ALLOW_THREADS
