@@ -17,7 +17,7 @@ import functools
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Deque, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -333,6 +333,7 @@ class Buffer:
         self._destroyed = False
         self._out = TensorCache()   # output tensors are reused once the caller has dropped them
         self._layout_cache = None   # (key, layout, watched tensors and their versions) of the last routing
+        self._expert_tables: Dict[int, torch.Tensor] = {}   # E -> global-to-local expert id table
         self.delay_hook: Optional[Callable[[str], None]] = None  # test-only: called at every protocol step
 
     # ================================================================== housekeeping
@@ -685,11 +686,11 @@ class Buffer:
             if is_token_in_rank is not None:
                 if tuple(is_token_in_rank.shape) != (T, R) or is_token_in_rank.dtype != torch.bool:
                     raise ValueError(f"is_token_in_rank must be a [{T}, {R}] bool tensor")
-                if not torch.equal(is_token_in_rank.cpu(), itr):
+                if not _equal_values(is_token_in_rank, itr):
                     raise ValueError("is_token_in_rank does not match topk_idx (use get_dispatch_layout)")
             if num_tokens_per_expert is not None and (
                     tuple(num_tokens_per_expert.shape) != (E,) or
-                    not torch.equal(num_tokens_per_expert.cpu().to(torch.int64), ntpe.to(torch.int64))):
+                    not _equal_values(num_tokens_per_expert, ntpe)):
                 raise ValueError("num_tokens_per_expert does not match topk_idx (use get_dispatch_layout)")
             is_token_in_rank = itr
         else:
@@ -707,8 +708,8 @@ class Buffer:
         if num_tokens_per_rank is not None:
             if tuple(num_tokens_per_rank.shape) != (R,):
                 raise ValueError(f"num_tokens_per_rank must have shape ({R},)")
-            expect = ntpr_cached.to(torch.int64) if topk_idx is not None else is_token_in_rank.sum(0)
-            if not torch.equal(num_tokens_per_rank.cpu().to(torch.int64), expect):
+            expect = ntpr_cached if topk_idx is not None else is_token_in_rank.sum(0)
+            if not _equal_values(num_tokens_per_rank, expect):
                 raise ValueError("num_tokens_per_rank does not match is_token_in_rank/topk_idx")
 
         wsz = 0 if weights is None else weights.element_size() // 4
@@ -779,16 +780,13 @@ class Buffer:
 
         recv_topk_idx = recv_topk_weights = None
         if K:
-            # global expert ids -> this rank's local ids; -1 (and experts of other ranks) -> -1
-            local = recv_meta[:, :K] - self.rank * E_local
-            other = (local < 0) | (local >= E_local)
-            # a fresh tensor with standard strides (a slice of an empty tensor can carry a zero stride that
-            # breaks .view), filled in one copy
-            recv_topk_idx = torch.empty(local.shape, dtype=torch.int64).copy_(local).masked_fill_(other, -1)
+            # global expert ids -> this rank's local ids; -1 (and experts of other ranks) -> -1, by table
+            # lookup (a fresh int64 tensor with standard strides)
+            recv_topk_idx = self._local_expert_table(E)[recv_meta[:, :K] + 1]
             if num_worst_tokens:
                 recv_topk_idx[num_recv:] = -1
             if weights is not None:
-                recv_topk_weights = P.fresh(recv_meta[:, K:]).view(weights.dtype).masked_fill_(other, 0.0)
+                recv_topk_weights = P.fresh(recv_meta[:, K:]).view(weights.dtype).masked_fill_(recv_topk_idx < 0, 0.0)
         if num_worst_tokens:
             count_list: List[int] = []
         else:
@@ -825,6 +823,15 @@ class Buffer:
             res = out_x, recv_topk_idx, recv_topk_weights, count_list, h, EventOverlap(None)
         self._recent_handles.append(h)
         return res
+
+    def _local_expert_table(self, E: int) -> torch.Tensor:
+        """[E + 1] int64: entry ``g + 1`` is global expert ``g``'s id on this rank, or -1 (g = -1 included)."""
+        table = self._expert_tables.get(E)
+        if table is None:
+            E_local = E // self.group_size
+            g = torch.arange(-1, E, dtype=torch.int64) - self.rank * E_local
+            table = self._expert_tables[E] = g.masked_fill_((g < 0) | (g >= E_local), -1)
+        return table
 
     def _to_expert_major(self, out_x, recv_topk_idx, recv_topk_weights, h, alignment: int, num_recv: int):
         """Token-Reordering into UBEP's expert-major layout (local gather after the exchange)."""
@@ -1400,12 +1407,14 @@ class Buffer:
                     if s == me and local_direct:
                         state["wait_ns"][s] += time.perf_counter_ns() - t0
                         idx = send_idx[me]
-                        for e, r0, b0, c in segs:
-                            torch.index_select(local_x[0], 0, idx[r0:r0 + c], out=recv_x[e, b0:b0 + c])
-                            if recv_sc is not None:
-                                torch.index_select(local_x[1], 0, idx[r0:r0 + c], out=recv_sc[e, b0:b0 + c])
+                        at = place(s, n) if n else None
+                        if not (n and eng.copy_rows(local_x[0], idx, recv_x.view(E_local * R * N, H), at) and (
+                                recv_sc is None or eng.copy_rows(local_x[1], idx, recv_sc.view(E_local * R * N, -1), at))):
+                            for e, r0, b0, c in segs:
+                                torch.index_select(local_x[0], 0, idx[r0:r0 + c], out=recv_x[e, b0:b0 + c])
+                                if recv_sc is not None:
+                                    torch.index_select(local_x[1], 0, idx[r0:r0 + c], out=recv_sc[e, b0:b0 + c])
                         if n:
-                            at = place(s, n)
                             flat_info[at] = idx.to(torch.int32)
                             flat_k[at] = pair_k[me].to(torch.int32)
                         done.add(s)
@@ -1689,6 +1698,15 @@ class Buffer:
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
         self._sync_all("clean_low_latency_buffer: SyncAll")
+
+
+def _equal_values(given: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Same shape and values, whatever the device and integer dtype of ``given``."""
+    if given.device.type != "cpu":
+        given = given.cpu()
+    if given.dtype != expected.dtype:
+        given, expected = given.to(torch.int64), expected.to(torch.int64)
+    return torch.equal(given, expected)
 
 
 def _recent_copy_of(items, recent) -> Optional[tuple]:

@@ -444,6 +444,11 @@ class TorchEngine:
         :meth:`unpack_rows`, which for torch is a few strided copies rather than a scatter."""
         return False
 
+    def copy_rows(self, src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, at: torch.Tensor) -> bool:
+        """``dst[at[i]] = src[idx[i]]`` in one pass, where an engine has it (2-D tensors of one dtype).
+        Returns False: the caller copies per segment with ``index_select``, which needs no scatter."""
+        return False
+
     def unpack_rows_as(self, fmt: P.RowFormat, rows: torch.Tensor, out: torch.Tensor, src_dtype: torch.dtype,
                        rearm: bool = True) -> torch.Tensor:
         """Field 0 of ``rows`` converted into ``out`` ([n, elems] of any dtype); returns the meta items."""

@@ -30,7 +30,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 6
+API_VERSION = 8
 
 
 def _matches() -> bool:
@@ -172,6 +172,17 @@ class NativeEngine(TorchEngine):
                            0 if src_out is None else src_out.data_ptr(), tuple(fields))
         return True
 
+    def copy_rows(self, src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, at: torch.Tensor) -> bool:
+        if not (src.dtype == dst.dtype and _rowwise(src) and _rowwise(dst) and src.shape[1] == dst.shape[1]
+                and _contiguous_int64(idx) and _contiguous_int64(at) and idx.numel() == at.numel()):
+            return False
+        n = idx.numel()
+        if n:   # (the C loop checks both index lists before it copies)
+            _native.copy_rows(src.data_ptr(), src.stride(0) * src.element_size(), idx.data_ptr(), n, src.shape[0],
+                              dst.data_ptr(), dst.stride(0) * dst.element_size(), at.data_ptr(), dst.shape[0],
+                              src.shape[1] * src.element_size())
+        return True
+
     # ------------------------------------------------------------------ combine reductions
     def combine_accumulate(self, fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor, acc: torch.Tensor,
                            x_dtype: torch.dtype, wacc: Optional[torch.Tensor] = None, first: bool = False) -> None:
@@ -228,25 +239,22 @@ class NativeEngine(TorchEngine):
             raise ValueError("weighted_combine reads local rows only for TFF bf16 rows")
         if not usable or (rows.shape[0] == 0 and local is None):
             return super().weighted_combine(fmt, rows, topk_idx, weights, out, pos)
-        if pos is None:
-            pos = torch.arange(T * K, dtype=torch.int64).view(T, K)
-        valid = topk_idx >= 0
-        addr = pos * fmt.row_bytes + (rows.data_ptr() + fmt.field_offset_blocks(0) * P.BLOCK_BYTES + P.FLAG_BYTES)
-        step = torch.full((T, K), P.BLOCK_BYTES, dtype=torch.int64)
-        in_slots = valid
+        pos = torch.arange(T * K, dtype=torch.int64) if pos is None else pos.to(torch.int64).contiguous()
+        topk = topk_idx.to(torch.int64).contiguous()
+        if pos.numel() != T * K:
+            raise ValueError(f"pos must have {T * K} entries, got {pos.numel()}")
+        src = src_rows = None
+        lo = hi = 0
         if local is not None:
             src, lo, hi, src_rows = local
-            own = valid & (pos >= lo) & (pos < hi)
-            if hi > lo:
-                if src_rows.numel() != hi - lo or not _within(src_rows, src.shape[0]):
-                    raise IndexError(f"local combine rows out of range [0, {src.shape[0]})")
-                at = src_rows[(pos - lo).clamp(0, hi - lo - 1)]
-                addr = torch.where(own, at * (src.stride(0) * 2) + src.data_ptr(), addr)
-                step.masked_fill_(own, P.TFF_PAYLOAD_BYTES)
-            in_slots = valid & ~own
-        checked = pos[in_slots]
-        if checked.numel() and (int(checked.min()) < 0 or int(checked.max()) >= rows.shape[0]):
-            raise IndexError(f"combine slot out of range [0, {rows.shape[0]})")
-        addr = addr.masked_fill_(~valid, 0).contiguous()
+            src_rows = src_rows.to(torch.int64).contiguous()
+            if hi > lo and src_rows.numel() != hi - lo:
+                raise IndexError(f"{src_rows.numel()} local combine rows for slots [{lo}, {hi})")
         w = weights.contiguous()
-        _native.weighted_combine_bf16(T, K, H, addr.data_ptr(), step.data_ptr(), w.data_ptr(), out.data_ptr())
+        # (the C loop checks every slot and local row index before it reads a row)
+        _native.weighted_combine_bf16(T, K, H, topk.data_ptr(), pos.data_ptr(), w.data_ptr(), out.data_ptr(),
+                                      rows.data_ptr(), rows.shape[0], fmt.row_bytes,
+                                      fmt.field_offset_blocks(0) * P.BLOCK_BYTES + P.FLAG_BYTES,
+                                      0 if src is None else src.data_ptr(), 0 if src is None else src.stride(0) * 2,
+                                      lo, hi, 0 if src_rows is None else src_rows.data_ptr(),
+                                      0 if src is None else src.shape[0])

@@ -29,7 +29,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 6              /* bumped whenever a function's arguments change */
+#define API_VERSION 8              /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -221,6 +221,34 @@ static PyObject *unpack(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* copy_rows(src, src_stride, idx, n, limit, dst, dst_stride, at, room, nbytes)
+ *
+ * Plain row gather-scatter: dst row at[i] (or i) gets src row idx[i] (or i), nbytes each, for i < n;
+ * every idx lies in [0, limit) and every at in [0, room), checked before anything is copied. */
+static PyObject *copy_rows(PyObject *self, PyObject *args) {
+    unsigned long long src_p, idx_p, dst_p, at_p;
+    Py_ssize_t src_stride, n, limit, dst_stride, room, nbytes;
+    if (!PyArg_ParseTuple(args, "KnKnnKnKnn", &src_p, &src_stride, &idx_p, &n, &limit, &dst_p, &dst_stride, &at_p,
+                          &room, &nbytes))
+        return NULL;
+    const int64_t *idx = (const int64_t *)(uintptr_t)idx_p, *at = (const int64_t *)(uintptr_t)at_p;
+    if (idx ? check_index(idx, n, limit, "source row") < 0 : n > limit) {
+        if (!idx) PyErr_SetString(PyExc_IndexError, "more rows than the source has");
+        return NULL;
+    }
+    if (at ? check_index(at, n, room, "target row") < 0 : n > room) {
+        if (!at) PyErr_SetString(PyExc_IndexError, "more rows than the target has");
+        return NULL;
+    }
+    const uint8_t *src = (const uint8_t *)(uintptr_t)src_p;
+    uint8_t *dst = (uint8_t *)(uintptr_t)dst_p;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        memcpy(dst + (at ? at[i] : i) * dst_stride, src + (idx ? idx[i] : i) * src_stride, (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------- control messages (count group)
  * A control message is nctrl blocks, each a 32 B head (w0 = flag, w1..w3 = 0) and 60 int64 payload words. */
 #define CTRL_WORDS ((BLOCK_BYTES - FLAG_BYTES) / 8)
@@ -373,21 +401,56 @@ HOT static void weighted_loop(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const in
     }
 }
 
-/* weighted_combine_bf16(T, K, H, addr, step, weights, out)
+/* weighted_combine_bf16(T, K, H, topk, pos, weights, out, rows, nrows, row_bytes, payload_off,
+ *                       local, local_stride, lo, hi, local_rows, local_limit)
  *
  * Low-latency combine: out[t] = bf16(sum over k in order of (valid ? f32(x_tk) * w[t, k] : +0.0)) from an
- * accumulator starting at +0.0. Slot (t, k) is masked when addr[t, k] is 0; otherwise its elements
- * [240 b, 240 b + 240) start at address addr[t, k] + b * step[t, k] (step 512 for a row in the slots,
- * whose blocks carry a 32 B head, 480 for a plain bf16 row). One pass over the rows: a block-sized
- * float32 accumulator per token stays in L1. */
+ * accumulator starting at +0.0. Slot (t, k) is masked when topk[t, k] < 0. Otherwise its row is slot
+ * p = pos[t, k]: row p of the slots at ``rows`` (nrows rows of row_bytes, the payload's first block at
+ * payload_off, 240 elements per 512 B block), except slots lo <= p < hi, which were not written: their
+ * row is row local_rows[p - lo] of the plain bf16 rows at ``local`` (local_limit rows, local_stride bytes
+ * apart). Every row index is checked before anything is read (IndexError). One pass over the rows: a
+ * block-sized float32 accumulator per token stays in L1. */
 static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
-    unsigned long long addr_p, step_p, w_p, out_p;
-    Py_ssize_t T, K, H;
-    if (!PyArg_ParseTuple(args, "nnnKKKK", &T, &K, &H, &addr_p, &step_p, &w_p, &out_p)) return NULL;
+    unsigned long long topk_p, pos_p, w_p, out_p, rows_p, local_p, lrows_p;
+    Py_ssize_t T, K, H, nrows, row_bytes, payload_off, local_stride, lo, hi, local_limit;
+    if (!PyArg_ParseTuple(args, "nnnKKKKKnnnKnnnKn", &T, &K, &H, &topk_p, &pos_p, &w_p, &out_p, &rows_p, &nrows,
+                          &row_bytes, &payload_off, &local_p, &local_stride, &lo, &hi, &lrows_p, &local_limit))
+        return NULL;
+    const int64_t *topk = (const int64_t *)(uintptr_t)topk_p, *pos = (const int64_t *)(uintptr_t)pos_p;
+    const int64_t *lrows = (const int64_t *)(uintptr_t)lrows_p;
+    int64_t *addr = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)(T * K ? T * K : 1));
+    if (addr == NULL) return PyErr_NoMemory();
+    int64_t *step = addr + T * K;
+    for (Py_ssize_t i = 0; i < T * K; i++) {
+        addr[i] = 0;
+        if (topk[i] < 0) continue;
+        const int64_t p = pos[i];
+        if (p >= lo && p < hi) {
+            const int64_t r = lrows[p - lo];
+            if (r < 0 || r >= local_limit) {
+                PyErr_Format(PyExc_IndexError, "local combine row %lld out of range [0, %lld)", (long long)r,
+                             (long long)local_limit);
+                PyMem_Free(addr);
+                return NULL;
+            }
+            addr[i] = (int64_t)local_p + r * local_stride;
+            step[i] = BF16_PER_BLOCK * 2;
+        } else {
+            if (p < 0 || p >= nrows) {
+                PyErr_Format(PyExc_IndexError, "combine slot %lld out of range [0, %lld)", (long long)p,
+                             (long long)nrows);
+                PyMem_Free(addr);
+                return NULL;
+            }
+            addr[i] = (int64_t)rows_p + p * row_bytes + payload_off;
+            step[i] = BLOCK_BYTES;
+        }
+    }
     Py_BEGIN_ALLOW_THREADS
-    weighted_loop(T, K, H, (const int64_t *)(uintptr_t)addr_p, (const int64_t *)(uintptr_t)step_p,
-                  (const float *)(uintptr_t)w_p, (uint16_t *)(uintptr_t)out_p);
+    weighted_loop(T, K, H, addr, step, (const float *)(uintptr_t)w_p, (uint16_t *)(uintptr_t)out_p);
     Py_END_ALLOW_THREADS
+    PyMem_Free(addr);
     Py_RETURN_NONE;
 }
 
@@ -397,6 +460,7 @@ static PyMethodDef methods[] = {
     {"read_ctrl", read_ctrl, METH_VARARGS, "payload words of an arrived control message"},
     {"arrived", arrived, METH_VARARGS, "whether every block of the rows carries the flag"},
     {"unpack", unpack, METH_VARARGS, "copy arrived rows' payload, meta items and source tokens out"},
+    {"copy_rows", copy_rows, METH_VARARGS, "row gather-scatter between plain tensors"},
     {"accumulate_bf16", accumulate_bf16, METH_VARARGS, "one source of the general bf16 normal combine"},
     {"combine_pair_bf16", combine_pair_bf16, METH_VARARGS, "two-source bf16 normal combine"},
     {"weighted_combine_bf16", weighted_combine_bf16, METH_VARARGS, "bf16 low-latency weighted combine"},
