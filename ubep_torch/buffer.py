@@ -1408,8 +1408,9 @@ class Buffer:
                         state["wait_ns"][s] += time.perf_counter_ns() - t0
                         idx = send_idx[me]
                         at = place(s, n) if n else None
-                        if not (n and eng.copy_rows(local_x[0], idx, recv_x.view(E_local * R * N, H), at) and (
-                                recv_sc is None or eng.copy_rows(local_x[1], idx, recv_sc.view(E_local * R * N, -1), at))):
+                        flat = E_local * R * N
+                        if not (n and eng.copy_rows(local_x[0], idx, recv_x.view(flat, H), at) and (
+                                recv_sc is None or eng.copy_rows(local_x[1], idx, recv_sc.view(flat, -1), at))):
                             for e, r0, b0, c in segs:
                                 torch.index_select(local_x[0], 0, idx[r0:r0 + c], out=recv_x[e, b0:b0 + c])
                                 if recv_sc is not None:
