@@ -7,7 +7,10 @@ What is timed
 Every path runs ``--iters`` calls back to back after a barrier, and a rank's time per call is its loop
 time divided by the number of calls; the slowest rank counts, and the median of ``--rounds`` rounds is
 printed. Back-to-back calls are what an MoE layer issues; a barrier before every single call would add
-the barrier's release skew between processes (often milliseconds for gloo) to every measurement.
+the barrier's release skew between processes (often milliseconds for gloo) to every measurement. Each
+call's outputs are dropped once the next step has used them (a round trip: the dispatch's outputs after
+the combine), as in an MoE forward pass, for every path alike; the combine loops reuse one dispatch's
+outputs.
 
 * ``ubep normal``: ``dispatch`` (with ``get_dispatch_layout``'s outputs) and ``combine``.
 * ``ubep low_latency``: ``low_latency_dispatch`` (bf16) and ``low_latency_combine``.
@@ -108,7 +111,6 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends):
     topk = topk.to(torch.int64)
     nvl = Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R)
     rdma = Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
-    st = {}
     paths = {}     # backend -> (dispatch, combine, low-latency dispatch, low-latency combine)
     bufs = []
     for backend in backends:
@@ -117,31 +119,33 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends):
         ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
 
         def disp(buf=buf, ntpr=ntpr, ntpe=ntpe, itr=itr):
-            st["d"] = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
-                                   topk_idx=topk, topk_weights=w)
+            return buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                                topk_idx=topk, topk_weights=w)
 
-        def comb(buf=buf):
-            st["c"] = buf.combine(st["d"][0], st["d"][4])
+        def comb(d, buf=buf):
+            return buf.combine(d[0], d[4])
 
         def lld(buf=buf):
-            st["l"] = buf.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+            return buf.low_latency_dispatch(x, topk, T, E, use_fp8=False)
 
-        def llc(buf=buf):
-            st["lc"] = buf.low_latency_combine(st["l"][0], topk, w, st["l"][2])
+        def llc(ll, buf=buf):
+            return buf.low_latency_combine(ll[0], topk, w, ll[2])
 
         paths[buf.backend] = (disp, comb, lld, llc)
 
     def naive_n():
-        st["n"] = naive_rank_rows(x, topk, E, R)
+        return naive_rank_rows(x, topk, E, R)
 
     def naive_l():
-        st["nl"] = naive_expert_rows(x, topk, w, E, R)
+        return naive_expert_rows(x, topk, w, E, R)
 
     for disp, comb, lld, llc in paths.values():        # warm up every path once
-        disp(), comb(), lld(), llc()
+        d, ll = disp(), lld()
+        comb(d), llc(ll)
     naive_n(), naive_l()
-    recv_bytes = st["d"][0].numel() * 2
-    ll_bytes = int(st["l"][1].sum()) * H * 2
+    recv_bytes = d[0].numel() * 2
+    ll_bytes = int(ll[1].sum()) * H * 2
+    del d, ll
     src = torch.empty(recv_bytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
     big_src = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
@@ -169,11 +173,15 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends):
     for _ in range(rounds):
         for b, (disp, comb, lld, llc) in paths.items():
             res[f"{b}:disp"].append(_loop(disp, iters))
-            res[f"{b}:comb"].append(_loop(comb, iters))
-            res[f"{b}:rt"].append(_loop(lambda d=disp, c=comb: (d(), c()), iters))
+            d = disp()          # the layout every combine of the combine loop returns rows of
+            res[f"{b}:comb"].append(_loop(lambda c=comb, d=d: c(d), iters))
+            del d
+            res[f"{b}:rt"].append(_loop(lambda d=disp, c=comb: c(d()), iters))
             res[f"{b}:lld"].append(_loop(lld, iters))
-            res[f"{b}:llc"].append(_loop(llc, iters))
-            res[f"{b}:llrt"].append(_loop(lambda d=lld, c=llc: (d(), c()), iters))
+            ll = lld()
+            res[f"{b}:llc"].append(_loop(lambda c=llc, ll=ll: c(ll), iters))
+            del ll
+            res[f"{b}:llrt"].append(_loop(lambda d=lld, c=llc: c(d()), iters))
         res["naive_n"].append(_loop(naive_n, max(2, iters // 2)))
         res["naive_l"].append(_loop(naive_l, max(2, iters // 2)))
         res["copy"].append(_loop(lambda: dst.copy_(src), iters * 4))

@@ -36,6 +36,7 @@ _FP8 = getattr(torch, "float8_e4m3fn", None)
 _LL_MAX_TOPK = 16         # top-k the low-latency size hint provisions for
 _RECENT_HANDLES = 4       # handles recognised from their plain-tuple copies (per mode)
 _DEFAULT_NVL_BYTES = 256 << 20
+_STREAM_ROWS = 32         # fewest arrived rows of a source that streaming Token-Reordering copies at once
 
 
 def _round(x: int, a: int = P.BLOCK_BYTES) -> int:
@@ -990,20 +991,38 @@ class Buffer:
     def _receive_rows(self, rid: int, fmt: P.RowFormat, recv: dict, offsets: Sequence[int], outs, recv_meta,
                       recv_src_idx, accumulate: Optional[Callable] = None,
                       local_copy: Optional[Callable] = None) -> None:
-        """Token-Reordering: copy each source's rows out as soon as that source's blocks are all there.
+        """Token-Reordering: copy each source's rows out as they arrive.
 
-        ``accumulate(s, rows_view)`` replaces the copy (combine). Sources are then processed in rank order,
-        so floating-point reductions are identical for every sync mode and arrival order. This rank's own
-        rows never went through the slots: ``local_copy(offset, n)`` (or ``accumulate(rank, None)``)
-        takes them from the source tensors.
+        Where the engine can tell which leading rows of a source are complete (``arrived_prefix``), runs of
+        at least ``_STREAM_ROWS`` rows (or the last ones) are copied while the source still writes the
+        rest; otherwise a source's rows are copied once all its blocks are there. ``accumulate(s,
+        rows_view)`` replaces the copy (combine). Sources are then processed whole, in rank order, so
+        floating-point reductions are identical for every sync mode and arrival order. This rank's own rows
+        never went through the slots: ``local_copy(offset, n)`` (or ``accumulate(rank, None)``) takes them
+        from the source tensors.
         """
         R = self.group_size
         region = self._region(rid)
         half, flag, epoch = recv["half"], recv["flag"], recv["epoch"]
         local = self._heap.local
         done = set()
+        progress = {}                     # source -> rows already reordered (streaming)
         eng = self.engine
         in_order = accumulate is not None
+
+        def reorder(s: int, rows: torch.Tensor, lo: int, hi: int) -> None:
+            """Rows [lo, hi) of source s to their places in the outputs."""
+            o = int(offsets[s])
+            rows = rows[lo:hi]
+            part = [t[o + lo:o + hi] for t in outs]
+            meta_part = recv_meta[o + lo:o + hi] if recv_meta is not None and fmt.meta_words else None
+            src_part = recv_src_idx[o + lo:o + hi] if recv_src_idx is not None else None
+            if not eng.unpack_to(fmt, rows, None, part, meta_part, src_part):
+                meta = eng.unpack_rows(fmt, rows, part)
+                if meta_part is not None:
+                    meta_part.copy_(meta)
+                if src_part is not None and hi > lo:
+                    src_part.copy_(rows[:, 0, :].view(torch.int64)[:, 1])
 
         def poll():
             missing = []
@@ -1023,23 +1042,26 @@ class Buffer:
                     self._send_ack(rid, s, epoch)
                     continue
                 rows = region.rows(local, half, s, fmt, n)
-                expected = recv["ctrl"][s][P.CTRL_CHECKSUM]
-                if not eng.rows_arrived(fmt, rows, flag, expected):
-                    missing.append(s)
-                    continue
-                if accumulate is not None:
-                    accumulate(s, rows)
+                end = None if in_order else eng.arrived_prefix(fmt, rows, flag, progress.get(s, 0))
+                if end is not None:
+                    start = progress.get(s, 0)
+                    if end < n and end - start < _STREAM_ROWS:
+                        missing.append(s)
+                        continue
+                    reorder(s, rows, start, end)
+                    progress[s] = end
+                    if end < n:
+                        missing.append(s)
+                        continue
                 else:
-                    o = int(offsets[s])
-                    part = [t[o:o + n] for t in outs]
-                    meta_part = recv_meta[o:o + n] if recv_meta is not None and fmt.meta_words else None
-                    src_part = recv_src_idx[o:o + n] if recv_src_idx is not None else None
-                    if not eng.unpack_to(fmt, rows, None, part, meta_part, src_part):
-                        meta = eng.unpack_rows(fmt, rows, part)
-                        if meta_part is not None:
-                            meta_part.copy_(meta)
-                        if src_part is not None and n:
-                            src_part.copy_(rows[:, 0, :].view(torch.int64)[:, 1])
+                    expected = recv["ctrl"][s][P.CTRL_CHECKSUM]
+                    if not eng.rows_arrived(fmt, rows, flag, expected):
+                        missing.append(s)
+                        continue
+                    if accumulate is not None:
+                        accumulate(s, rows)
+                    else:
+                        reorder(s, rows, 0, n)
                 done.add(s)
                 self._send_ack(rid, s, epoch)
             return missing
@@ -1397,6 +1419,8 @@ class Buffer:
                     flat_info[at] = rows[:, 0, :].view(torch.int64)[:, 1].to(torch.int32)
                     flat_k[at] = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
 
+            progress, places, whole = [0] * R, {}, set()
+
             def poll_rows():
                 missing = []
                 for s in range(R):
@@ -1422,6 +1446,29 @@ class Buffer:
                         self._send_ack(rid, s, epoch)
                         continue
                     rows = region.rows(local, half, s, fmt, n)
+                    # streaming Token-Reordering: runs of complete rows straight to their final places while
+                    # the source still writes the rest
+                    end = None if in_kernel or s in whole else eng.arrived_prefix(fmt, rows, flag, progress[s])
+                    if end is not None:
+                        start = progress[s]
+                        if end < n and end - start < _STREAM_ROWS:
+                            missing.append(s)
+                            continue
+                        if s not in places:
+                            places[s] = place(s, n)
+                        if eng.unpack_to(fmt, rows[start:end], places[s][start:end], flat_outs, flat_k.view(-1, 1),
+                                         flat_info):
+                            progress[s] = end
+                            if end < n:
+                                missing.append(s)
+                                continue
+                            state["wait_ns"][s] += time.perf_counter_ns() - t0
+                            done.add(s)
+                            self._send_ack(rid, s, epoch)
+                            continue
+                        if start:
+                            raise UBEPError("low_latency_dispatch: Token-Reordering stopped in the middle of a source")
+                        whole.add(s)    # not addressable row by row: the whole source below, once it is there
                     if not eng.rows_arrived(fmt, rows, flag, ctrl_words[s][P.CTRL_CHECKSUM]):
                         missing.append(s)
                         continue

@@ -415,6 +415,13 @@ class TorchEngine:
             return int(s) == int(expected_sum)
         return True  # "sw": ordered by the barrier
 
+    def arrived_prefix(self, fmt: P.RowFormat, rows: torch.Tensor, flag: int, start: int) -> Optional[int]:
+        """End ``r`` of the run of complete rows that begins at row ``start`` (rows ``[start, r)`` have every
+        block, row ``r`` has not), for receivers that reorder rows while the rest are still being written.
+        None where an engine checks arrival only source by source (this one: one vectorized check of all
+        rows is cheaper here than a scan per poll)."""
+        return None
+
     def unpack_rows(self, fmt: P.RowFormat, rows: torch.Tensor, outs: Sequence[Optional[torch.Tensor]],
                     rearm: bool = True) -> torch.Tensor:
         """Copy the payload of ``rows`` ([n, blocks, 512]) into ``outs`` (per field [n, nbytes] uint8 or

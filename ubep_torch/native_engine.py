@@ -30,7 +30,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 8
+API_VERSION = 9
 
 
 def _matches() -> bool:
@@ -115,6 +115,11 @@ class NativeEngine(TorchEngine):
             return super().rows_arrived(fmt, rows, flag, expected_sum, index)
         n = rows.shape[0]
         return n == 0 or _native.arrived(rows.data_ptr(), n, fmt.blocks, int(flag))
+
+    def arrived_prefix(self, fmt: P.RowFormat, rows: torch.Tensor, flag: int, start: int) -> Optional[int]:
+        if fmt.sync != "tff" or not _slots(rows, fmt):
+            return None
+        return _native.arrived_rows(rows.data_ptr(), rows.shape[0], fmt.blocks, int(flag), int(start))
 
     def ctrl_arrived(self, ctrl: torch.Tensor, flag: int) -> bool:
         if not ctrl.is_contiguous():

@@ -29,7 +29,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 8              /* bumped whenever a function's arguments change */
+#define API_VERSION 9              /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -169,6 +169,28 @@ static PyObject *arrived(PyObject *self, PyObject *args) {
     for (Py_ssize_t b = 0; b < total; b++)
         if (flag_of(rows + b * BLOCK_BYTES) != flag) Py_RETURN_FALSE;
     Py_RETURN_TRUE;
+}
+
+/* arrived_rows(rows, n, nb, flag, start) -> the end of the run of complete rows that begins at ``start``
+ *
+ * Rows [start, r) carry ``flag`` in every block and row r (if r < n) does not, so a receiver can reorder
+ * the rows that are complete while the sender still writes the rest (streaming Token-Reordering). Each
+ * row's last block is probed first, for the same reason as in ``arrived``. */
+static PyObject *arrived_rows(PyObject *self, PyObject *args) {
+    unsigned long long rows_p;
+    Py_ssize_t n, nb, start;
+    long long flag;
+    if (!PyArg_ParseTuple(args, "KnnLn", &rows_p, &n, &nb, &flag, &start)) return NULL;
+    const uint8_t *rows = (const uint8_t *)(uintptr_t)rows_p;
+    Py_ssize_t r = start < 0 ? 0 : start;
+    for (; r < n; r++) {
+        const uint8_t *row = rows + r * nb * BLOCK_BYTES;
+        if (flag_of(row + (nb - 1) * BLOCK_BYTES) != flag) break;
+        Py_ssize_t b = 0;
+        while (b < nb - 1 && flag_of(row + b * BLOCK_BYTES) == flag) b++;
+        if (b < nb - 1) break;
+    }
+    return PyLong_FromSsize_t(r);
 }
 
 /* unpack(rows, n, nb, dst_index, room, meta_out, meta_bytes, meta_stride, src_out, fields)
@@ -459,6 +481,7 @@ static PyMethodDef methods[] = {
     {"write_ctrl", write_ctrl, METH_VARARGS, "count-group store of one control message"},
     {"read_ctrl", read_ctrl, METH_VARARGS, "payload words of an arrived control message"},
     {"arrived", arrived, METH_VARARGS, "whether every block of the rows carries the flag"},
+    {"arrived_rows", arrived_rows, METH_VARARGS, "end of the run of complete rows from a start row"},
     {"unpack", unpack, METH_VARARGS, "copy arrived rows' payload, meta items and source tokens out"},
     {"copy_rows", copy_rows, METH_VARARGS, "row gather-scatter between plain tensors"},
     {"accumulate_bf16", accumulate_bf16, METH_VARARGS, "one source of the general bf16 normal combine"},
