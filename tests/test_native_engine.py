@@ -133,6 +133,38 @@ def test_low_latency_large_rows_same_bits(pool):
 
 
 @needs_native
+def test_streaming_token_reordering_same_bits(pool):
+    """Sources whose rows arrive a few at a time are reordered in runs, as they arrive, with the same
+    result as the torch path (normal and low-latency dispatch, the combines after them)."""
+    results = pool.run(F.streaming_equivalence)
+    F.assert_all_same(results)
+    assert all(r["partial_runs"] > 4 for r in results), [r["partial_runs"] for r in results]
+
+
+@needs_native
+def test_arrived_rows_finds_the_complete_prefix():
+    """``arrived_rows`` returns the end of the run of complete rows from ``start``: a row missing its last
+    block or a middle block ends the run; stale rows of an older call never count."""
+    eng = native_engine.NativeEngine()
+    fmt, data, meta, sel, patch = _rows_case(((("x", 2000),)), 2, n=6, T=8)
+    st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(8), 1)
+    rows = torch.zeros(6, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    new, old = P.flag_word(7, P.REGION_DISPATCH), P.flag_word(6, P.REGION_DISPATCH)
+    eng.write_rows(fmt, st, None, sel[:4], rows, new, meta_patch=patch[:4])
+    assert eng.arrived_prefix(fmt, rows, new, 0) == 4
+    assert eng.arrived_prefix(fmt, rows, new, 2) == 4
+    assert eng.arrived_prefix(fmt, rows, old, 0) == 0
+    words = rows.view(torch.int64).view(6, fmt.blocks, P.BLOCK_WORDS)
+    words[2, 1, 0] = old                       # a middle block of row 2 still holds an older call's flag
+    assert eng.arrived_prefix(fmt, rows, new, 0) == 2
+    words[2, 1, 0] = new
+    words[1, -1, 0] = old                      # row 1's last block is not there yet
+    assert eng.arrived_prefix(fmt, rows, new, 0) == 1
+    assert eng.arrived_prefix(fmt, rows, new, 6) == 6
+    assert TorchEngine().arrived_prefix(fmt, rows, new, 0) is None
+
+
+@needs_native
 def test_three_ranks_same_bits():
     """Three ranks: the general combine (no two-source pass) and uneven per-source row counts."""
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

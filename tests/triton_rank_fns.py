@@ -186,3 +186,42 @@ def ll_strided_out(ctx, backend: str = "native", T: int = 6, H: int = 256, K: in
         bits = got.contiguous().view(torch.int16)[(topk >= 0).any(1)]
         same[f"nan_bits_{name}"] = bool((bits == -1).all())
     return {"same": same}
+
+
+def streaming_equivalence(ctx, step: int = 3, T: int = 40, H: int = 1000, K: int = 4, E: int = 8,
+                          N: int = 48) -> dict:
+    """Streaming Token-Reordering against the torch path: the C engine's arrival scan is made to reveal
+    at most ``step`` more rows of a source per poll (as if the source were still writing), so dispatches
+    reorder every source in several runs; outputs must stay bit-identical. Returns {call: same?} and how
+    many partial runs were reordered."""
+    import ubep_torch.buffer as buffer_mod
+    bt = get_buffer(ctx, "tff", backend="torch")
+    bk = get_buffer(ctx, "tff", backend="native")
+    lt = get_buffer(ctx, "tff", backend="torch", low_latency=True, N=N, H=H, E=E)
+    lk = get_buffer(ctx, "tff", backend="native", low_latency=True, N=N, H=H, E=E)
+    topk, w = make_routing(5, ctx.rank, T, K, E)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(11 + ctx.rank)).bfloat16()
+    partial = [0]
+
+    def throttled(real):
+        def arrived_prefix(fmt, rows, flag, start):
+            end = real(fmt, rows, flag, start)
+            if end is not None and end > start + step:
+                end = start + step
+            if end is not None and end < rows.shape[0]:
+                partial[0] += 1
+            return end
+        return arrived_prefix
+
+    saved = buffer_mod._STREAM_ROWS
+    buffer_mod._STREAM_ROWS = 1
+    for b in (bk, lk):
+        b.engine.arrived_prefix = throttled(type(b.engine).arrived_prefix.__get__(b.engine))
+    try:
+        ref = {**_normal_calls(bt, x, topk, w, E), **_ll_calls(lt, x, topk, w, N, E, False)}
+        got = {**_normal_calls(bk, x, topk, w, E), **_ll_calls(lk, x, topk, w, N, E, False)}
+    finally:
+        buffer_mod._STREAM_ROWS = saved
+        for b in (bk, lk):
+            del b.engine.arrived_prefix
+    return {"same": {k: _same(ref[k], got[k]) for k in ref}, "partial_runs": partial[0]}
