@@ -165,6 +165,68 @@ def test_arrived_rows_finds_the_complete_prefix():
 
 
 @needs_native
+@pytest.mark.parametrize("T,K,E,R", [(0, 2, 4, 2), (1, 1, 2, 2), (9, 3, 8, 2), (40, 8, 16, 2), (33, 6, 12, 3),
+                                     (17, 4, 4, 4), (25, 16, 32, 1)])
+def test_one_row_per_token_layout_same_on_both_engines(T, K, E, R):
+    """Low-latency rows per (token, destination): the C and torch senders list the same tokens and meta
+    items, and every pair lands in its own recv_x row, at its position among its expert's pairs."""
+    from ubep_torch.buffer import _pair_order
+    g0 = torch.Generator().manual_seed(T * 100 + K)
+    topk = torch.stack([torch.randperm(E, generator=g0)[:K] for _ in range(T)]) if T else \
+        torch.zeros(0, K, dtype=torch.int64)
+    if T:
+        topk[torch.rand(T, K, generator=g0) < 0.2] = -1
+    t_idx, k_idx, g = _pair_order(topk, max(T, 1))
+    counts = torch.bincount(g, minlength=E).view(R, E // R)
+    ref = TorchEngine().token_rows(t_idx, k_idx, g, counts, T, K)
+    got = native_engine.NativeEngine().token_rows(t_idx, k_idx, g, counts, T, K)
+    for d in range(R):
+        assert torch.equal(ref[0][d], got[0][d]) and torch.equal(ref[1][d], got[1][d])
+        items = got[1][d]
+        assert int(items[:, 0].sum()) == int(counts[d].sum())             # every pair on d, once
+        for row, t in enumerate(got[0][d].tolist()):
+            for j in range(int(items[row, 0])):
+                e, k, p = int(items[row, 1 + 2 * j]) >> 8, int(items[row, 1 + 2 * j]) & 0xFF, int(items[row, 2 + 2 * j])
+                assert int(topk[t, k]) == d * (E // R) + e
+                seg = t_idx[g == d * (E // R) + e]                         # the expert's pairs, in dispatch order
+                assert int(seg[p]) == t
+
+
+@needs_native
+@pytest.mark.parametrize("bad", ["count", "expert", "slot", "position", "room"])
+def test_one_row_per_token_items_are_checked(bad):
+    """Meta items naming pairs outside the announced segments are refused by both engines (ValueError)
+    before anything is written."""
+    fmt = P.row_format("tff", (("x", 1000),), 1 + 2 * 3)
+    K, n = 3, 4
+    rows = torch.zeros(n, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    items = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)
+    items[:, 0] = 2
+    items[:, 1], items[:, 2] = (0 << 8) | 1, torch.arange(n, dtype=torch.int32)     # expert 0, slot 1
+    items[:, 3], items[:, 4] = (1 << 8) | 2, torch.arange(n, dtype=torch.int32)     # expert 1, slot 2
+    base = torch.tensor([0, 8], dtype=torch.int64)
+    cnt = torch.tensor([n, n], dtype=torch.int64)
+    room = 16
+    if bad == "count":
+        items[2, 0] = K + 1
+    elif bad == "expert":
+        items[1, 3] = (2 << 8) | 2
+    elif bad == "slot":
+        items[3, 1] = (0 << 8) | K
+    elif bad == "position":
+        items[0, 4] = n
+    else:
+        room = 8 + n - 1
+    for eng in (TorchEngine(), native_engine.NativeEngine()):
+        out = torch.full((room, 1000), 7, dtype=torch.uint8)
+        info = torch.full((room,), -1, dtype=torch.int32)
+        kk = torch.full((room,), -1, dtype=torch.int32)
+        with pytest.raises(ValueError):
+            eng.unpack_items(fmt, rows, K, base, cnt, [out], info, kk)
+        assert bool((out == 7).all()) and bool((info == -1).all()) and bool((kk == -1).all())
+
+
+@needs_native
 def test_three_ranks_same_bits():
     """Three ranks: the general combine (no two-source pass) and uneven per-source row counts."""
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

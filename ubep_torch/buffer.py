@@ -1298,7 +1298,12 @@ class Buffer:
         else:
             fields_data = [P.as_bytes(x)]
             fields = (("x", H * 2),)
-        fmt = P.row_format(self.sync, fields, 1)   # meta: top-k slot of the (token, expert) pair
+        eng = self.engine
+        # Engines that store rows straight from x (torch, C) send one row per (token, destination rank) and
+        # list the token's (local expert, top-k slot, segment position) pairs on that rank in its meta
+        # items; kernel engines send one row per (token, expert) pair, its top-k slot in meta item 0.
+        dedup = eng.direct_rows
+        fmt = P.row_format(self.sync, fields, 1 + 2 * K if dedup else 1)
         region = self._region(P.REGION_LL_DISPATCH)
         if region.capacity(fmt) < E_local * N:
             raise ValueError(f"the low-latency buffer holds {region.capacity(fmt)} rows per source but "
@@ -1315,11 +1320,15 @@ class Buffer:
         src_index = self.engine.arange(T)
         send_idx = [t_idx[bounds[d]:bounds[d + 1]] for d in range(R)]
         pair_k = [k_idx[bounds[d]:bounds[d + 1]] for d in range(R)]
+        if dedup:
+            row_tokens, row_items = eng.token_rows(t_idx, k_idx, g, counts, T, K)
+        else:
+            row_tokens, row_items = send_idx, [k.to(torch.int32) for k in pair_k]
+        nrows_l = [r.numel() for r in row_tokens]
         rid = P.REGION_LL_DISPATCH
         epoch = self._next_epoch(rid)
         half, flag = region.half(epoch), P.flag_word(epoch, rid)
-        eng = self.engine
-        meta = torch.zeros(T, 1, dtype=torch.int32)
+        meta = torch.zeros(T, fmt.meta_words, dtype=torch.int32)
         staging, checked, row_sums = eng.stage_rows(fmt, staging_fields, meta, src_index, me)
         self._wait_acks(rid, epoch)
         nctrl = P.ctrl_blocks(E_local)
@@ -1328,8 +1337,7 @@ class Buffer:
         counts_l, bounds_l = counts.tolist(), bounds.tolist()
 
         def ctrl_payload(d, cs=0):
-            return torch.tensor([bounds_l[d + 1] - bounds_l[d], sig, cs, bounds_l[d], 0, 0] + counts_l[d],
-                                dtype=torch.int64)
+            return torch.tensor([nrows_l[d], sig, cs, bounds_l[d], 0, 0] + counts_l[d], dtype=torch.int64)
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending"))
         # torch and C paths: this rank's own rows skip the slots (the receive side copies them straight from
@@ -1339,10 +1347,10 @@ class Buffer:
         for i in range(R):
             d = (me + i) % R
             peer = self._peer_mem[d]
-            sel = none if d == me and local_direct else send_idx[d]
-            job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt, send_idx[d].numel()),
+            sel = none if d == me and local_direct else row_tokens[d]
+            job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt, nrows_l[d]),
                                          region.ctrl(peer, half, me, nctrl), ctrl_payload(d),
-                                         meta_patch=pair_k[d][:sel.numel()].to(torch.int32)))
+                                         meta_patch=row_items[d][:sel.numel()]))
         eng.send_phase(job)
         local_x = (xq, sc) if use_fp8 else (x, None)
 
@@ -1387,6 +1395,17 @@ class Buffer:
             if cnt.numel() and (int(cnt.max()) > N or int(cnt.min()) < 0):
                 self._broken = "bad counts"
                 raise UBEPError(f"a peer announced per-expert counts outside [0, {N}] (corrupted control message)")
+            nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
+            pairs = cnt.sum(1).tolist()
+            for s in range(R):     # one row per token, holding 1..K of its pairs (dedup), or one per pair
+                if dedup:
+                    ok = nrows[s] == pairs[s] == 0 or 0 < nrows[s] <= min(N, pairs[s]) <= pairs[s] <= nrows[s] * K
+                else:
+                    ok = nrows[s] == pairs[s]
+                if not ok:
+                    self._broken = "bad row count"
+                    raise UBEPError(f"rank {s} announced {nrows[s]} low-latency rows for {pairs[s]} (token, expert) "
+                                    f"pairs (corrupted control message)")
             if bool(((return_slot < 0) | (return_slot + cnt.sum(1) > N * K)).any()):
                 self._broken = "bad return slots"
                 raise UBEPError("a peer announced return slots outside its low-latency combine slots "
@@ -1419,7 +1438,17 @@ class Buffer:
                     flat_info[at] = rows[:, 0, :].view(torch.int64)[:, 1].to(torch.int32)
                     flat_k[at] = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
 
-            progress, places, whole = [0] * R, {}, set()
+            progress = [0] * R
+            item_base = [(experts * (R * N) + begin[s]).contiguous() for s in range(R)] if dedup else None
+
+            def reorder_items(s: int, rows: torch.Tensor) -> None:
+                """Token rows of source s to every (expert, position) their pairs name."""
+                try:
+                    eng.unpack_items(fmt, rows, K, item_base[s], cnt[s], flat_outs, flat_info, flat_k)
+                except ValueError as e:
+                    self._broken = "bad low-latency rows"
+                    raise UBEPError(f"low_latency_dispatch on rank {me}: rank {s} sent rows that do not match its "
+                                    f"control message ({e})") from None
 
             def poll_rows():
                 missing = []
@@ -1445,30 +1474,29 @@ class Buffer:
                         done.add(s)
                         self._send_ack(rid, s, epoch)
                         continue
-                    rows = region.rows(local, half, s, fmt, n)
-                    # streaming Token-Reordering: runs of complete rows straight to their final places while
-                    # the source still writes the rest
-                    end = None if in_kernel or s in whole else eng.arrived_prefix(fmt, rows, flag, progress[s])
-                    if end is not None:
+                    if dedup:
+                        # streaming Token-Reordering where the engine can tell complete rows apart: runs of
+                        # them go to their final places while the source still writes the rest
+                        m = nrows[s]
+                        rows = region.rows(local, half, s, fmt, m)
                         start = progress[s]
-                        if end < n and end - start < _STREAM_ROWS:
+                        end = eng.arrived_prefix(fmt, rows, flag, start)
+                        if end is None:
+                            end = m if eng.rows_arrived(fmt, rows, flag, ctrl_words[s][P.CTRL_CHECKSUM]) else start
+                        elif end < m and end - start < _STREAM_ROWS:
+                            end = start
+                        if end > start:
+                            reorder_items(s, rows[start:end])
+                            progress[s] = end
+                        if end < m:
                             missing.append(s)
                             continue
-                        if s not in places:
-                            places[s] = place(s, n)
-                        if eng.unpack_to(fmt, rows[start:end], places[s][start:end], flat_outs, flat_k.view(-1, 1),
-                                         flat_info):
-                            progress[s] = end
-                            if end < n:
-                                missing.append(s)
-                                continue
-                            state["wait_ns"][s] += time.perf_counter_ns() - t0
-                            done.add(s)
-                            self._send_ack(rid, s, epoch)
-                            continue
-                        if start:
-                            raise UBEPError("low_latency_dispatch: Token-Reordering stopped in the middle of a source")
-                        whole.add(s)    # not addressable row by row: the whole source below, once it is there
+                        state["wait_ns"][s] += time.perf_counter_ns() - t0
+                        eng.rearm(fmt, rows)
+                        done.add(s)
+                        self._send_ack(rid, s, epoch)
+                        continue
+                    rows = region.rows(local, half, s, fmt, n)
                     if not eng.rows_arrived(fmt, rows, flag, ctrl_words[s][P.CTRL_CHECKSUM]):
                         missing.append(s)
                         continue
@@ -1476,25 +1504,13 @@ class Buffer:
                     if in_kernel:
                         done.add(s)
                         continue
-                    # one pass straight to the final rows where the engine has it; else per (source, expert)
-                    # segment: one strided copy per field (SP rows and kernel engines go through
-                    # unpack_rows, which restores escaped words / runs the kernel)
-                    if eng.unpack_to(fmt, rows, place(s, n), flat_outs, flat_k.view(-1, 1), flat_info):
-                        done.add(s)
-                        self._send_ack(rid, s, epoch)
-                        continue
-                    plain = eng.direct_rows and fmt.sync != "sp"
+                    # kernel engines outside their fused receive: per (source, expert) segment, through
+                    # unpack_rows (which restores SP's escaped words / runs the kernel)
                     for e, r0, b0, c in segs:
-                        seg = rows[r0:r0 + c]
                         outs = [P.as_bytes(recv_x[e, b0:b0 + c])]
                         if recv_sc is not None:
                             outs.append(P.as_bytes(recv_sc[e, b0:b0 + c]))
-                        if plain:
-                            for i, o in enumerate(outs):
-                                fo = fmt.field_offset_blocks(i)
-                                P.unpack_field(seg[:, fo:fo + fmt.field_blocks[i]], o, fmt.sync)
-                        else:
-                            eng.unpack_rows(fmt, seg, outs, rearm=False)
+                        eng.unpack_rows(fmt, rows[r0:r0 + c], outs, rearm=False)
                     place_source_info(s, rows)
                     eng.rearm(fmt, rows)
                     done.add(s)

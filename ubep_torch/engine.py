@@ -39,7 +39,7 @@ class Destination:
     ctrl: torch.Tensor                #: [nctrl, 512] uint8 view of the peer's control slot for this source
     ctrl_payload: torch.Tensor        #: int64 control words (the DC checksum word is filled in by the engine)
     dst_index: Optional[torch.Tensor] = None   #: [n] slot of each row (None: slots 0..n-1)
-    meta_patch: Optional[torch.Tensor] = None  #: [n] int32 written into meta item 0 of each slot
+    meta_patch: Optional[torch.Tensor] = None  #: [n] or [n, m] int32 written into meta items 0 (.. m-1) of each slot
 
 
 @dataclass
@@ -52,6 +52,29 @@ class SendJob:
     flag: int
     dests: List[Destination] = field(default_factory=list)
     sync_all: Optional[Callable[[], None]] = None   #: SyncAll for the "sw" baseline
+
+
+def _pair_targets(meta: torch.Tensor, K: int, base: torch.Tensor, cnt: torch.Tensor, room: int):
+    """(row, output row, top-k slot) of every pair listed in one-row-per-token meta items (see
+    ``TorchEngine.unpack_items``), after checking every item against the announced segments."""
+    n = meta.shape[0]
+    m = meta[:, 0].to(torch.int64)
+    if bool(((m < 0) | (m > K)).any()):
+        raise ValueError(f"a row lists more than {K} (expert, slot) pairs, or a negative number")
+    pairs = P.fresh(meta[:, 1:]).view(n, K, 2).to(torch.int64)
+    listed = torch.arange(K, dtype=torch.int64).unsqueeze(0) < m.unsqueeze(1)
+    row = torch.arange(n, dtype=torch.int64).unsqueeze(1).expand(n, K)[listed]
+    ek, pos = pairs[..., 0][listed], pairs[..., 1][listed]
+    e, k = ek >> 8, ek & 0xFF
+    safe_e = e.clamp(0, base.numel() - 1)
+    target = base.index_select(0, safe_e) + pos
+    ok = ((e >= 0) & (e < base.numel()) & (k < K) & (pos >= 0) & (pos < cnt.index_select(0, safe_e))
+          & (target >= 0) & (target < room))
+    if not bool(ok.all()):
+        i = int((~ok).nonzero()[0])
+        raise ValueError(f"row {int(row[i])} names expert {int(e[i])} slot {int(k[i])} position {int(pos[i])}, "
+                         f"outside the announced segments")
+    return row, target, k
 
 
 class TorchEngine:
@@ -318,11 +341,13 @@ class TorchEngine:
             rows = src if sel is None else (src[rng[0]:rng[1]] if rng else src.index_select(0, sel))
             dst.view(torch.int64).view(dst.shape[0], fmt.row_bytes // 8).index_copy_(0, dst_index, rows)
         if meta_patch is not None:
-            items = dst[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
+            width = 1 if meta_patch.dim() == 1 else meta_patch.shape[1]
+            items = dst[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, :width]
+            patch = meta_patch.to(torch.int32).view(-1, width)
             if dst_index is None:
-                items[:n] = meta_patch
+                items[:n] = patch[:n]
             else:
-                items.index_copy_(0, dst_index, meta_patch.to(torch.int32))
+                items.index_copy_(0, dst_index, patch)
         P.memory_fence()
         # step 2: the word the receiver checks
         w0 = dst.view(torch.int64).view(dst.shape[0], fmt.blocks, P.BLOCK_WORDS)[:, :, 0]
@@ -450,6 +475,58 @@ class TorchEngine:
         every output; see ``NativeEngine.unpack_to``). Returns False: the caller copies per segment with
         :meth:`unpack_rows`, which for torch is a few strided copies rather than a scatter."""
         return False
+
+    def token_rows(self, t_idx: torch.Tensor, k_idx: torch.Tensor, g: torch.Tensor, counts: torch.Tensor, T: int,
+                   K: int) -> tuple:
+        """One low-latency row per (token, destination rank) from the pairs of ``_pair_order``.
+
+        Returns, per destination rank, the tokens of its rows (ascending) and their [rows, 1 + 2K] int32 meta
+        items: the number m of the token's pairs on that rank, then per pair ``(local expert << 8) | top-k
+        slot`` and its position in the (this rank, local expert) segment of the receiver's ``recv_x``, which
+        is the pair's place in dispatch order within its expert (the same rows the per-pair format fills)."""
+        R, E_local = counts.shape
+        n = t_idx.numel()
+        flat = counts.reshape(-1)
+        ar = torch.arange(n, dtype=torch.int64)
+        seg_pos = ar - torch.repeat_interleave(torch.cumsum(flat, 0) - flat, flat, output_size=n)
+        d, e = g // E_local, g % E_local
+        key = d * T + t_idx                               # (destination, token): one row each
+        order = torch.argsort(key * E_local + e)          # pairs by destination, token, expert
+        keys, per_row = torch.unique_consecutive(key[order], return_counts=True)
+        row = torch.repeat_interleave(torch.arange(keys.numel(), dtype=torch.int64), per_row, output_size=n)
+        slot = ar - torch.repeat_interleave(torch.cumsum(per_row, 0) - per_row, per_row, output_size=n)
+        items = torch.zeros(keys.numel(), 1 + 2 * K, dtype=torch.int32)
+        items[:, 0] = per_row.to(torch.int32)
+        items[row, 1 + 2 * slot] = ((e[order] << 8) | k_idx[order]).to(torch.int32)
+        items[row, 2 + 2 * slot] = seg_pos[order].to(torch.int32)
+        bounds = [0] + torch.cumsum(torch.bincount(keys // T, minlength=R), 0).tolist()
+        tokens = keys % T
+        return ([tokens[bounds[r]:bounds[r + 1]] for r in range(R)],
+                [items[bounds[r]:bounds[r + 1]] for r in range(R)])
+
+    def unpack_items(self, fmt: P.RowFormat, rows: torch.Tensor, K: int, base: torch.Tensor, cnt: torch.Tensor,
+                     outs: Sequence[Optional[torch.Tensor]], info_out: torch.Tensor, k_out: torch.Tensor) -> None:
+        """Low-latency Token-Reordering of one-row-per-token rows ([n, blocks, 512]): meta item 0 of a row is
+        its number m <= K of (local expert, top-k slot) pairs, items ``1 + 2j`` / ``2 + 2j`` are pair j's
+        ``(e << 8) | k`` and its position p in this source's segment of expert e. The payload goes to row
+        ``base[e] + p`` of every ``outs`` field ([rows, nbytes] uint8), the source token to ``info_out``
+        and k to ``k_out`` there. Items are checked first: ValueError, nothing written. SP rows are not
+        re-armed here (the caller re-arms the whole source)."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        room = min([o.shape[0] for o in outs if o is not None] + [info_out.numel(), k_out.numel()])
+        meta = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, : 1 + 2 * K]
+        row, target, k = _pair_targets(meta, K, base, cnt, room)
+        tmp = [None if o is None or fmt.field_blocks[i] == 0 else torch.empty(n, o.shape[1], dtype=torch.uint8)
+               for i, o in enumerate(outs)]
+        self.unpack_rows(fmt, rows, tmp, rearm=False)
+        for o, t in zip(outs, tmp):
+            if t is not None:
+                o.index_copy_(0, target, t.index_select(0, row))
+        token = rows[:, 0, :].view(torch.int64)[:, 1]
+        info_out.index_copy_(0, target, token.index_select(0, row).to(torch.int32))
+        k_out.index_copy_(0, target, k.to(torch.int32))
 
     def copy_rows(self, src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, at: torch.Tensor) -> bool:
         """``dst[at[i]] = src[idx[i]]`` in one pass, where an engine has it (2-D tensors of one dtype).

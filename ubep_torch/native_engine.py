@@ -30,7 +30,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 9
+API_VERSION = 11
 
 
 def _matches() -> bool:
@@ -95,12 +95,15 @@ class NativeEngine(TorchEngine):
             sel = sel.to(torch.int64).contiguous()
         if meta_patch is not None:
             meta_patch = meta_patch[:n].to(torch.int32).contiguous()
+            if meta_patch.dim() == 1:
+                meta_patch = meta_patch.view(-1, 1)
         if not (rows.shape[0] == n and _slots(rows, fmt) and meta.is_contiguous() and meta.shape[1] == P.BLOCK_BYTES
-                and (meta_patch is None or meta_patch.numel() == n)):
+                and (meta_patch is None or (meta_patch.shape[0] == n and meta_patch.shape[1] <= fmt.meta_words))):
             return super().write_rows(fmt, staging, checked, sel, dst, flag, dst_index, meta_patch)
         # (the C loop checks every staging row index against meta.shape[0] before it stores anything)
         _native.write_rows(rows.data_ptr(), n, fmt.blocks, 0 if sel is None else sel.data_ptr(), meta.shape[0],
-                           meta.data_ptr(), 0 if meta_patch is None else meta_patch.data_ptr(), int(staging.rank),
+                           meta.data_ptr(), 0 if meta_patch is None else meta_patch.data_ptr(),
+                           0 if meta_patch is None else meta_patch.shape[1], int(staging.rank),
                            int(flag), tuple(fields))
 
     def write_ctrl(self, dst: torch.Tensor, payload: torch.Tensor, flag: int) -> None:
@@ -176,6 +179,41 @@ class NativeEngine(TorchEngine):
                            0 if meta_out is None else meta_out.data_ptr(), meta_bytes, meta_stride,
                            0 if src_out is None else src_out.data_ptr(), tuple(fields))
         return True
+
+    def token_rows(self, t_idx: torch.Tensor, k_idx: torch.Tensor, g: torch.Tensor, counts: torch.Tensor, T: int,
+                   K: int) -> tuple:
+        R, E_local = counts.shape
+        t_idx, k_idx, g = (v.to(torch.int64).contiguous() for v in (t_idx, k_idx, g))
+        tokens = torch.empty(R * T, dtype=torch.int64)
+        items = torch.zeros(R * T, 1 + 2 * K, dtype=torch.int32)
+        per_dest = torch.empty(R, dtype=torch.int64)
+        _native.token_rows(t_idx.data_ptr(), k_idx.data_ptr(), g.data_ptr(), g.numel(), T, E_local, R, K,
+                           tokens.data_ptr(), items.data_ptr(), per_dest.data_ptr())
+        bounds = [0]
+        for c in per_dest.tolist():
+            bounds.append(bounds[-1] + c)
+        return ([tokens[bounds[r]:bounds[r + 1]] for r in range(R)],
+                [items[bounds[r]:bounds[r + 1]] for r in range(R)])
+
+    def unpack_items(self, fmt: P.RowFormat, rows: torch.Tensor, K: int, base: torch.Tensor, cnt: torch.Tensor,
+                     outs: Sequence[Optional[torch.Tensor]], info_out: torch.Tensor, k_out: torch.Tensor) -> None:
+        fields, targets = [], [info_out.numel(), k_out.numel()]
+        usable = (fmt.sync == "tff" and _slots(rows, fmt) and _contiguous_int64(base) and _contiguous_int64(cnt)
+                  and base.numel() == cnt.numel() and info_out.dtype == k_out.dtype == torch.int32
+                  and info_out.is_contiguous() and k_out.is_contiguous())
+        for i, out in enumerate(outs):
+            if out is None or fmt.field_blocks[i] == 0:
+                continue
+            if not (_rowwise(out) and out.dtype == torch.uint8 and out.shape[1] == fmt.fields[i][1]):
+                usable = False
+                break
+            fields.append((out.data_ptr(), out.stride(0), fmt.fields[i][1], fmt.field_offset_blocks(i)))
+            targets.append(out.shape[0])
+        if not usable:
+            return super().unpack_items(fmt, rows, K, base, cnt, outs, info_out, k_out)
+        if rows.shape[0]:   # (the C loop checks every item before it writes)
+            _native.unpack_items(rows.data_ptr(), rows.shape[0], fmt.blocks, K, base.data_ptr(), cnt.data_ptr(),
+                                 base.numel(), min(targets), info_out.data_ptr(), k_out.data_ptr(), tuple(fields))
 
     def copy_rows(self, src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor, at: torch.Tensor) -> bool:
         if not (src.dtype == dst.dtype and _rowwise(src) and _rowwise(dst) and src.shape[1] == dst.shape[1]

@@ -29,7 +29,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 9              /* bumped whenever a function's arguments change */
+#define API_VERSION 11             /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -96,24 +96,28 @@ static int check_index(const int64_t *idx, Py_ssize_t n, int64_t limit, const ch
     return -1;
 }
 
-/* write_rows(dst, n, nb, sel, limit, meta, meta_patch, rank, flag, fields)
+/* write_rows(dst, n, nb, sel, limit, meta, meta_patch, patch_items, rank, flag, fields)
  *
  * The token group's stores: row i of the destination (``dst + i * nb * 512``) gets staging row
- * t = sel[i] (or i when sel is 0; every t must lie in [0, limit)): the 512 B meta block ``meta + t * 512`` (its meta item 0 replaced by
- * meta_patch[i] when given), then every field's payload in 480 B pieces, each block with head words
- * (source token = the meta block's word 1, block index, rank) and zeroed padding, each published by its
- * flag. */
+ * t = sel[i] (or i when sel is 0; every t must lie in [0, limit)): the 512 B meta block
+ * ``meta + t * 512`` (its first patch_items meta items replaced by meta_patch[i * patch_items + j] when
+ * meta_patch is given), then every field's payload in 480 B pieces, each block with head words (source
+ * token = the meta block's word 1, block index, rank) and zeroed padding, each published by its flag. */
 static PyObject *write_rows(PyObject *self, PyObject *args) {
     unsigned long long dst_p, sel_p, meta_p, patch_p;
-    Py_ssize_t n, nb, limit;
+    Py_ssize_t n, nb, limit, patch_items;
     long long rank, flag;
     PyObject *ftuple;
     field_t f[MAX_FIELDS];
     int nf = 0;
-    if (!PyArg_ParseTuple(args, "KnnKnKKLLO", &dst_p, &n, &nb, &sel_p, &limit, &meta_p, &patch_p, &rank, &flag,
-                          &ftuple))
+    if (!PyArg_ParseTuple(args, "KnnKnKKnLLO", &dst_p, &n, &nb, &sel_p, &limit, &meta_p, &patch_p, &patch_items,
+                          &rank, &flag, &ftuple))
         return NULL;
     if (parse_fields(ftuple, f, &nf) < 0) return NULL;
+    if (patch_items < 0 || patch_items > (BLOCK_BYTES - FLAG_BYTES) / 4) {
+        PyErr_SetString(PyExc_ValueError, "meta patch wider than a meta block");
+        return NULL;
+    }
     uint8_t *dst = (uint8_t *)(uintptr_t)dst_p;
     const int64_t *sel = (const int64_t *)(uintptr_t)sel_p;
     if (sel ? check_index(sel, n, limit, "staging row") < 0 : n > limit) {
@@ -131,7 +135,7 @@ static PyObject *write_rows(PyObject *self, PyObject *args) {
         memcpy(&token, mblk + 8, 8);
         uint8_t *row = dst + i * row_bytes;
         memcpy(row + 8, mblk + 8, BLOCK_BYTES - 8);
-        if (patch) memcpy(row + FLAG_BYTES, &patch[i], 4);
+        if (patch) memcpy(row + FLAG_BYTES, patch + i * patch_items, (size_t)patch_items * 4);
         publish(row, flag);
         for (int k = 0; k < nf; k++) {
             const uint8_t *src = (const uint8_t *)f[k].ptr + t * f[k].stride;
@@ -241,6 +245,134 @@ static PyObject *unpack(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+/* unpack_items(rows, n, nb, K, base, cnt, E_local, room, info_out, k_out, fields)
+ *
+ * Low-latency Token-Reordering of rows that carry one token for every local expert it goes to: meta item
+ * 0 of a row is its number of (expert, slot) pairs m <= K, items 1 + 2j and 2 + 2j are pair j's
+ * (local expert e << 8 | top-k slot k) and its position p in the (source, e) segment. The payload goes
+ * to output row base[e] + p of every field, the source token (head word 1) to info_out there and k to
+ * k_out. Every item is checked first (m <= K, e < E_local, k < K, 0 <= p < cnt[e], the row inside
+ * [0, room)); a bad one raises ValueError naming it and nothing is written. */
+static PyObject *unpack_items(PyObject *self, PyObject *args) {
+    unsigned long long rows_p, base_p, cnt_p, info_p, k_p;
+    Py_ssize_t n, nb, K, E_local, room;
+    PyObject *ftuple;
+    field_t f[MAX_FIELDS];
+    int nf = 0;
+    if (!PyArg_ParseTuple(args, "KnnnKKnnKKO", &rows_p, &n, &nb, &K, &base_p, &cnt_p, &E_local, &room, &info_p,
+                          &k_p, &ftuple))
+        return NULL;
+    if (parse_fields(ftuple, f, &nf) < 0) return NULL;
+    if (1 + 2 * K > (BLOCK_BYTES - FLAG_BYTES) / 4) {
+        PyErr_SetString(PyExc_ValueError, "too many items for one meta block");
+        return NULL;
+    }
+    const uint8_t *rows = (const uint8_t *)(uintptr_t)rows_p;
+    const int64_t *base = (const int64_t *)(uintptr_t)base_p, *cnt = (const int64_t *)(uintptr_t)cnt_p;
+    int32_t *info = (int32_t *)(uintptr_t)info_p, *kout = (int32_t *)(uintptr_t)k_p;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int32_t *items = (const int32_t *)(rows + i * nb * BLOCK_BYTES + FLAG_BYTES);
+        const int32_t m = items[0];
+        if (m < 0 || m > K) {
+            PyErr_Format(PyExc_ValueError, "row %zd lists %d (expert, slot) pairs, at most %zd fit", i, (int)m, K);
+            return NULL;
+        }
+        for (int32_t j = 0; j < m; j++) {
+            const int32_t ek = items[1 + 2 * j], p = items[2 + 2 * j];
+            const int32_t e = ek >> 8, k = ek & 0xff;
+            if (e < 0 || e >= E_local || k >= K || p < 0 || p >= cnt[e] || base[e] + p < 0 || base[e] + p >= room) {
+                PyErr_Format(PyExc_ValueError, "row %zd pair %d names expert %d slot %d position %d, outside the "
+                             "announced segments", i, (int)j, (int)e, (int)k, (int)p);
+                return NULL;
+            }
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *row = rows + i * nb * BLOCK_BYTES;
+        const int32_t *items = (const int32_t *)(row + FLAG_BYTES);
+        int64_t token;
+        memcpy(&token, row + 8, 8);
+        for (int32_t j = 0; j < items[0]; j++) {
+            const int64_t o = base[items[1 + 2 * j] >> 8] + items[2 + 2 * j];
+            if (info) info[o] = (int32_t)token;
+            if (kout) kout[o] = items[1 + 2 * j] & 0xff;
+            for (int c = 0; c < nf; c++) {
+                uint8_t *out = (uint8_t *)f[c].ptr + o * f[c].stride;
+                Py_ssize_t left = f[c].nbytes;
+                for (Py_ssize_t b = f[c].block; left > 0; b++) {
+                    const Py_ssize_t take = left < PAYLOAD ? left : PAYLOAD;
+                    memcpy(out, row + b * BLOCK_BYTES + FLAG_BYTES, (size_t)take);
+                    out += take;
+                    left -= take;
+                }
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* token_rows(t_idx, k_idx, g, n, T, E_local, R, K, tokens, items, rows_per_dest) -> number of rows
+ *
+ * The sender's side of one-row-per-token low-latency dispatch. The n (token, top-k slot, expert) pairs
+ * come sorted by expert, then token. Each (destination rank, token) gets one row, destinations in rank
+ * order and tokens ascending within one; ``tokens`` (int64) receives each row's token and ``items``
+ * (int32, 1 + 2K per row, zeroed by the caller) its meta items: the number m of the token's pairs on that
+ * rank, then per pair, experts ascending, (local expert << 8 | slot) and the pair's position among that
+ * expert's pairs. rows_per_dest (int64, R) receives the rows of every destination. Every index is
+ * checked first (ValueError). */
+static PyObject *token_rows(PyObject *self, PyObject *args) {
+    unsigned long long t_p, k_p, g_p, tok_p, items_p, rpd_p;
+    Py_ssize_t n, T, E_local, R, K;
+    if (!PyArg_ParseTuple(args, "KKKnnnnnKKK", &t_p, &k_p, &g_p, &n, &T, &E_local, &R, &K, &tok_p, &items_p,
+                          &rpd_p))
+        return NULL;
+    const int64_t *t_idx = (const int64_t *)(uintptr_t)t_p, *k_idx = (const int64_t *)(uintptr_t)k_p;
+    const int64_t *g = (const int64_t *)(uintptr_t)g_p;
+    int64_t *tokens = (int64_t *)(uintptr_t)tok_p, *rpd = (int64_t *)(uintptr_t)rpd_p;
+    int32_t *items = (int32_t *)(uintptr_t)items_p;
+    const Py_ssize_t width = 1 + 2 * K;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (t_idx[j] < 0 || t_idx[j] >= T || g[j] < 0 || g[j] >= E_local * R || k_idx[j] < 0 || k_idx[j] >= K ||
+            K > 255 || (j && g[j] < g[j - 1])) {
+            PyErr_SetString(PyExc_ValueError, "token_rows: pairs out of range or not sorted by expert");
+            return NULL;
+        }
+    }
+    int64_t *row_of = PyMem_Malloc(sizeof(int64_t) * (size_t)(T ? T : 1));
+    if (row_of == NULL) return PyErr_NoMemory();
+    Py_ssize_t rows = 0, j = 0;
+    for (Py_ssize_t d = 0; d < R; d++) {
+        const Py_ssize_t lo = j;
+        while (j < n && g[j] / E_local == d) j++;
+        for (Py_ssize_t t = 0; t < T; t++) row_of[t] = -1;
+        for (Py_ssize_t i = lo; i < j; i++) row_of[t_idx[i]] = 0;
+        const Py_ssize_t first = rows;
+        for (Py_ssize_t t = 0; t < T; t++)
+            if (row_of[t] == 0) {
+                row_of[t] = rows;
+                tokens[rows++] = t;
+            }
+        rpd[d] = rows - first;
+        Py_ssize_t seg = lo;    /* first pair of the current expert */
+        for (Py_ssize_t i = lo; i < j; i++) {
+            if (g[i] != g[seg]) seg = i;
+            int32_t *it = items + row_of[t_idx[i]] * width;
+            const int32_t m = it[0]++;
+            if (m >= K) {       /* a token with one expert twice: refused by the caller's checks */
+                PyMem_Free(row_of);
+                PyErr_SetString(PyExc_ValueError, "token_rows: a token has more than K pairs on one rank");
+                return NULL;
+            }
+            it[1 + 2 * m] = (int32_t)(((g[i] % E_local) << 8) | k_idx[i]);
+            it[2 + 2 * m] = (int32_t)(i - seg);
+        }
+    }
+    PyMem_Free(row_of);
+    return PyLong_FromSsize_t(rows);
 }
 
 /* copy_rows(src, src_stride, idx, n, limit, dst, dst_stride, at, room, nbytes)
@@ -484,6 +616,8 @@ static PyMethodDef methods[] = {
     {"arrived_rows", arrived_rows, METH_VARARGS, "end of the run of complete rows from a start row"},
     {"unpack", unpack, METH_VARARGS, "copy arrived rows' payload, meta items and source tokens out"},
     {"copy_rows", copy_rows, METH_VARARGS, "row gather-scatter between plain tensors"},
+    {"token_rows", token_rows, METH_VARARGS, "rows and meta items of one-row-per-token low-latency dispatch"},
+    {"unpack_items", unpack_items, METH_VARARGS, "low-latency Token-Reordering of one-row-per-token rows"},
     {"accumulate_bf16", accumulate_bf16, METH_VARARGS, "one source of the general bf16 normal combine"},
     {"combine_pair_bf16", combine_pair_bf16, METH_VARARGS, "two-source bf16 normal combine"},
     {"weighted_combine_bf16", weighted_combine_bf16, METH_VARARGS, "bf16 low-latency weighted combine"},
