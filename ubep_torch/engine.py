@@ -521,9 +521,19 @@ class TorchEngine:
         tmp = [None if o is None or fmt.field_blocks[i] == 0 else torch.empty(n, o.shape[1], dtype=torch.uint8)
                for i, o in enumerate(outs)]
         self.unpack_rows(fmt, rows, tmp, rearm=False)
+        # targets sorted: a whole source fills one run of consecutive rows per expert, each gathered
+        # straight into its output rows (no scatter)
+        if target.numel() == 0:
+            return
+        order = torch.argsort(target)
+        target, row, k = target[order], row[order], k[order]
+        cut = [0] + ((target[1:] - target[:-1]) != 1).nonzero().flatten().add(1).tolist() + [target.numel()]
         for o, t in zip(outs, tmp):
-            if t is not None:
-                o.index_copy_(0, target, t.index_select(0, row))
+            if t is None:
+                continue
+            for a, b in zip(cut[:-1], cut[1:]):
+                first = int(target[a])
+                torch.index_select(t, 0, row[a:b], out=o[first:first + b - a])
         token = rows[:, 0, :].view(torch.int64)[:, 1]
         info_out.index_copy_(0, target, token.index_select(0, row).to(torch.int32))
         k_out.index_copy_(0, target, k.to(torch.int32))
