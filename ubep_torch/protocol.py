@@ -27,6 +27,19 @@ streams, each padded to whole blocks: e.g. dispatch = meta | x | fp8 scales. The
 a 32 B head (``w0`` = flag for TFF, ``ROW_MAGIC`` otherwise) and 480 B of int32/float32 meta payload
 (top-k ids and weights, escape bitmap). Field blocks carry 480 B (TFF) or 512 B (others) of payload.
 
+Low-latency dispatch rows come in two layouts, told apart by the row format (and so by the control
+message's layout signature, which every receiver checks):
+
+* one row per (token, destination rank), sent by engines that store rows straight from ``x`` (torch, C):
+  meta item 0 is the number m <= K of the token's (local expert, top-k slot) pairs on that rank, items
+  ``1 + 2j`` and ``2 + 2j`` are pair j's ``(local expert << 8) | slot`` and its position in the
+  (source, expert) segment of the receiver's ``recv_x``; the receiver copies the payload to each of the
+  m places. A token bound for several experts of one rank crosses the fabric once.
+* one row per (token, expert) pair, in (expert, token) order, its top-k slot in meta item 0 (the
+  Triton kernels' layout).
+
+The control message's row count is the number of rows; its per-expert counts are pairs either way.
+
 Control blocks
 --------------
 Counts (TokenCnt), DC checksums and the per-call "I have sent everything" signal travel in control
