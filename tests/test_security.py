@@ -173,15 +173,21 @@ def hostile_ctrl(ctx, what, sync):
         rid = P.REGION_LL_DISPATCH if ll else P.REGION_DISPATCH
         region = buf._regions[rid]
         if ctx.rank == 1:
-            fmt_x = P.RowFormat(sync, (("x", 128 * 2),), 1 if ll else 2)
+            # the layout rank 0 expects, so that the forged sizes (not the signature) are what it must refuse:
+            # normal rows carry K = 2 expert ids and 2 float32 weights; low-latency rows (one per token and
+            # rank) the pair count and K (expert|slot, position) pairs
+            fmt_x = P.row_format(sync, (("x", 128 * 2),), 1 + 2 * 2 if ll else 2 + 2)
             words = [0] * (P.CTRL_COUNTS + 2 + R)
-            words[P.CTRL_SIGNATURE] = fmt_x.signature() if not ll else P.RowFormat(sync, (("x", 256),), 1).signature()
+            words[P.CTRL_SIGNATURE] = fmt_x.signature()
             if what == "rows too many":
                 words[P.CTRL_NROWS] = 10 ** 9
             elif what == "rows negative":
                 words[P.CTRL_NROWS] = -5
             elif what == "ll count too many":
                 words[P.CTRL_COUNTS] = 10 ** 6
+            elif what == "ll rows too many":
+                words[P.CTRL_COUNTS] = 1
+                words[P.CTRL_NROWS] = 10 ** 6
             elif what == "ll count negative":
                 words[P.CTRL_COUNTS] = -3
                 words[P.CTRL_COUNTS + 1] = 3
@@ -215,10 +221,12 @@ def pool2(tmp_path_factory):
         yield p
 
 
-@pytest.mark.parametrize("what", ["rows too many", "rows negative", "ll count too many", "ll count negative"])
+@pytest.mark.parametrize("what", ["rows too many", "rows negative", "ll count too many", "ll count negative",
+                                  "ll rows too many"])
 def test_sizes_from_shared_memory_are_bounds_checked(pool2, what):
     res = pool2.run(hostile_ctrl, what, "tff")
     assert res[1] == "forged"
     kind = res[0][0]
     assert kind == "UBEPError", res[0]
+    assert "different layout" not in res[0][2], res[0]     # the forged sizes, not the signature, are refused
     assert res[0][1] < 3.0, res[0]      # refused at once, not by the deadline
