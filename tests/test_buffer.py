@@ -235,3 +235,32 @@ def test_weighted_combine_paths_agree_bit_for_bit(sync, engine):
     for k in range(K):
         ref = ref + torch.where(valid[:, k:k + 1], x[pos[:, k]].float() * w[:, k:k + 1], torch.zeros(1))
     assert torch.equal(outs[0].view(torch.int16), ref.bfloat16().view(torch.int16))
+
+
+def test_size_hints_hold_what_they_promise():
+    """``Config.get_nvl_buffer_size_hint`` / ``normal_buffer_bytes`` and ``get_low_latency_rdma_size_hint``
+    give regions that hold the rows they were asked for, for any token count, hidden size, top-k (ids
+    and weights, or one-row-per-token items), fp8 and world size: tiny ones included, where the 4 KiB
+    alignment of the regions eats a larger share."""
+    from ubep_torch import buffer as B
+    from ubep_torch import protocol as P
+    for R in (1, 2, 3, 4):
+        for T in (1, 2, 3, 17, 128):
+            for hidden_bytes in (1, 7, 256, 2000, 14336):
+                half = B.normal_buffer_bytes(T, hidden_bytes, R) // 2 // 4096 * 4096
+                region = B._Region(P.REGION_DISPATCH, 0, half, R, R, halves=1)
+                for meta_words in (0, 16, 48):
+                    fmt = P.row_format("tff", (("x", hidden_bytes),), meta_words)
+                    assert region.capacity(fmt) >= T, (R, T, hidden_bytes, meta_words)
+        for N in (1, 3, 128):
+            for H in (1, 128, 7168):
+                for E_local in (1, 3, 8):
+                    half = B.Buffer.get_low_latency_rdma_size_hint(N, H, R, E_local * R) // 2 // 4096 * 4096
+                    dispatch = B._Region(P.REGION_LL_DISPATCH, 0, half, R, R)
+                    combine = B._Region(P.REGION_LL_COMBINE, 0, half, R, 1)
+                    for K in (1, 8, 16):
+                        fields = [(("x", H * 2),)] + ([(("x", H), ("scales", H // 128 * 4))] if H % 128 == 0 else [])
+                        for f in fields:
+                            for meta_words in (1, 1 + 2 * K):
+                                assert dispatch.capacity(P.row_format("tff", f, meta_words)) >= E_local * N
+                        assert combine.capacity(P.row_format("tff", (("x", H * 2),), 0)) >= N * K

@@ -50,7 +50,7 @@ def _row_bytes_worst(payload_bytes: int, meta_bytes: int = 0) -> int:
 def normal_buffer_bytes(num_tokens: int, hidden_bytes: int, num_ranks: int) -> int:
     """``num_nvl_bytes`` that lets every rank send ``num_tokens`` rows of ``hidden_bytes`` to every peer."""
     per_region = num_ranks * (P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES + num_tokens * _row_bytes_worst(hidden_bytes))
-    return 2 * per_region + 4096
+    return 2 * _round(per_region, 4096) + 4096     # the Buffer splits it into 4 KiB-aligned regions
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -60,7 +60,7 @@ def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int,
     ctrl = 2 * num_ranks * P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
     dispatch_rows = 2 * num_ranks * e_local * n * _row_bytes_worst(h * 2, 0)
     combine_rows = 2 * n * num_topk * _row_bytes_worst(h * 2)
-    return 2 * (ctrl + max(dispatch_rows, combine_rows)) + 4096
+    return 2 * _round(ctrl + max(dispatch_rows, combine_rows), 4096) + 4096
 
 
 class _Region:
