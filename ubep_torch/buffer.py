@@ -993,9 +993,8 @@ class Buffer:
                       local_copy: Optional[Callable] = None) -> None:
         """Token-Reordering: copy each source's rows out as they arrive.
 
-        Where the engine can tell which leading rows of a source are complete (``arrived_prefix``), runs of
-        at least ``_STREAM_ROWS`` rows (or the last ones) are copied while the source still writes the
-        rest; otherwise a source's rows are copied once all its blocks are there. ``accumulate(s,
+        Runs of complete rows are copied while the source still writes the rest where the engine can tell
+        them apart (see ``_next_run``); otherwise a source's rows once all its blocks are there. ``accumulate(s,
         rows_view)`` replaces the copy (combine). Sources are then processed whole, in rank order, so
         floating-point reductions are identical for every sync mode and arrival order. This rank's own rows
         never went through the slots: ``local_copy(offset, n)`` (or ``accumulate(rank, None)``) takes them
@@ -1042,26 +1041,21 @@ class Buffer:
                     self._send_ack(rid, s, epoch)
                     continue
                 rows = region.rows(local, half, s, fmt, n)
-                end = None if in_order else eng.arrived_prefix(fmt, rows, flag, progress.get(s, 0))
-                if end is not None:
-                    start = progress.get(s, 0)
-                    if end < n and end - start < _STREAM_ROWS:
-                        missing.append(s)
-                        continue
-                    reorder(s, rows, start, end)
-                    progress[s] = end
-                    if end < n:
-                        missing.append(s)
-                        continue
-                else:
-                    expected = recv["ctrl"][s][P.CTRL_CHECKSUM]
+                expected = recv["ctrl"][s][P.CTRL_CHECKSUM]
+                if accumulate is not None:
                     if not eng.rows_arrived(fmt, rows, flag, expected):
                         missing.append(s)
                         continue
-                    if accumulate is not None:
-                        accumulate(s, rows)
-                    else:
-                        reorder(s, rows, 0, n)
+                    accumulate(s, rows)
+                else:
+                    start = progress.get(s, 0)
+                    end = _next_run(eng, fmt, rows, flag, start, expected)
+                    if end > start:
+                        reorder(s, rows, start, end)
+                        progress[s] = end
+                    if end < n:
+                        missing.append(s)
+                        continue
                 done.add(s)
                 self._send_ack(rid, s, epoch)
             return missing
@@ -1480,11 +1474,7 @@ class Buffer:
                         m = nrows[s]
                         rows = region.rows(local, half, s, fmt, m)
                         start = progress[s]
-                        end = eng.arrived_prefix(fmt, rows, flag, start)
-                        if end is None:
-                            end = m if eng.rows_arrived(fmt, rows, flag, ctrl_words[s][P.CTRL_CHECKSUM]) else start
-                        elif end < m and end - start < _STREAM_ROWS:
-                            end = start
+                        end = _next_run(eng, fmt, rows, flag, start, ctrl_words[s][P.CTRL_CHECKSUM])
                         if end > start:
                             reorder_items(s, rows[start:end])
                             progress[s] = end
@@ -1762,6 +1752,17 @@ class Buffer:
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
         self._sync_all("clean_low_latency_buffer: SyncAll")
+
+
+def _next_run(eng, fmt: P.RowFormat, rows: torch.Tensor, flag: int, start: int, expected_sum: int) -> int:
+    """End of the rows of one source to reorder now, given that rows [0, start) are done: where the engine
+    can tell complete rows apart, the end of the run of complete rows if it reached the last row or holds
+    at least ``_STREAM_ROWS``; otherwise all rows once every block arrived. ``start`` means nothing yet."""
+    n = rows.shape[0]
+    end = eng.arrived_prefix(fmt, rows, flag, start)
+    if end is None:
+        return n if eng.rows_arrived(fmt, rows, flag, expected_sum) else start
+    return end if end == n or end - start >= _STREAM_ROWS else start
 
 
 def _equal_values(given: torch.Tensor, expected: torch.Tensor) -> bool:
