@@ -76,6 +76,12 @@ def bad_case(ctx, sync, kind):
         "ll T > N": lambda: buf.low_latency_dispatch(torch.randn(S.N_LL + 1, H).bfloat16(),
                                                      torch.zeros(S.N_LL + 1, 1, dtype=torch.int64), S.N_LL, E),
         "ll N <= 0": lambda: buf.low_latency_dispatch(x, topk, 0, E),
+        "ll wait stats shape": lambda: buf.low_latency_dispatch(
+            x, topk, S.N_LL, E, dispatch_wait_recv_cost_stats=torch.zeros(ctx.world_size + 1, dtype=torch.int64)),
+        "ll wait stats list": lambda: buf.low_latency_dispatch(x, topk, S.N_LL, E,
+                                                              dispatch_wait_recv_cost_stats=[0] * ctx.world_size),
+        "ll recv stats bool": lambda: buf.low_latency_dispatch(
+            x, topk, S.N_LL, E, cumulative_local_expert_recv_stats=torch.zeros(E // ctx.world_size, dtype=torch.bool)),
         "ll duplicate": lambda: buf.low_latency_dispatch(x, torch.zeros(T, K, dtype=torch.int64), S.N_LL, E),
         "ll fp8 H": lambda: buf.low_latency_dispatch(torch.randn(T, 100).bfloat16(), topk, S.N_LL, E),
         "ll hidden too big": lambda: buf.low_latency_dispatch(torch.randn(T, 64 * 1024).bfloat16(), topk,
@@ -217,7 +223,7 @@ def test_low_latency_property(pool, p, seed):
 BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible", "E zero", "x rows", "x int",
              "x 3-d", "weights int", "alignment 0", "worst < 0", "layout", "ll T > N", "ll N <= 0",
              "ll duplicate", "ll fp8 H", "ll hidden too big", "ll top-k 17", "combine handle",
-             "ll combine handle"]
+             "ll combine handle", "ll wait stats shape", "ll wait stats list", "ll recv stats bool"]
 
 
 @pytest.mark.parametrize("sync", ["tff", "sp"])

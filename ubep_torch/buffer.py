@@ -1281,9 +1281,8 @@ class Buffer:
                 raise ValueError("topk_idx lists the same expert twice for one token")
         R, me = self.group_size, self.rank
         E_local = E // R
-        if cumulative_local_expert_recv_stats is not None and (
-                tuple(cumulative_local_expert_recv_stats.shape) != (E_local,)):
-            raise ValueError(f"cumulative_local_expert_recv_stats must have shape ({E_local},)")
+        _check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, E_local)
+        _check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, R)
         x = x.contiguous()
         if use_fp8:
             xq, sc = _quantize_fp8(x, round_scale)
@@ -1752,6 +1751,19 @@ class Buffer:
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
         self._sync_all("clean_low_latency_buffer: SyncAll")
+
+
+def _check_stats(name: str, stats, n: int) -> None:
+    """A statistics tensor the call adds to: None, or an int32/int64 CPU tensor of shape (n,). Checked before
+    anything is sent, so a bad one leaves the Buffer usable (a narrow or bool dtype would wrap or saturate)."""
+    if stats is None:
+        return
+    if not isinstance(stats, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(stats).__name__}")
+    if stats.dtype not in (torch.int32, torch.int64) or stats.device.type != "cpu":
+        raise TypeError(f"{name} must be an int32 or int64 CPU tensor, got {stats.dtype} on {stats.device}")
+    if tuple(stats.shape) != (n,):
+        raise ValueError(f"{name} must have shape ({n},), got {tuple(stats.shape)}")
 
 
 def _next_run(eng, fmt: P.RowFormat, rows: torch.Tensor, flag: int, start: int, expected_sum: int) -> int:
