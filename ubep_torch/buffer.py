@@ -1647,7 +1647,8 @@ class Buffer:
         epoch = self._next_epoch(rid)
         half, flag = region.half(epoch), P.flag_word(epoch, rid)
         seg_start = (torch.arange(E_local, dtype=torch.int64) * (R * N)).unsqueeze(1) + begin   # [E_local, R]
-        per_src = [_segment_rows(seg_start[:, s], cnt[:, s], int(cnt[:, s].sum())) for s in range(R)]
+        per_host = cnt.sum(0).tolist()                       # rows going back to each source
+        per_src = list(_segment_rows(seg_start.t().reshape(-1), cnt.t().reshape(-1), sum(per_host)).split(per_host))
         direct = eng.direct_rows
         # engines that read this rank's own rows straight from x in the reduction: they skip the slots
         # (not with a recv hook: x may change before the hook runs, and the rows must be those of the call)
