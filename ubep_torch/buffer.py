@@ -1648,7 +1648,8 @@ class Buffer:
         half, flag = region.half(epoch), P.flag_word(epoch, rid)
         seg_start = (torch.arange(E_local, dtype=torch.int64) * (R * N)).unsqueeze(1) + begin   # [E_local, R]
         per_host = cnt.sum(0).tolist()                       # rows going back to each source
-        per_src = list(_segment_rows(seg_start.t().reshape(-1), cnt.t().reshape(-1), sum(per_host)).split(per_host))
+        all_rows = _segment_rows(seg_start.t().reshape(-1), cnt.t().reshape(-1), sum(per_host))  # source-major
+        per_src = list(all_rows.split(per_host))
         direct = eng.direct_rows
         # engines that read this rank's own rows straight from x in the reduction: they skip the slots
         # (not with a recv hook: x may change before the hook runs, and the rows must be those of the call)
@@ -1659,13 +1660,12 @@ class Buffer:
             staging, checked, row_sums = eng.stage_rows(fmt, [P.as_bytes(xs)], None, eng.arange(xs.shape[0]), me)
             sels = per_src
         else:        # kernels read packed staging rows
-            all_rows = torch.cat(per_src)
             gathered = eng.scratch("ll_gather", (all_rows.numel(), H), torch.bfloat16)
             torch.index_select(xs, 0, all_rows, out=gathered)
             staging, checked, row_sums = eng.pack_rows(fmt, [P.as_bytes(gathered)], None, all_rows, me)
             starts = [0]
-            for r in per_src:
-                starts.append(starts[-1] + r.numel())
+            for c in per_host:
+                starts.append(starts[-1] + c)
             sels = [eng.span(starts[s], starts[s + 1]) for s in range(R)]
         self._wait_acks(rid, epoch)
         nctrl = 1

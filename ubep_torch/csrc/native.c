@@ -197,6 +197,21 @@ static PyObject *arrived_rows(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(r);
 }
 
+/* Every field's payload of one arrived TFF row (480 B per block, past each 32 B head) into row o of the
+ * field's destination. */
+static inline void copy_payload(const uint8_t *row, const field_t *f, int nf, int64_t o) {
+    for (int k = 0; k < nf; k++) {
+        uint8_t *out = (uint8_t *)f[k].ptr + o * f[k].stride;
+        Py_ssize_t left = f[k].nbytes;
+        for (Py_ssize_t b = f[k].block; left > 0; b++) {
+            const Py_ssize_t take = left < PAYLOAD ? left : PAYLOAD;
+            memcpy(out, row + b * BLOCK_BYTES + FLAG_BYTES, (size_t)take);
+            out += take;
+            left -= take;
+        }
+    }
+}
+
 /* unpack(rows, n, nb, dst_index, room, meta_out, meta_bytes, meta_stride, src_out, fields)
  *
  * Token-Reordering: row i's payload goes to row o = dst_index[i] (or i; o must lie in [0, room), the
@@ -232,16 +247,7 @@ static PyObject *unpack(PyObject *self, PyObject *args) {
             memcpy(&token, row + 8, 8);
             src_out[o] = (int32_t)token;
         }
-        for (int k = 0; k < nf; k++) {
-            uint8_t *out = (uint8_t *)f[k].ptr + o * f[k].stride;
-            Py_ssize_t left = f[k].nbytes;
-            for (Py_ssize_t b = f[k].block; left > 0; b++) {
-                const Py_ssize_t take = left < PAYLOAD ? left : PAYLOAD;
-                memcpy(out, row + b * BLOCK_BYTES + FLAG_BYTES, (size_t)take);
-                out += take;
-                left -= take;
-            }
-        }
+        copy_payload(row, f, nf, o);
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -299,16 +305,7 @@ static PyObject *unpack_items(PyObject *self, PyObject *args) {
             const int64_t o = base[items[1 + 2 * j] >> 8] + items[2 + 2 * j];
             if (info) info[o] = (int32_t)token;
             if (kout) kout[o] = items[1 + 2 * j] & 0xff;
-            for (int c = 0; c < nf; c++) {
-                uint8_t *out = (uint8_t *)f[c].ptr + o * f[c].stride;
-                Py_ssize_t left = f[c].nbytes;
-                for (Py_ssize_t b = f[c].block; left > 0; b++) {
-                    const Py_ssize_t take = left < PAYLOAD ? left : PAYLOAD;
-                    memcpy(out, row + b * BLOCK_BYTES + FLAG_BYTES, (size_t)take);
-                    out += take;
-                    left -= take;
-                }
-            }
+            copy_payload(row, f, nf, o);
         }
     }
     Py_END_ALLOW_THREADS
