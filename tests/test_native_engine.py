@@ -164,20 +164,64 @@ def test_arrived_rows_finds_the_complete_prefix():
     assert TorchEngine().arrived_prefix(fmt, rows, new, 0) is None
 
 
+def _routing(T, K, E, seed, masked=0.2):
+    """[T, K] int64 routing with distinct experts per token and about ``masked`` of the slots -1."""
+    g0 = torch.Generator().manual_seed(seed)
+    if not T:
+        return torch.zeros(0, K, dtype=torch.int64)
+    topk = torch.stack([torch.randperm(E, generator=g0)[:K] for _ in range(T)])
+    topk[torch.rand(T, K, generator=g0) < masked] = -1
+    return topk
+
+
+@needs_native
+@pytest.mark.parametrize("T,K,E", [(0, 2, 4), (1, 1, 2), (9, 3, 8), (128, 8, 16), (33, 6, 12), (20, 16, 32)])
+def test_pair_order_same_on_both_engines(T, K, E):
+    """The C counting sort gives the torch path's pairs, counts and slots, and every slot names its pair."""
+    topk = _routing(T, K, E, seed=T + 7 * K)
+    ref = TorchEngine().pair_order(topk, E)
+    got = native_engine.NativeEngine().pair_order(topk, E)
+    for a, b in zip(ref, got):
+        assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b)
+    t_idx, k_idx, g, counts, pos = got
+    assert torch.equal(topk[t_idx, k_idx], g) and int(counts.sum()) == int((topk >= 0).sum())
+    key = g * (T * K + 1) + t_idx * K + k_idx
+    assert bool((key[1:] > key[:-1]).all())                          # by expert, token, slot
+    assert torch.equal(pos[t_idx, k_idx], torch.arange(t_idx.numel())) and not bool(pos[topk < 0].any())
+
+
+@needs_native
+@pytest.mark.parametrize("topk,msg", [([[0, 3, 0]], "same expert twice"), ([[0, 4, 1]], "outside"),
+                                      ([[-2, 1, 2]], "outside")])
+def test_pair_order_refuses_bad_routing(topk, msg):
+    topk = torch.tensor(topk, dtype=torch.int64)
+    for eng in (TorchEngine(), native_engine.NativeEngine()):
+        if msg == "outside" and not isinstance(eng, native_engine.NativeEngine):
+            continue            # the torch path relies on the Buffer's range check, made before
+        with pytest.raises(ValueError, match=msg):
+            eng.pair_order(topk, 4)
+
+
+@needs_native
+def test_segment_rows_same_on_both_engines():
+    first = torch.tensor([40, 0, 7, 100], dtype=torch.int64)
+    counts = torch.tensor([3, 0, 2, 4], dtype=torch.int64)
+    want = torch.tensor([40, 41, 42, 7, 8, 100, 101, 102, 103])
+    assert torch.equal(TorchEngine().segment_rows(first, counts, 9), want)
+    assert torch.equal(native_engine.NativeEngine().segment_rows(first, counts, 9), want)
+    with pytest.raises(ValueError, match="sum to 9"):
+        native_engine.NativeEngine().segment_rows(first, counts, 10)
+
+
 @needs_native
 @pytest.mark.parametrize("T,K,E,R", [(0, 2, 4, 2), (1, 1, 2, 2), (9, 3, 8, 2), (40, 8, 16, 2), (33, 6, 12, 3),
                                      (17, 4, 4, 4), (25, 16, 32, 1)])
 def test_one_row_per_token_layout_same_on_both_engines(T, K, E, R):
     """Low-latency rows per (token, destination): the C and torch senders list the same tokens and meta
     items, and every pair lands in its own recv_x row, at its position among its expert's pairs."""
-    from ubep_torch.buffer import _pair_order
-    g0 = torch.Generator().manual_seed(T * 100 + K)
-    topk = torch.stack([torch.randperm(E, generator=g0)[:K] for _ in range(T)]) if T else \
-        torch.zeros(0, K, dtype=torch.int64)
-    if T:
-        topk[torch.rand(T, K, generator=g0) < 0.2] = -1
-    t_idx, k_idx, g = _pair_order(topk, max(T, 1))
-    counts = torch.bincount(g, minlength=E).view(R, E // R)
+    topk = _routing(T, K, E, seed=T * 100 + K)
+    t_idx, k_idx, g, counts, _ = TorchEngine().pair_order(topk, E)
+    counts = counts.view(R, E // R)
     ref = TorchEngine().token_rows(t_idx, k_idx, g, counts, T, K)
     got = native_engine.NativeEngine().token_rows(t_idx, k_idx, g, counts, T, K)
     for d in range(R):

@@ -1275,10 +1275,9 @@ class Buffer:
         K = topk_idx.shape[1]
         if K > _LL_MAX_TOPK:
             raise ValueError(f"low-latency mode supports top-k up to {_LL_MAX_TOPK}, got {K}")
-        if K > 1 and T:
-            srt = topk_idx.sort(dim=1).values
-            if bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
-                raise ValueError("topk_idx lists the same expert twice for one token")
+        eng = self.engine
+        # (token, expert) pairs sorted by destination rank, local expert, token; checks repeated experts
+        t_idx, k_idx, g, counts, pos = eng.pair_order(topk_idx, E)
         R, me = self.group_size, self.rank
         E_local = E // R
         _check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, E_local)
@@ -1291,7 +1290,6 @@ class Buffer:
         else:
             fields_data = [P.as_bytes(x)]
             fields = (("x", H * 2),)
-        eng = self.engine
         # Engines that store rows straight from x (torch, C) send one row per (token, destination rank) and
         # list the token's (local expert, top-k slot, segment position) pairs on that rank in its meta
         # items; kernel engines send one row per (token, expert) pair, its top-k slot in meta item 0.
@@ -1303,11 +1301,11 @@ class Buffer:
                              f"E_local*N = {E_local * N} are needed (hidden {H} larger than the buffer was sized "
                              f"for?); use num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E)}")
         self._check_in_flight(P.REGION_LL_DISPATCH)
-        # (token, expert) pairs sorted by destination rank, local expert, token
-        t_idx, k_idx, g = _pair_order(topk_idx, N)
-        counts = torch.bincount(g, minlength=E).view(R, E_local)
-        bounds = torch.zeros(R + 1, dtype=torch.int64)
-        bounds[1:] = torch.cumsum(counts.sum(1), 0)
+        counts = counts.view(R, E_local)
+        counts_l = counts.tolist()
+        bounds = [0]
+        for c in counts_l:
+            bounds.append(bounds[-1] + sum(c))
         # staging holds one row per token; the per-pair top-k slot is patched into each destination slot
         staging_fields = fields_data
         src_index = self.engine.arange(T)
@@ -1327,10 +1325,8 @@ class Buffer:
         nctrl = P.ctrl_blocks(E_local)
         sig = fmt.signature()
 
-        counts_l, bounds_l = counts.tolist(), bounds.tolist()
-
         def ctrl_payload(d, cs=0):
-            return torch.tensor([nrows_l[d], sig, cs, bounds_l[d], 0, 0] + counts_l[d], dtype=torch.int64)
+            return torch.tensor([nrows_l[d], sig, cs, bounds[d], 0, 0] + counts_l[d], dtype=torch.int64)
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending"))
         # torch and C paths: this rank's own rows skip the slots (the receive side copies them straight from
@@ -1358,8 +1354,6 @@ class Buffer:
         src_k = torch.full((E_local, R * N), -1, dtype=torch.int32)
         layout_range = torch.zeros(E_local, R, dtype=torch.int64)
         return_slot = torch.zeros(R, dtype=torch.int64)   # where each source wants its rows back (combine)
-        pos = torch.zeros(T, K, dtype=torch.int64)        # combine slot of every (token, k) pair
-        pos[t_idx, k_idx] = torch.arange(t_idx.numel(), dtype=torch.int64)
         handle = LowLatencyHandle((src_info, layout_range, N, H, E), src_k=src_k, K=K, epoch=epoch,
                                   num_tokens=T, recv_count=recv_count, return_slot=return_slot,
                                   sent_counts=counts, pos=pos, n_pairs=int(t_idx.numel()),
@@ -1422,7 +1416,7 @@ class Buffer:
 
             def place(s: int, n: int) -> torch.Tensor:
                 """Flat recv_x row of each of source s's n rows (expert-major segments, dispatch order)."""
-                return _segment_rows(experts * (R * N) + begin[s], cnt[s], n)
+                return eng.segment_rows(experts * (R * N) + begin[s], cnt[s], n)
 
             def place_source_info(s: int, rows: torch.Tensor) -> None:
                 """Source token (head word 1) and top-k slot (meta item 0) of source s's arrived rows."""
@@ -1648,7 +1642,7 @@ class Buffer:
         half, flag = region.half(epoch), P.flag_word(epoch, rid)
         seg_start = (torch.arange(E_local, dtype=torch.int64) * (R * N)).unsqueeze(1) + begin   # [E_local, R]
         per_host = cnt.sum(0).tolist()                       # rows going back to each source
-        all_rows = _segment_rows(seg_start.t().reshape(-1), cnt.t().reshape(-1), sum(per_host))  # source-major
+        all_rows = eng.segment_rows(seg_start.t().reshape(-1), cnt.t().reshape(-1), sum(per_host))  # source-major
         per_src = list(all_rows.split(per_host))
         direct = eng.direct_rows
         # engines that read this rank's own rows straight from x in the reduction: they skip the slots
@@ -1823,24 +1817,6 @@ def _match_pairs(topk_idx: torch.Tensor, dispatched: torch.Tensor, dispatched_po
     if dispatched.shape[1] == 0:
         return kd
     return torch.gather(dispatched_pos, 1, kd)
-
-
-def _pair_order(topk_idx: torch.Tensor, N: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Low-latency (token, slot) pairs with an expert, sorted by expert (so by destination rank and local
-    expert), then token, then slot: the order rows are dispatched in and returned to by combine.
-    Returns ``(t_idx, k_idx, expert)``."""
-    K = topk_idx.shape[1]
-    t_idx, k_idx = (topk_idx >= 0).nonzero(as_tuple=True)
-    g = topk_idx[t_idx, k_idx]
-    order = torch.argsort(g * (N * K) + t_idx * K + k_idx)
-    return t_idx[order], k_idx[order], g[order]
-
-
-def _segment_rows(first: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
-    """Rows of consecutive segments laid end to end: segment ``e`` holds ``counts[e]`` rows starting at row
-    ``first[e]``; returns their ``n = counts.sum()`` row indices in segment order."""
-    starts = torch.cumsum(counts, 0) - counts
-    return torch.repeat_interleave(first - starts, counts, output_size=n) + torch.arange(n, dtype=torch.int64)
 
 
 def _quantize_fp8(x: torch.Tensor, round_scale: bool) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -476,9 +476,35 @@ class TorchEngine:
         :meth:`unpack_rows`, which for torch is a few strided copies rather than a scatter."""
         return False
 
+    def pair_order(self, topk_idx: torch.Tensor, E: int) -> tuple:
+        """Low-latency (token, slot) pairs with an expert, sorted by expert (so by destination rank and local
+        expert), then token, then slot: the order rows are dispatched in and returned to by combine.
+
+        ``topk_idx`` is a checked [T, K] int64 routing with values in [-1, E). Returns ``(t_idx, k_idx,
+        expert, counts [E], pos [T, K])``, all int64: ``pos`` holds every pair's index in that order (0 for
+        an empty slot). ValueError when a token names one expert twice."""
+        T, K = topk_idx.shape
+        if K > 1 and T:
+            srt = topk_idx.sort(dim=1).values
+            if bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
+                raise ValueError("topk_idx lists the same expert twice for one token")
+        t_idx, k_idx = (topk_idx >= 0).nonzero(as_tuple=True)
+        g = topk_idx[t_idx, k_idx]
+        order = torch.argsort(g * (T * K) + t_idx * K + k_idx)
+        t_idx, k_idx, g = t_idx[order], k_idx[order], g[order]
+        pos = torch.zeros(T, K, dtype=torch.int64)
+        pos[t_idx, k_idx] = torch.arange(t_idx.numel(), dtype=torch.int64)
+        return t_idx, k_idx, g, torch.bincount(g, minlength=E), pos
+
+    def segment_rows(self, first: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
+        """Rows of consecutive segments laid end to end: segment ``s`` holds ``counts[s]`` rows starting at row
+        ``first[s]`` (int64); returns their ``n = counts.sum()`` row indices in segment order."""
+        starts = torch.cumsum(counts, 0) - counts
+        return torch.repeat_interleave(first - starts, counts, output_size=n) + torch.arange(n, dtype=torch.int64)
+
     def token_rows(self, t_idx: torch.Tensor, k_idx: torch.Tensor, g: torch.Tensor, counts: torch.Tensor, T: int,
                    K: int) -> tuple:
-        """One low-latency row per (token, destination rank) from the pairs of ``_pair_order``.
+        """One low-latency row per (token, destination rank) from the pairs of :meth:`pair_order`.
 
         Returns, per destination rank, the tokens of its rows (ascending) and their [rows, 1 + 2K] int32 meta
         items: the number m of the token's pairs on that rank, then per pair ``(local expert << 8) | top-k

@@ -30,7 +30,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 11
+API_VERSION = 12
 
 
 def _matches() -> bool:
@@ -179,6 +179,26 @@ class NativeEngine(TorchEngine):
                            0 if meta_out is None else meta_out.data_ptr(), meta_bytes, meta_stride,
                            0 if src_out is None else src_out.data_ptr(), tuple(fields))
         return True
+
+    def pair_order(self, topk_idx: torch.Tensor, E: int) -> tuple:
+        if not (_contiguous_int64(topk_idx) and topk_idx.dim() == 2):
+            return super().pair_order(topk_idx, E)
+        T, K = topk_idx.shape
+        pairs = torch.empty(3, T * K, dtype=torch.int64)
+        pos = torch.empty(T, K, dtype=torch.int64)
+        counts = torch.empty(E, dtype=torch.int64)
+        n = _native.pair_order(topk_idx.data_ptr(), T, K, E, pairs[0].data_ptr(), pairs[1].data_ptr(),
+                               pairs[2].data_ptr(), pos.data_ptr(), counts.data_ptr())
+        t_idx, k_idx, g = pairs[:, :n]
+        return t_idx, k_idx, g, counts, pos
+
+    def segment_rows(self, first: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
+        first, counts = first.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()
+        if first.numel() != counts.numel():
+            raise ValueError("segment_rows: first and counts differ in length")
+        out = torch.empty(n, dtype=torch.int64)
+        _native.segment_rows(first.data_ptr(), counts.data_ptr(), counts.numel(), out.data_ptr(), n)
+        return out
 
     def token_rows(self, t_idx: torch.Tensor, k_idx: torch.Tensor, g: torch.Tensor, counts: torch.Tensor, T: int,
                    K: int) -> tuple:

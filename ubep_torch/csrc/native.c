@@ -29,7 +29,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 11             /* bumped whenever a function's arguments change */
+#define API_VERSION 12             /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -309,6 +309,91 @@ static PyObject *unpack_items(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* pair_order(topk, T, K, E, t_out, k_out, g_out, pos_out, counts_out) -> number of pairs n
+ *
+ * Low-latency routing in one pass. topk is [T, K] int64 with values in [-1, E) (-1: no expert); a token may
+ * name an expert once. The n (token, slot) pairs with an expert, sorted by expert, then token, then slot
+ * (a counting sort, stable in token-major order), go to t_out, k_out and g_out (int64, room for T * K);
+ * pos_out ([T, K] int64) receives every pair's index in that order, 0 for empty slots; counts_out (int64,
+ * E) the pairs per expert. A value out of range or an expert named twice by one token: ValueError,
+ * nothing written. */
+static PyObject *pair_order(PyObject *self, PyObject *args) {
+    unsigned long long topk_p, t_p, k_p, g_p, pos_p, cnt_p;
+    Py_ssize_t T, K, E;
+    if (!PyArg_ParseTuple(args, "KnnnKKKKK", &topk_p, &T, &K, &E, &t_p, &k_p, &g_p, &pos_p, &cnt_p))
+        return NULL;
+    const int64_t *topk = (const int64_t *)(uintptr_t)topk_p;
+    int64_t *t_out = (int64_t *)(uintptr_t)t_p, *k_out = (int64_t *)(uintptr_t)k_p;
+    int64_t *g_out = (int64_t *)(uintptr_t)g_p, *pos = (int64_t *)(uintptr_t)pos_p;
+    int64_t *counts = (int64_t *)(uintptr_t)cnt_p;
+    for (Py_ssize_t t = 0; t < T; t++) {
+        const int64_t *row = topk + t * K;
+        for (Py_ssize_t k = 0; k < K; k++) {
+            if (row[k] < -1 || row[k] >= E) {
+                PyErr_Format(PyExc_ValueError, "topk_idx[%zd, %zd] = %lld is outside [-1, %zd)", t, k,
+                             (long long)row[k], E);
+                return NULL;
+            }
+            for (Py_ssize_t j = 0; j < k; j++)
+                if (row[k] >= 0 && row[j] == row[k]) {
+                    PyErr_Format(PyExc_ValueError, "topk_idx lists the same expert twice for one token "
+                                 "(token %zd, expert %lld)", t, (long long)row[k]);
+                    return NULL;
+                }
+        }
+    }
+    memset(counts, 0, sizeof(int64_t) * (size_t)E);
+    for (Py_ssize_t i = 0; i < T * K; i++)
+        if (topk[i] >= 0) counts[topk[i]]++;
+    int64_t *next = PyMem_Malloc(sizeof(int64_t) * (size_t)(E ? E : 1));
+    if (next == NULL) return PyErr_NoMemory();
+    int64_t n = 0;
+    for (Py_ssize_t e = 0; e < E; e++) {
+        next[e] = n;
+        n += counts[e];
+    }
+    for (Py_ssize_t t = 0; t < T; t++)
+        for (Py_ssize_t k = 0; k < K; k++) {
+            const int64_t v = topk[t * K + k];
+            if (v < 0) {
+                pos[t * K + k] = 0;
+                continue;
+            }
+            const int64_t i = next[v]++;
+            t_out[i] = t;
+            k_out[i] = k;
+            g_out[i] = v;
+            pos[t * K + k] = i;
+        }
+    PyMem_Free(next);
+    return PyLong_FromLongLong(n);
+}
+
+/* segment_rows(first, counts, nseg, out, n): segment s holds counts[s] rows starting at row first[s];
+ * their row indices, segments end to end, go to out (int64, n = sum of counts, checked). */
+static PyObject *segment_rows(PyObject *self, PyObject *args) {
+    unsigned long long first_p, cnt_p, out_p;
+    Py_ssize_t nseg, n;
+    if (!PyArg_ParseTuple(args, "KKnKn", &first_p, &cnt_p, &nseg, &out_p, &n)) return NULL;
+    const int64_t *first = (const int64_t *)(uintptr_t)first_p, *counts = (const int64_t *)(uintptr_t)cnt_p;
+    int64_t *out = (int64_t *)(uintptr_t)out_p;
+    int64_t total = 0;
+    for (Py_ssize_t s = 0; s < nseg; s++) {
+        if (counts[s] < 0) {
+            PyErr_SetString(PyExc_ValueError, "segment_rows: a negative count");
+            return NULL;
+        }
+        total += counts[s];
+    }
+    if (total != n) {
+        PyErr_Format(PyExc_ValueError, "segment_rows: counts sum to %lld, not %zd", (long long)total, n);
+        return NULL;
+    }
+    for (Py_ssize_t s = 0; s < nseg; s++)
+        for (int64_t i = 0; i < counts[s]; i++) *out++ = first[s] + i;
     Py_RETURN_NONE;
 }
 
@@ -613,6 +698,8 @@ static PyMethodDef methods[] = {
     {"arrived_rows", arrived_rows, METH_VARARGS, "end of the run of complete rows from a start row"},
     {"unpack", unpack, METH_VARARGS, "copy arrived rows' payload, meta items and source tokens out"},
     {"copy_rows", copy_rows, METH_VARARGS, "row gather-scatter between plain tensors"},
+    {"pair_order", pair_order, METH_VARARGS, "low-latency (token, slot) pairs sorted by expert"},
+    {"segment_rows", segment_rows, METH_VARARGS, "row indices of segments laid end to end"},
     {"token_rows", token_rows, METH_VARARGS, "rows and meta items of one-row-per-token low-latency dispatch"},
     {"unpack_items", unpack_items, METH_VARARGS, "low-latency Token-Reordering of one-row-per-token rows"},
     {"accumulate_bf16", accumulate_bf16, METH_VARARGS, "one source of the general bf16 normal combine"},
