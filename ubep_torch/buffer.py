@@ -1306,8 +1306,7 @@ class Buffer:
         bounds = [0]
         for c in counts_l:
             bounds.append(bounds[-1] + sum(c))
-        # staging holds one row per token; the per-pair top-k slot is patched into each destination slot
-        staging_fields = fields_data
+        # staging holds one row per token with zero meta items; each destination slot gets its items patched in
         src_index = self.engine.arange(T)
         send_idx = [t_idx[bounds[d]:bounds[d + 1]] for d in range(R)]
         pair_k = [k_idx[bounds[d]:bounds[d + 1]] for d in range(R)]
@@ -1319,8 +1318,7 @@ class Buffer:
         rid = P.REGION_LL_DISPATCH
         epoch = self._next_epoch(rid)
         half, flag = region.half(epoch), P.flag_word(epoch, rid)
-        meta = torch.zeros(T, fmt.meta_words, dtype=torch.int32)
-        staging, checked, row_sums = eng.stage_rows(fmt, staging_fields, meta, src_index, me)
+        staging, checked, row_sums = eng.stage_rows(fmt, fields_data, None, src_index, me)
         self._wait_acks(rid, epoch)
         nctrl = P.ctrl_blocks(E_local)
         sig = fmt.signature()
@@ -1376,14 +1374,13 @@ class Buffer:
                 if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
                     self._broken = "layout mismatch"
                     raise UBEPError(f"rank {s} sent low-latency rows of a different layout than rank {me} expects")
-            cnt = torch.tensor([ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + E_local] for s in range(R)],
-                               dtype=torch.int64).view(R, E_local)
-            return_slot.copy_(torch.tensor([ctrl_words[s][P.CTRL_RETURN_SLOT] for s in range(R)], dtype=torch.int64))
-            if cnt.numel() and (int(cnt.max()) > N or int(cnt.min()) < 0):
+            cnt_l = [ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + E_local] for s in range(R)]     # [R][E_l]
+            slots_l = [ctrl_words[s][P.CTRL_RETURN_SLOT] for s in range(R)]
+            if any(c > N or c < 0 for row in cnt_l for c in row):
                 self._broken = "bad counts"
                 raise UBEPError(f"a peer announced per-expert counts outside [0, {N}] (corrupted control message)")
             nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
-            pairs = cnt.sum(1).tolist()
+            pairs = [sum(row) for row in cnt_l]
             for s in range(R):     # one row per token, holding 1..K of its pairs (dedup), or one per pair
                 if dedup:
                     ok = nrows[s] == pairs[s] == 0 or 0 < nrows[s] <= min(N, pairs[s]) <= pairs[s] <= nrows[s] * K
@@ -1393,22 +1390,32 @@ class Buffer:
                     self._broken = "bad row count"
                     raise UBEPError(f"rank {s} announced {nrows[s]} low-latency rows for {pairs[s]} (token, expert) "
                                     f"pairs (corrupted control message)")
-            if bool(((return_slot < 0) | (return_slot + cnt.sum(1) > N * K)).any()):
+            if any(slot < 0 or slot + p > N * K for slot, p in zip(slots_l, pairs)):
                 self._broken = "bad return slots"
                 raise UBEPError("a peer announced return slots outside its low-latency combine slots "
                                 "(corrupted control message, or top-k widths differ between ranks)")
-            # CalCumSum: packed begin of every (expert, source) in recv_x
-            begin = torch.cumsum(cnt, 0) - cnt                       # [R, E_l]
-            layout_range.copy_((begin.t() << 32) | cnt.t())
-            recv_count.copy_(cnt.sum(0).to(torch.int32))
-            src_off = torch.cumsum(cnt, 1) - cnt                     # row offset of expert e in source s's part
+            return_slot.copy_(torch.tensor(slots_l, dtype=torch.int64))
+            # CalCumSum: packed begin of every (expert, source) in recv_x, and the row offset of expert e in
+            # source s's part (a handful of ints: Python lists, then one tensor each)
+            begin_l, off_l, run = [], [], [0] * E_local
+            for row in cnt_l:
+                begin_l.append(run)
+                run = [a + b for a, b in zip(run, row)]
+                acc, offs = 0, []
+                for c in row:
+                    offs.append(acc)
+                    acc += c
+                off_l.append(offs)
+            cnt, begin = torch.tensor(cnt_l, dtype=torch.int64), torch.tensor(begin_l, dtype=torch.int64)
+            layout_range.copy_(torch.tensor([[(begin_l[s][e] << 32) | cnt_l[s][e] for s in range(R)]
+                                             for e in range(E_local)], dtype=torch.int64))
+            recv_count.copy_(torch.tensor(run, dtype=torch.int32))
             done = set()
             # Kernel engines run CalCumSum + Token-Reordering as one launch (count AIVs publish each source's
             # offsets, reorder AIVs start on that point-to-point signal); the wait for arrival stays here,
             # with its deadline, so the launch never spins on a slow peer.
             in_kernel = getattr(eng, "ll_receive", None) is not None and not use_fp8 and self.sync in ("tff", "sp")
 
-            cnt_l, off_l, begin_l = cnt.tolist(), src_off.tolist(), begin.tolist()
             flat_info, flat_k = src_info.view(-1), src_k.view(-1)
             flat_outs = [P.as_bytes(recv_x.view(E_local * R * N, -1))] + (
                 [P.as_bytes(recv_sc.view(E_local * R * N, -1))] if recv_sc is not None else [])
@@ -1426,7 +1433,8 @@ class Buffer:
                     flat_k[at] = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
 
             progress = [0] * R
-            item_base = [(experts * (R * N) + begin[s]).contiguous() for s in range(R)] if dedup else None
+            item_base = [torch.tensor([e * (R * N) + begin_l[s][e] for e in range(E_local)], dtype=torch.int64)
+                         for s in range(R)] if dedup else None
 
             def reorder_items(s: int, rows: torch.Tensor) -> None:
                 """Token rows of source s to every (expert, position) their pairs name."""
@@ -1629,8 +1637,6 @@ class Buffer:
                              f"needed; use num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E, max(K, 1))}")
         self._check_in_flight(P.REGION_LL_COMBINE)
         rid = P.REGION_LL_COMBINE
-        cnt = (layout_range & 0xFFFFFFFF)            # [E_local, R]
-        begin = layout_range >> 32
         # Rows going back to source s: for every local expert, its packed segment from s. They go back as
         # one contiguous run starting at the slot s named in its dispatch control message, in dispatch
         # order, so every segment is a strided copy out of x (no gather, no scatter).
@@ -1640,9 +1646,13 @@ class Buffer:
             xs = xs.contiguous()
         epoch = self._next_epoch(rid)
         half, flag = region.half(epoch), P.flag_word(epoch, rid)
-        seg_start = (torch.arange(E_local, dtype=torch.int64) * (R * N)).unsqueeze(1) + begin   # [E_local, R]
-        per_host = cnt.sum(0).tolist()                       # rows going back to each source
-        all_rows = eng.segment_rows(seg_start.t().reshape(-1), cnt.t().reshape(-1), sum(per_host))  # source-major
+        # (source, expert) segments, source-major: first row in xs and length (layout_range: begin << 32 | count)
+        ranges = layout_range.t().tolist()
+        first = [e * (R * N) + (v >> 32) for row in ranges for e, v in enumerate(row)]
+        lengths = [v & 0xFFFFFFFF for row in ranges for v in row]
+        per_host = [sum(lengths[s * E_local:(s + 1) * E_local]) for s in range(R)]   # rows back to each source
+        all_rows = eng.segment_rows(torch.tensor(first, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64),
+                                    sum(per_host))
         per_src = list(all_rows.split(per_host))
         direct = eng.direct_rows
         # engines that read this rank's own rows straight from x in the reduction: they skip the slots

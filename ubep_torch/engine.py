@@ -142,7 +142,7 @@ class TorchEngine:
         Args:
             fmt: the row format.
             fields: per field a [n, nbytes] uint8 tensor (the payload streams, e.g. x and fp8 scales).
-            meta: [n, fmt.meta_words] int32 meta items (or None when ``fmt.meta_words == 0``).
+            meta: [n, fmt.meta_words] int32 meta items (None: zero items).
             src_index: [n] int64 source token index (goes into the meta head).
             rank: this rank (TFF head word 3).
         Returns:
@@ -175,7 +175,7 @@ class TorchEngine:
         head[:, 3] = rank
         meta_area = staging[:, 0, P.FLAG_BYTES:].view(torch.int32)
         meta_area.zero_()
-        if fmt.meta_words:
+        if fmt.meta_words and meta is not None:
             meta_area[:, : fmt.meta_words] = meta
         checked = None
         row_sums = None
