@@ -735,11 +735,10 @@ class Buffer:
             derived["send_idx"] = [is_token_in_rank[:, d].nonzero().squeeze(1) for d in range(R)]
         send_idx = derived["send_idx"]
         meta = None
-        if K:
-            meta = torch.empty(T, fmt.meta_words, dtype=torch.int32)
-            meta[:, :K] = topk_idx.to(torch.int32)
+        if K:   # meta items: the K global expert ids, then the weights' bits
+            meta = topk_idx.to(torch.int32)
             if weights is not None:
-                meta[:, K:].copy_(P.fresh(weights).view(torch.int32).view(T, K * wsz))
+                meta = torch.cat((meta, P.fresh(weights).view(torch.int32).view(T, K * wsz)), 1)
         fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
         src_index = self.engine.arange(T)
         if "counts" not in derived:
@@ -773,8 +772,8 @@ class Buffer:
             if recv_scales is not None:
                 torch.index_select(scales, 0, sel, out=recv_scales[o:o + n])
             if meta is not None:
-                recv_meta[o:o + n] = meta.index_select(0, sel)
-            recv_src_idx[o:o + n] = sel.to(torch.int32)
+                torch.index_select(meta, 0, sel, out=recv_meta[o:o + n])
+            recv_src_idx[o:o + n].copy_(sel)
 
         self._receive_rows(P.REGION_DISPATCH, fmt, recv, off_l, outs, recv_meta, recv_src_idx,
                            local_copy=local_copy)
@@ -791,7 +790,7 @@ class Buffer:
         if num_worst_tokens:
             count_list: List[int] = []
         else:
-            per_expert = [sum(c[e] for c in recv["counts"]) for e in range(E_local)]
+            per_expert = [sum(col) for col in zip(*recv["counts"])]
             count_list = [-(-c // expert_alignment) * expert_alignment for c in per_expert]
 
         # DeepEP-shaped handle
@@ -955,7 +954,7 @@ class Buffer:
         nctrl = P.ctrl_blocks(extra_ctrl)
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after Token-Sending"))
-        none = torch.zeros(0, dtype=torch.int64)
+        none = eng.span(0, 0)
         for i in range(R):
             d = (me + i) % R
             peer = self._peer_mem[d]
@@ -1330,7 +1329,7 @@ class Buffer:
         # torch and C paths: this rank's own rows skip the slots (the receive side copies them straight from
         # x); the kernels' decomposed receive reads every source from the slots
         local_direct = eng.direct_rows
-        none = torch.zeros(0, dtype=torch.int64)
+        none = eng.span(0, 0)
         for i in range(R):
             d = (me + i) % R
             peer = self._peer_mem[d]

@@ -212,11 +212,13 @@ class TorchEngine:
         nb = fmt.blocks
         sync = fmt.sync
         pay = P.payload_per_block(sync)
-        # head words and meta blocks that depend only on (token, block, rank): kept between calls
+        # head words and meta blocks that depend only on (token, block, rank): kept between calls; a kept
+        # block with meta items gets all of them rewritten by every call (the stores copy it synchronously)
         reusable = src_index is self._spans.get((0, n))
-        constant_meta = reusable and meta is None and sync != "sp"
-        key = ("meta", n, nb, rank, sync, fmt.meta_words)
-        meta_blk = self._scratch.get(key) if constant_meta else None
+        keep = reusable and sync != "sp"
+        items = fmt.meta_words if meta is not None else 0
+        key = ("meta", n, nb, rank, sync, fmt.meta_words, items)
+        meta_blk = self._scratch.get(key) if keep else None
         if meta_blk is None:
             with torch.inference_mode(False):
                 meta_blk = torch.zeros(n, P.BLOCK_BYTES, dtype=torch.uint8)
@@ -225,10 +227,10 @@ class TorchEngine:
             mw[:, 3] = rank
             if sync != "tff":
                 mw[:, 0] = P.ROW_MAGIC
-            if fmt.meta_words and meta is not None:
-                meta_blk[:, P.FLAG_BYTES:].view(torch.int32)[:, : fmt.meta_words] = meta
-            if constant_meta:
+            if keep:
                 self._scratch[key] = meta_blk
+        if items:
+            meta_blk[:, P.FLAG_BYTES:].view(torch.int32)[:, :items] = meta
         mw = meta_blk.view(torch.int64)
         parts = []          # per field: (first block, full blocks, data, bytes in the last partial block)
         for i, data in enumerate(fields):
