@@ -315,11 +315,11 @@ class Buffer:
                                    agree={"num_nvl_bytes": self.num_nvl_bytes,
                                           "num_rdma_bytes": self.num_rdma_bytes,
                                           "low_latency_mode": self.low_latency_mode, "sync": sync})
-        self._aux_words = self._heap.local[:aux].view(torch.int64)
-        # views of every rank's memory and aux words, made once (slicing a view per access costs more than
-        # the small stores through it)
+        # views of every rank's memory and aux words, made once; the aux words (acks, SyncAll counters,
+        # abort flags) as numpy arrays, whose single-word loads and stores cost far less than a tensor's
+        self._aux_words = self._heap.local[:aux].view(torch.int64).numpy()
         self._peer_mem = [self._heap.peer(r) for r in range(R)]
-        self._peer_words = [m[:aux].view(torch.int64) for m in self._peer_mem]
+        self._peer_words = [m[:aux].view(torch.int64).numpy() for m in self._peer_mem]
         self._epoch = {rid: 0 for rid in self._regions}
         self._barrier_count = 0
         self._broken: Optional[str] = None
