@@ -518,7 +518,10 @@ class Buffer:
             self.on_report(kind, rep)
 
     # ================================================================== validation helpers
-    def _check_topk(self, topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx") -> torch.Tensor:
+    def _check_topk(self, topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx",
+                    values: bool = True) -> torch.Tensor:
+        """``topk_idx`` as a contiguous CPU int64 [T, K] tensor, its type and shape checked, and (``values``)
+        every id in [-1, num_experts); callers that pass ``values=False`` check the ids themselves."""
         if not isinstance(topk_idx, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(topk_idx).__name__}")
         if topk_idx.dtype not in (torch.int64, torch.int32):
@@ -528,7 +531,7 @@ class Buffer:
         if topk_idx.device.type != "cpu":
             topk_idx = topk_idx.cpu()
         topk_idx = topk_idx.to(torch.int64).contiguous()
-        if topk_idx.numel():
+        if values and topk_idx.numel():
             lo, hi = int(topk_idx.min()), int(topk_idx.max())
             if lo < -1 or hi >= num_experts:
                 raise ValueError(f"{name} values must be in [-1, {num_experts}); got min {lo}, max {hi} "
@@ -1268,7 +1271,7 @@ class Buffer:
             raise ValueError(f"use_fp8 needs a hidden size divisible by 128, got {H}")
         if use_ue8m0 and H % 512:
             raise ValueError(f"use_ue8m0 needs a hidden size divisible by 512, got {H}")
-        topk_idx = self._check_topk(topk_idx, E)
+        topk_idx = self._check_topk(topk_idx, E, values=False)    # ids: checked by pair_order below
         if topk_idx.shape[0] != T:
             raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {T}")
         K = topk_idx.shape[1]
@@ -1357,7 +1360,7 @@ class Buffer:
                                   topk_snapshot=topk_idx.clone())
         self._recent_ll_handles.append(handle)
         pending = _Pending("low_latency_dispatch", epoch)
-        state = {"wait_ns": torch.zeros(R, dtype=torch.int64)}
+        wait_ns = [0] * R            # per source: ns from the start of the receive until its rows were in
 
         def receive():
             if pending.done:
@@ -1452,7 +1455,7 @@ class Buffer:
                     n = sum(cnt_l[s])
                     segs = [(e, off_l[s][e], begin_l[s][e], cnt_l[s][e]) for e in range(E_local) if cnt_l[s][e]]
                     if s == me and local_direct:
-                        state["wait_ns"][s] += time.perf_counter_ns() - t0
+                        wait_ns[s] += time.perf_counter_ns() - t0
                         idx = send_idx[me]
                         at = place(s, n) if n else None
                         flat = E_local * R * N
@@ -1481,7 +1484,7 @@ class Buffer:
                         if end < m:
                             missing.append(s)
                             continue
-                        state["wait_ns"][s] += time.perf_counter_ns() - t0
+                        wait_ns[s] += time.perf_counter_ns() - t0
                         eng.rearm(fmt, rows)
                         done.add(s)
                         self._send_ack(rid, s, epoch)
@@ -1490,7 +1493,7 @@ class Buffer:
                     if not eng.rows_arrived(fmt, rows, flag, ctrl_words[s][P.CTRL_CHECKSUM]):
                         missing.append(s)
                         continue
-                    state["wait_ns"][s] += time.perf_counter_ns() - t0
+                    wait_ns[s] += time.perf_counter_ns() - t0
                     if in_kernel:
                         done.add(s)
                         continue
@@ -1522,7 +1525,7 @@ class Buffer:
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count.to(cumulative_local_expert_recv_stats.dtype))
             if dispatch_wait_recv_cost_stats is not None:
-                dispatch_wait_recv_cost_stats.add_(state["wait_ns"].to(dispatch_wait_recv_cost_stats.dtype))
+                dispatch_wait_recv_cost_stats.add_(torch.tensor(wait_ns, dtype=dispatch_wait_recv_cost_stats.dtype))
             pending.done = True
             self._pending = [p for p in self._pending if not p.done]
             self._report("low_latency_dispatch", topk_idx, E, H, fmt.fields[0][1] + (
@@ -1702,16 +1705,18 @@ class Buffer:
                 if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
                     self._broken = "layout mismatch"
                     raise UBEPError(f"rank {s} sent low-latency combine rows of a different layout")
-            per_host = handle.sent_counts.sum(1)
-            nrows = torch.tensor([ctrl_words[s][P.CTRL_NROWS] for s in range(R)], dtype=torch.int64)
-            if not torch.equal(nrows, per_host):
+            per_host = handle.sent_counts.sum(1).tolist()
+            nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
+            if nrows != per_host:
                 self._broken = "combine row counts"
-                raise UBEPError(f"low_latency_combine on rank {me}: hosts announced {nrows.tolist()} rows, this "
-                                f"rank dispatched {per_host.tolist()} (corrupted control message)")
+                raise UBEPError(f"low_latency_combine on rank {me}: hosts announced {nrows} rows, this "
+                                f"rank dispatched {per_host} (corrupted control message)")
             rows = region.rows(local, half, 0, fmt, n_valid)
             # each host's rows form one run of slots, in rank order; own rows that skipped the slots
             # (own_direct) are slots [lo, hi) and are not polled
-            bounds = [0] + torch.cumsum(per_host, 0).tolist()
+            bounds = [0]
+            for c in per_host:
+                bounds.append(bounds[-1] + c)
             lo, hi = (bounds[me], bounds[me + 1]) if own_direct else (0, 0)
             pending_hosts = [h for h in range(R) if bounds[h + 1] > bounds[h] and not (own_direct and h == me)]
             if self.sync == "dc":

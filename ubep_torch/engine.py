@@ -482,10 +482,14 @@ class TorchEngine:
         """Low-latency (token, slot) pairs with an expert, sorted by expert (so by destination rank and local
         expert), then token, then slot: the order rows are dispatched in and returned to by combine.
 
-        ``topk_idx`` is a checked [T, K] int64 routing with values in [-1, E). Returns ``(t_idx, k_idx,
+        ``topk_idx`` is a contiguous [T, K] int64 routing, -1 for an empty slot. Returns ``(t_idx, k_idx,
         expert, counts [E], pos [T, K])``, all int64: ``pos`` holds every pair's index in that order (0 for
-        an empty slot). ValueError when a token names one expert twice."""
+        an empty slot). ValueError when an id lies outside [-1, E) or a token names one expert twice."""
         T, K = topk_idx.shape
+        if topk_idx.numel():
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            if lo < -1 or hi >= E:
+                raise ValueError(f"topk_idx values must be in [-1, {E}); got min {lo}, max {hi}")
         if K > 1 and T:
             srt = topk_idx.sort(dim=1).values
             if bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
