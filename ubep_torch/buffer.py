@@ -1421,11 +1421,13 @@ class Buffer:
             flat_info, flat_k = src_info.view(-1), src_k.view(-1)
             flat_outs = [P.as_bytes(recv_x.view(E_local * R * N, -1))] + (
                 [P.as_bytes(recv_sc.view(E_local * R * N, -1))] if recv_sc is not None else [])
-            experts = torch.arange(E_local, dtype=torch.int64)
+            # flat recv_x row where each (source, local expert) segment begins
+            seg_first = [torch.tensor([e * (R * N) + begin_l[s][e] for e in range(E_local)], dtype=torch.int64)
+                         for s in range(R)]
 
             def place(s: int, n: int) -> torch.Tensor:
                 """Flat recv_x row of each of source s's n rows (expert-major segments, dispatch order)."""
-                return eng.segment_rows(experts * (R * N) + begin[s], cnt[s], n)
+                return eng.segment_rows(seg_first[s], cnt[s], n)
 
             def place_source_info(s: int, rows: torch.Tensor) -> None:
                 """Source token (head word 1) and top-k slot (meta item 0) of source s's arrived rows."""
@@ -1435,13 +1437,11 @@ class Buffer:
                     flat_k[at] = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, 0]
 
             progress = [0] * R
-            item_base = [torch.tensor([e * (R * N) + begin_l[s][e] for e in range(E_local)], dtype=torch.int64)
-                         for s in range(R)] if dedup else None
 
             def reorder_items(s: int, rows: torch.Tensor) -> None:
                 """Token rows of source s to every (expert, position) their pairs name."""
                 try:
-                    eng.unpack_items(fmt, rows, K, item_base[s], cnt[s], flat_outs, flat_info, flat_k)
+                    eng.unpack_items(fmt, rows, K, seg_first[s], cnt[s], flat_outs, flat_info, flat_k)
                 except ValueError as e:
                     self._broken = "bad low-latency rows"
                     raise UBEPError(f"low_latency_dispatch on rank {me}: rank {s} sent rows that do not match its "

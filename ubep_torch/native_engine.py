@@ -11,9 +11,10 @@ the slots, scattered straight to their final rows), and the two bf16 reductions 
 combine, low-latency weighted combine), each one pass over the rows instead of several torch operators.
 The count group's control messages (write, poll, read-back), the general bf16 combine of three or more
 sources and the low-latency routing (pairs sorted by expert, per-expert counts, combine slots, one row per
-(token, destination rank) with its meta items, segment row lists) run in C too. Everything else (DC/SP/SW rows, other dtypes, CalCumSum, the call bookkeeping) is
-the inherited torch implementation. Memory contents and outputs are bit-identical to ``TorchEngine``
-(``tests/test_native_engine.py``); ``ubep_torch/csrc/native.c`` states the memory-ordering argument.
+(token, destination rank) with its meta items, segment row lists) run in C too. Everything else (DC/SP/SW
+rows, other dtypes, CalCumSum, the call bookkeeping) is the inherited torch implementation. Memory
+contents and outputs are bit-identical to ``TorchEngine`` (``tests/test_native_engine.py``);
+``ubep_torch/csrc/native.c`` states the memory-ordering argument.
 """
 from __future__ import annotations
 
