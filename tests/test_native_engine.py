@@ -201,6 +201,33 @@ def test_pair_order_refuses_bad_routing(topk, msg):
 
 
 @needs_native
+@pytest.mark.parametrize("wdtype", [None, torch.float32, torch.float64])
+@pytest.mark.parametrize("lo,valid", [(0, 20), (4, 20), (8, 13)])
+def test_local_topk_same_on_both_engines(wdtype, lo, valid):
+    """Received global ids become this rank's local ids (-1 elsewhere, and past the valid rows); weights
+    follow them, zero where the id is -1."""
+    K, E_local, rows = 3, 4, 20
+    wsz = 0 if wdtype is None else torch.finfo(wdtype).bits // 32
+    g = torch.randint(-1, 12, (rows, K), dtype=torch.int32, generator=torch.Generator().manual_seed(lo))
+    w = torch.rand(rows, K, dtype=wdtype or torch.float32)
+    meta = torch.zeros(rows, K + K * wsz + 2, dtype=torch.int32)
+    meta[:, :K] = g
+    if wsz:
+        meta[:, K:K + K * wsz] = w.view(torch.int32).view(rows, K * wsz)
+    ref = TorchEngine().local_topk(meta, K, wdtype, lo, E_local, valid)
+    got = native_engine.NativeEngine().local_topk(meta, K, wdtype, lo, E_local, valid)
+    local = g.to(torch.int64) - lo
+    want = torch.where((local >= 0) & (local < E_local), local, torch.full_like(local, -1))
+    want[valid:] = -1
+    for idx, wts in (ref, got):
+        assert idx.dtype == torch.int64 and torch.equal(idx, want)
+        if wdtype is None:
+            assert wts is None
+        else:
+            assert wts.dtype == wdtype and torch.equal(wts, torch.where(want >= 0, w, torch.zeros_like(w)))
+
+
+@needs_native
 def test_segment_rows_same_on_both_engines():
     first = torch.tensor([40, 0, 7, 100], dtype=torch.int64)
     counts = torch.tensor([3, 0, 2, 4], dtype=torch.int64)

@@ -17,7 +17,7 @@ import functools
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Deque, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -334,7 +334,6 @@ class Buffer:
         self._destroyed = False
         self._out = TensorCache()   # output tensors are reused once the caller has dropped them
         self._layout_cache = None   # (key, layout, watched tensors and their versions) of the last routing
-        self._expert_tables: Dict[int, torch.Tensor] = {}   # E -> global-to-local expert id table
         self.delay_hook: Optional[Callable[[str], None]] = None  # test-only: called at every protocol step
 
     # ================================================================== housekeeping
@@ -782,14 +781,9 @@ class Buffer:
                            local_copy=local_copy)
 
         recv_topk_idx = recv_topk_weights = None
-        if K:
-            # global expert ids -> this rank's local ids; -1 (and experts of other ranks) -> -1, by table
-            # lookup (a fresh int64 tensor with standard strides)
-            recv_topk_idx = self._local_expert_table(E)[recv_meta[:, :K] + 1]
-            if num_worst_tokens:
-                recv_topk_idx[num_recv:] = -1
-            if weights is not None:
-                recv_topk_weights = P.fresh(recv_meta[:, K:]).view(weights.dtype).masked_fill_(recv_topk_idx < 0, 0.0)
+        if K:   # global expert ids -> this rank's local ids (-1 for -1, other ranks' experts and unused rows)
+            recv_topk_idx, recv_topk_weights = self.engine.local_topk(
+                recv_meta, K, None if weights is None else weights.dtype, self.rank * E_local, E_local, num_recv)
         if num_worst_tokens:
             count_list: List[int] = []
         else:
@@ -826,15 +820,6 @@ class Buffer:
             res = out_x, recv_topk_idx, recv_topk_weights, count_list, h, EventOverlap(None)
         self._recent_handles.append(h)
         return res
-
-    def _local_expert_table(self, E: int) -> torch.Tensor:
-        """[E + 1] int64: entry ``g + 1`` is global expert ``g``'s id on this rank, or -1 (g = -1 included)."""
-        table = self._expert_tables.get(E)
-        if table is None:
-            E_local = E // self.group_size
-            g = torch.arange(-1, E, dtype=torch.int64) - self.rank * E_local
-            table = self._expert_tables[E] = g.masked_fill_((g < 0) | (g >= E_local), -1)
-        return table
 
     def _to_expert_major(self, out_x, recv_topk_idx, recv_topk_weights, h, alignment: int, num_recv: int):
         """Token-Reordering into UBEP's expert-major layout (local gather after the exchange)."""

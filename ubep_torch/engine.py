@@ -502,6 +502,20 @@ class TorchEngine:
         pos[t_idx, k_idx] = torch.arange(t_idx.numel(), dtype=torch.int64)
         return t_idx, k_idx, g, torch.bincount(g, minlength=E), pos
 
+    def local_topk(self, meta: torch.Tensor, K: int, wdtype: Optional[torch.dtype], lo: int, E_local: int,
+                   valid_rows: int) -> tuple:
+        """Normal dispatch's received routing from its meta items ([rows, m] int32: K global expert ids, then
+        K weights' bits when ``wdtype`` is given). Returns ``([rows, K] int64 local ids, [rows, K] weights
+        or None)``: the id minus ``lo`` where that lies in [0, E_local) and the row is below ``valid_rows``,
+        else -1, and the weight there (0 where the id is -1)."""
+        g = meta[:, :K].to(torch.int64) - lo
+        g.masked_fill_((g < 0) | (g >= E_local), -1)
+        g[valid_rows:] = -1
+        w = None
+        if wdtype is not None:
+            w = P.fresh(meta[:, K:K + K * (torch.finfo(wdtype).bits // 32)]).view(wdtype).masked_fill_(g < 0, 0.0)
+        return g, w
+
     def segment_rows(self, first: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
         """Rows of consecutive segments laid end to end: segment ``s`` holds ``counts[s]`` rows starting at row
         ``first[s]`` (int64); returns their ``n = counts.sum()`` row indices in segment order."""

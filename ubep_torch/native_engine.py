@@ -32,7 +32,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 12
+API_VERSION = 13
 
 
 def _matches() -> bool:
@@ -193,6 +193,18 @@ class NativeEngine(TorchEngine):
                                pairs[2].data_ptr(), pos.data_ptr(), counts.data_ptr())
         t_idx, k_idx, g = pairs[:, :n]
         return t_idx, k_idx, g, counts, pos
+
+    def local_topk(self, meta: torch.Tensor, K: int, wdtype: Optional[torch.dtype], lo: int, E_local: int,
+                   valid_rows: int) -> tuple:
+        if not (meta.dtype == torch.int32 and meta.dim() == 2 and meta.is_contiguous()):
+            return super().local_topk(meta, K, wdtype, lo, E_local, valid_rows)
+        rows = meta.shape[0]
+        idx = torch.empty(rows, K, dtype=torch.int64)
+        w = None if wdtype is None else torch.empty(rows, K, dtype=wdtype)
+        wsz = 0 if w is None else w.element_size() // 4
+        _native.local_topk(meta.data_ptr(), rows, meta.shape[1], K, wsz, lo, E_local, valid_rows, idx.data_ptr(),
+                           0 if w is None else w.data_ptr())
+        return idx, w
 
     def segment_rows(self, first: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
         first, counts = first.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()

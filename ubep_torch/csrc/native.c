@@ -29,7 +29,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 12             /* bumped whenever a function's arguments change */
+#define API_VERSION 13             /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -372,6 +372,38 @@ static PyObject *pair_order(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(n);
 }
 
+/* local_topk(meta, rows, meta_words, K, wsz, lo, E_local, valid_rows, idx_out, w_out)
+ *
+ * Normal dispatch's received routing: row r's meta items (int32, meta_words per row) hold K global expert
+ * ids, then K weights of wsz 32-bit words each. idx_out[r, k] (int64) becomes the id minus lo when that
+ * lies in [0, E_local) and r < valid_rows, else -1; w_out[r, k] (K * wsz words per row; skipped when 0)
+ * the weight's bits, or zero where the id is -1. */
+static PyObject *local_topk(PyObject *self, PyObject *args) {
+    unsigned long long meta_p, idx_p, w_p;
+    Py_ssize_t rows, mw, K, wsz, lo, E_local, valid_rows;
+    if (!PyArg_ParseTuple(args, "KnnnnnnnKK", &meta_p, &rows, &mw, &K, &wsz, &lo, &E_local, &valid_rows, &idx_p,
+                          &w_p))
+        return NULL;
+    if (K + K * wsz > mw || wsz < 0) {
+        PyErr_SetString(PyExc_ValueError, "local_topk: K ids and weights do not fit the meta items");
+        return NULL;
+    }
+    const int32_t *meta = (const int32_t *)(uintptr_t)meta_p;
+    int64_t *idx = (int64_t *)(uintptr_t)idx_p;
+    int32_t *w = (int32_t *)(uintptr_t)w_p;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const int32_t *m = meta + r * mw;
+        for (Py_ssize_t k = 0; k < K; k++) {
+            const int64_t l = (int64_t)m[k] - lo;
+            const int ok = r < valid_rows && m[k] >= 0 && l >= 0 && l < E_local;
+            idx[r * K + k] = ok ? l : -1;
+            if (w)
+                for (Py_ssize_t j = 0; j < wsz; j++) w[(r * K + k) * wsz + j] = ok ? m[K + k * wsz + j] : 0;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 /* segment_rows(first, counts, nseg, out, n): segment s holds counts[s] rows starting at row first[s];
  * their row indices, segments end to end, go to out (int64, n = sum of counts, checked). */
 static PyObject *segment_rows(PyObject *self, PyObject *args) {
@@ -699,6 +731,7 @@ static PyMethodDef methods[] = {
     {"unpack", unpack, METH_VARARGS, "copy arrived rows' payload, meta items and source tokens out"},
     {"copy_rows", copy_rows, METH_VARARGS, "row gather-scatter between plain tensors"},
     {"pair_order", pair_order, METH_VARARGS, "low-latency (token, slot) pairs sorted by expert"},
+    {"local_topk", local_topk, METH_VARARGS, "received global expert ids and weights to this rank's"},
     {"segment_rows", segment_rows, METH_VARARGS, "row indices of segments laid end to end"},
     {"token_rows", token_rows, METH_VARARGS, "rows and meta items of one-row-per-token low-latency dispatch"},
     {"unpack_items", unpack_items, METH_VARARGS, "low-latency Token-Reordering of one-row-per-token rows"},
