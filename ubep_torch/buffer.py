@@ -739,8 +739,9 @@ class Buffer:
         meta = None
         if K:   # meta items: the K global expert ids, then the weights' bits
             meta = topk_idx.to(torch.int32)
-            if weights is not None:
-                meta = torch.cat((meta, P.fresh(weights).view(torch.int32).view(T, K * wsz)), 1)
+            if weights is not None:   # (a float32 view needs no copy: same element size)
+                bits = weights.view(torch.int32) if wsz == 1 else P.fresh(weights).view(torch.int32).view(T, K * wsz)
+                meta = torch.cat((meta, bits), 1)
         fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
         src_index = self.engine.arange(T)
         if "counts" not in derived:
@@ -765,8 +766,10 @@ class Buffer:
         recv_scales = None
         if scales is not None:
             recv_scales = self._out.zeros((rows_out, scales.shape[1]), torch.float32)
-        recv_meta = torch.zeros(rows_out, fmt.meta_words, dtype=torch.int32)
-        recv_src_idx = torch.zeros(num_recv, dtype=torch.int32)
+        # every received row's meta items and source token are written below (rows past num_recv, with
+        # num_worst_tokens, are masked by local_topk)
+        recv_meta = torch.empty(rows_out, fmt.meta_words, dtype=torch.int32)
+        recv_src_idx = torch.empty(num_recv, dtype=torch.int32)
         outs = [P.as_bytes(recv_x)] + ([P.as_bytes(recv_scales)] if recv_scales is not None else [])
         def local_copy(o: int, n: int) -> None:
             sel = send_idx[self.rank]

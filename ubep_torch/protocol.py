@@ -302,6 +302,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
         row *= d
     if t.numel() == 0:   # empty tensors may carry strides that no dtype view accepts
         return torch.empty(t.shape[0] if t.dim() else 0, row, dtype=torch.uint8)
+    if t.dim() == 2 and t.is_contiguous() and t.stride(1) == 1:
+        return t.view(torch.uint8)       # one view: the last dimension widens to the row's bytes
     t = t.contiguous()
     return t.view(torch.uint8).reshape(t.shape[0], row)
 
