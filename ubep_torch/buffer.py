@@ -773,9 +773,9 @@ class Buffer:
         outs = [P.as_bytes(recv_x)] + ([P.as_bytes(recv_scales)] if recv_scales is not None else [])
         def local_copy(o: int, n: int) -> None:
             sel = send_idx[self.rank]
-            torch.index_select(xd, 0, sel, out=recv_x[o:o + n])
+            self._gather_own_rows(xd, sel, recv_x, o)
             if recv_scales is not None:
-                torch.index_select(scales, 0, sel, out=recv_scales[o:o + n])
+                self._gather_own_rows(scales, sel, recv_scales, o)
             if meta is not None:
                 torch.index_select(meta, 0, sel, out=recv_meta[o:o + n])
             recv_src_idx[o:o + n].copy_(sel)
@@ -823,6 +823,13 @@ class Buffer:
             res = out_x, recv_topk_idx, recv_topk_weights, count_list, h, EventOverlap(None)
         self._recent_handles.append(h)
         return res
+
+    def _gather_own_rows(self, src: torch.Tensor, sel: torch.Tensor, dst: torch.Tensor, o: int) -> None:
+        """``dst[o + i] = src[sel[i]]``: this rank's own rows, straight from the source tensor (one C pass
+        where the engine has it)."""
+        n = sel.numel()
+        if not self.engine.copy_rows(src, sel, dst, self.engine.span(o, o + n)):
+            torch.index_select(src, 0, sel, out=dst[o:o + n])
 
     def _to_expert_major(self, out_x, recv_topk_idx, recv_topk_weights, h, alignment: int, num_recv: int):
         """Token-Reordering into UBEP's expert-major layout (local gather after the exchange)."""
@@ -904,9 +911,9 @@ class Buffer:
         outs = [P.as_bytes(recv_x)] + ([P.as_bytes(recv_scales)] if scales is not None else [])
         def local_copy(o: int, n: int) -> None:
             sel = send_idx[self.rank]
-            torch.index_select(xd, 0, sel, out=recv_x[o:o + n])
+            self._gather_own_rows(xd, sel, recv_x, o)
             if recv_scales is not None:
-                torch.index_select(scales, 0, sel, out=recv_scales[o:o + n])
+                self._gather_own_rows(scales, sel, recv_scales, o)
 
         self._receive_rows(P.REGION_DISPATCH, fmt, recv, base.recv_offsets, outs, None, None,
                            local_copy=local_copy)
