@@ -96,7 +96,7 @@ def debug(ctx):
     ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
     rx, ri, rw, cnt, h, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
                                          num_tokens_per_expert=ntpe, topk_idx=topk)
-    return rx[:, 0].tolist(), ri.tolist(), cnt, h.recv_counts.tolist()
+    return rx[:, 0].tolist(), ri.tolist(), cnt, list(h.recv_counts)
 
 
 def ll_reference(all_x, all_topk, rank, E, N):
@@ -421,7 +421,7 @@ def combine_pair_exact(ctx, sync, dtype=torch.bfloat16, T=12, H=256, seed=5):
     y[recv_x.shape[0] // 2:] = y[recv_x.shape[0] // 2:] * -1  # make the two ranks' rows differ
     comb, _, _ = buf.combine(y, handle)
     # reference: rows from rank s are y_s[t] where y_s is what rank s computed for our tokens
-    all_y = gather((y, handle[3].clone(), handle.recv_offsets.clone()))
+    all_y = gather((y, handle[3].clone(), torch.tensor(handle.recv_offsets)))
     acc = torch.zeros(T, H, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
     for s in range(R):
         ys, src_idx, offs = all_y[s]

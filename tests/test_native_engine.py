@@ -202,6 +202,21 @@ def test_pair_order_refuses_bad_routing(topk, msg):
 
 @needs_native
 @pytest.mark.parametrize("wdtype", [None, torch.float32, torch.float64])
+@pytest.mark.parametrize("T,K", [(0, 4), (1, 1), (37, 8)])
+def test_meta_items_same_on_both_engines(wdtype, T, K):
+    """Normal dispatch's meta items: ids as int32, then the weights' bits, on both engines."""
+    topk = _routing(T, K, 16, seed=T + K)
+    w = None if wdtype is None else torch.rand(T, K, dtype=wdtype)
+    ref = TorchEngine().meta_items(topk, w)
+    got = native_engine.NativeEngine().meta_items(topk, w)
+    assert ref.dtype == got.dtype == torch.int32 and torch.equal(ref, got)
+    assert torch.equal(got[:, :K], topk.to(torch.int32))
+    if w is not None:
+        assert torch.equal(P.fresh(got[:, K:]).view(wdtype), w)
+
+
+@needs_native
+@pytest.mark.parametrize("wdtype", [None, torch.float32, torch.float64])
 @pytest.mark.parametrize("lo,valid", [(0, 20), (4, 20), (8, 13)])
 def test_local_topk_same_on_both_engines(wdtype, lo, valid):
     """Received global ids become this rank's local ids (-1 elsewhere, and past the valid rows); weights

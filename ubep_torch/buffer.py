@@ -125,7 +125,8 @@ class DispatchHandle(tuple):
     ``(rank_prefix_matrix [R, R] int32, channel_prefix_matrix [R, 1] int32 (tokens this rank sent to
     each rank), recv_channel_prefix_matrix [R, 1] int32 (where each source's rows begin in recv_x),
     recv_src_idx [N_recv] int32, is_token_in_rank [T, R] bool, send_head [T, R] int32)``.
-    Attributes carry the rest of the layout (send lists per destination, receive counts and offsets)."""
+    Attributes carry the rest of the layout: send lists per destination, and the rows received from each
+    source and where they begin in recv_x (``recv_counts`` [R], ``recv_offsets`` [R + 1], as Python ints)."""
 
     def __new__(cls, items, **attrs):
         obj = super().__new__(cls, items)
@@ -151,10 +152,9 @@ class DispatchHandle(tuple):
         if bool((counts < 0).any()) or recv_src_idx.numel() != num_recv:
             raise ValueError(f"handle entries disagree: rank_prefix_matrix says {num_recv} received rows, "
                              f"recv_src_idx has {recv_src_idx.numel()}")
-        offsets = torch.zeros(R + 1, dtype=torch.int64)
-        offsets[1:] = col
+        offsets = [0] + col.tolist()
         send_idx = [itr[:, d].nonzero().squeeze(1) for d in range(R)]
-        return cls(items, send_idx=send_idx, recv_counts=counts, recv_offsets=offsets, num_recv=num_recv,
+        return cls(items, send_idx=send_idx, recv_counts=counts.tolist(), recv_offsets=offsets, num_recv=num_recv,
                    num_tokens=itr.shape[0], num_experts=0, num_worst_tokens=0, layout="rank_major",
                    topk_idx=None)
 
@@ -736,12 +736,8 @@ class Buffer:
         if "send_idx" not in derived:
             derived["send_idx"] = [is_token_in_rank[:, d].nonzero().squeeze(1) for d in range(R)]
         send_idx = derived["send_idx"]
-        meta = None
-        if K:   # meta items: the K global expert ids, then the weights' bits
-            meta = topk_idx.to(torch.int32)
-            if weights is not None:   # (a float32 view needs no copy: same element size)
-                bits = weights.view(torch.int32) if wsz == 1 else P.fresh(weights).view(torch.int32).view(T, K * wsz)
-                meta = torch.cat((meta, bits), 1)
+        # meta items: the K global expert ids, then the weights' bits
+        meta = self.engine.meta_items(topk_idx, weights) if K else None
         fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
         src_index = self.engine.arange(T)
         if "counts" not in derived:
@@ -799,8 +795,6 @@ class Buffer:
             run = [a + b for a, b in zip(run, row)]
             prefix.append(run)
         rank_prefix = torch.tensor(prefix, dtype=torch.int32).view(R, R)
-        n_src = torch.tensor(recv["nrows"], dtype=torch.int64)
-        offsets = torch.tensor(off_l, dtype=torch.int64)
         if "send_head" not in derived:
             head = torch.full((T, R), -1, dtype=torch.int32)
             for d in range(R):
@@ -812,7 +806,7 @@ class Buffer:
         recv_channel_prefix = torch.tensor(off_l[:R], dtype=torch.int32).view(R, 1)
         h = DispatchHandle(
             (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank.clone(), send_head),
-            send_idx=send_idx, recv_counts=n_src, recv_offsets=offsets, num_recv=num_recv, num_tokens=T,
+            send_idx=send_idx, recv_counts=list(recv["nrows"]), recv_offsets=off_l, num_recv=num_recv, num_tokens=T,
             num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=topk_idx)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         self._report("dispatch", topk_idx, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0))
@@ -900,9 +894,9 @@ class Buffer:
 
         recv = self._exchange(P.REGION_DISPATCH, fmt, fields_data, None, self.engine.arange(T),
                               send_idx, ctrl_payload)
-        if recv["nrows"] != base.recv_counts.tolist():
+        if recv["nrows"] != base.recv_counts:
             raise UBEPError(f"cached dispatch on rank {self.rank}: peers sent {recv['nrows']} rows, the "
-                            f"handle expects {base.recv_counts.tolist()} (handles from different calls?)")
+                            f"handle expects {base.recv_counts} (handles from different calls?)")
         num_recv = base.num_recv
         rows_out = base.num_worst_tokens or num_recv
         recv_x = self._out.zeros((rows_out, H), xd.dtype) if base.num_worst_tokens else \
@@ -1124,12 +1118,11 @@ class Buffer:
         fmt = P.row_format(self.sync, (("x", H * x.element_size()),), K * wsz)
         fmt.check_fits()
         region = self._region(P.REGION_COMBINE)
-        if int(base.recv_counts.max()) > region.capacity(fmt):
+        if max(base.recv_counts) > region.capacity(fmt):
             raise ValueError(f"combine rows do not fit; create the Buffer with num_nvl_bytes >= "
-                             f"{normal_buffer_bytes(int(base.recv_counts.max()), fmt.row_bytes, R)}")
+                             f"{normal_buffer_bytes(max(base.recv_counts), fmt.row_bytes, R)}")
         # destination d gets back the rows that came from d, in d's send order
-        offsets = base.recv_offsets
-        bounds = offsets.tolist()
+        offsets = bounds = base.recv_offsets
         send_idx = [self.engine.span(bounds[d], bounds[d + 1]) for d in range(R)]
         meta = P.fresh(topk_weights).view(torch.int32).view(-1, K * wsz) if K else None
         src_index = self.engine.arange(base.num_recv)

@@ -502,6 +502,17 @@ class TorchEngine:
         pos[t_idx, k_idx] = torch.arange(t_idx.numel(), dtype=torch.int64)
         return t_idx, k_idx, g, torch.bincount(g, minlength=E), pos
 
+    def meta_items(self, topk_idx: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+        """Normal dispatch's [T, K + K * w] int32 meta items: the [T, K] int64 expert ids as int32, then the
+        [T, K] weights' bits (w = 1 for float32, 2 for float64; none without weights)."""
+        T, K = topk_idx.shape
+        meta = topk_idx.to(torch.int32)
+        if weights is not None:   # (a float32 view needs no copy: same element size)
+            wsz = weights.element_size() // 4
+            bits = weights.view(torch.int32) if wsz == 1 else P.fresh(weights).view(torch.int32).view(T, K * wsz)
+            meta = torch.cat((meta, bits), 1)
+        return meta
+
     def local_topk(self, meta: torch.Tensor, K: int, wdtype: Optional[torch.dtype], lo: int, E_local: int,
                    valid_rows: int) -> tuple:
         """Normal dispatch's received routing from its meta items ([rows, m] int32: K global expert ids, then

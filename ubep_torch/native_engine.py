@@ -32,7 +32,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 13
+API_VERSION = 14
 
 
 def _matches() -> bool:
@@ -193,6 +193,19 @@ class NativeEngine(TorchEngine):
                                pairs[2].data_ptr(), pos.data_ptr(), counts.data_ptr())
         t_idx, k_idx, g = pairs[:, :n]
         return t_idx, k_idx, g, counts, pos
+
+    def meta_items(self, topk_idx: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+        if not (_contiguous_int64(topk_idx) and topk_idx.dim() == 2 and (weights is None or (
+                weights.is_contiguous() and weights.dtype in (torch.float32, torch.float64)
+                and weights.shape == topk_idx.shape))):
+            return super().meta_items(topk_idx, weights)
+        T, K = topk_idx.shape
+        wsz = 0 if weights is None else weights.element_size() // 4
+        out = torch.empty(T, K + K * wsz, dtype=torch.int32)
+        if out.numel():
+            _native.meta_items(topk_idx.data_ptr(), T, K, 0 if weights is None else weights.data_ptr(), wsz,
+                               out.data_ptr())
+        return out
 
     def local_topk(self, meta: torch.Tensor, K: int, wdtype: Optional[torch.dtype], lo: int, E_local: int,
                    valid_rows: int) -> tuple:

@@ -38,7 +38,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 13             /* bumped whenever a function's arguments change */
+#define API_VERSION 14             /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -403,6 +403,25 @@ static PyObject *pair_order(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(n);
 }
 
+/* meta_items(topk, T, K, w, wsz, out): normal dispatch's meta items of T tokens, K + K * wsz int32 words
+ * per row: the K expert ids of topk (int64, values in [-1, E)) as int32, then the K weights' bits (wsz
+ * 32-bit words each, from the contiguous [T, K] weights at w; none when w is 0). */
+static PyObject *meta_items(PyObject *self, PyObject *args) {
+    unsigned long long topk_p, w_p, out_p;
+    Py_ssize_t T, K, wsz;
+    if (!PyArg_ParseTuple(args, "KnnKnK", &topk_p, &T, &K, &w_p, &wsz, &out_p)) return NULL;
+    const int64_t *topk = (const int64_t *)(uintptr_t)topk_p;
+    const int32_t *w = (const int32_t *)(uintptr_t)w_p;
+    int32_t *out = (int32_t *)(uintptr_t)out_p;
+    const Py_ssize_t width = K + (w ? K * wsz : 0);
+    for (Py_ssize_t t = 0; t < T; t++) {
+        int32_t *o = out + t * width;
+        for (Py_ssize_t k = 0; k < K; k++) o[k] = (int32_t)topk[t * K + k];
+        if (w) memcpy(o + K, w + t * K * wsz, sizeof(int32_t) * (size_t)(K * wsz));
+    }
+    Py_RETURN_NONE;
+}
+
 /* local_topk(meta, rows, meta_words, K, wsz, lo, E_local, valid_rows, idx_out, w_out)
  *
  * Normal dispatch's received routing: row r's meta items (int32, meta_words per row) hold K global expert
@@ -763,6 +782,7 @@ static PyMethodDef methods[] = {
     {"unpack", unpack, METH_VARARGS, "copy arrived rows' payload, meta items and source tokens out"},
     {"copy_rows", copy_rows, METH_VARARGS, "row gather-scatter between plain tensors"},
     {"pair_order", pair_order, METH_VARARGS, "low-latency (token, slot) pairs sorted by expert"},
+    {"meta_items", meta_items, METH_VARARGS, "normal dispatch's meta items: expert ids and weight bits"},
     {"local_topk", local_topk, METH_VARARGS, "received global expert ids and weights to this rank's"},
     {"segment_rows", segment_rows, METH_VARARGS, "row indices of segments laid end to end"},
     {"token_rows", token_rows, METH_VARARGS, "rows and meta items of one-row-per-token low-latency dispatch"},
