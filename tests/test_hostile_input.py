@@ -281,3 +281,17 @@ def known_bug(ctx, kind):
                                   "expert-major-without-weights", "empty-outputs-view"])
 def test_former_bug_stays_fixed(pool, kind):
     assert pool.run(known_bug, kind) == [None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_wait_statistics_wrap_instead_of_failing(dtype):
+    """A wait longer than an int32 holds in nanoseconds (~2.1 s) wraps in an int32 statistics tensor, as the
+    tensor's own integer arithmetic does, instead of raising after the exchange and breaking the Buffer."""
+    from ubep_torch.buffer import _add_stats
+    stats = torch.tensor([5, -3], dtype=dtype)
+    waits = [3_000_000_000, 7]
+    _add_stats(stats, waits)
+    want = torch.tensor([5, -3], dtype=dtype) + torch.tensor(waits, dtype=torch.int64).to(dtype)
+    assert stats.dtype == dtype and torch.equal(stats, want)
+    if dtype == torch.int32:
+        assert int(stats[0]) == 5 + 3_000_000_000 - (1 << 32)

@@ -1513,7 +1513,7 @@ class Buffer:
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count.to(cumulative_local_expert_recv_stats.dtype))
             if dispatch_wait_recv_cost_stats is not None:
-                dispatch_wait_recv_cost_stats.add_(torch.tensor(wait_ns, dtype=dispatch_wait_recv_cost_stats.dtype))
+                _add_stats(dispatch_wait_recv_cost_stats, wait_ns)
             pending.done = True
             self._pending = [p for p in self._pending if not p.done]
             self._report("low_latency_dispatch", topk_idx, E, H, fmt.fields[0][1] + (
@@ -1748,6 +1748,14 @@ class Buffer:
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
         self._sync_all("clean_low_latency_buffer: SyncAll")
+
+
+def _add_stats(stats: torch.Tensor, values: List[int]) -> None:
+    """``stats += values`` for a checked int32/int64 statistics tensor and Python ints of any size: the sum
+    wraps like the tensor's own integer arithmetic (an int32 tensor of nanoseconds wraps after ~2.1 s)
+    instead of failing after the exchange."""
+    wrapped = [((v + (1 << 63)) % (1 << 64)) - (1 << 63) for v in values]
+    stats.add_(torch.tensor(wrapped, dtype=torch.int64).to(stats.dtype))
 
 
 def _check_stats(name: str, stats, n: int) -> None:
