@@ -17,6 +17,7 @@ import functools
 import time
 import weakref
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Callable, Deque, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -750,9 +751,7 @@ class Buffer:
         recv = self._exchange(P.REGION_DISPATCH, fmt, fields_data, meta, src_index, send_idx, ctrl_payload,
                               n_counts=E_local, with_matrix=True)
         # ---------------- receive side: CalCumSum and Token-Reordering into the DeepEP layout
-        off_l = [0]
-        for n in recv["nrows"]:
-            off_l.append(off_l[-1] + n)
+        off_l = list(accumulate(recv["nrows"], initial=0))
         num_recv = off_l[-1]
         rows_out = num_worst_tokens if num_worst_tokens else num_recv
         if num_worst_tokens and num_recv > num_worst_tokens:
@@ -1293,9 +1292,7 @@ class Buffer:
         self._check_in_flight(P.REGION_LL_DISPATCH)
         counts = counts.view(R, E_local)
         counts_l = counts.tolist()
-        bounds = [0]
-        for c in counts_l:
-            bounds.append(bounds[-1] + sum(c))
+        bounds = list(accumulate(map(sum, counts_l), initial=0))
         # staging holds one row per token with zero meta items; each destination slot gets its items patched in
         src_index = self.engine.arange(T)
         send_idx = [t_idx[bounds[d]:bounds[d + 1]] for d in range(R)]
@@ -1387,15 +1384,11 @@ class Buffer:
             return_slot.copy_(torch.tensor(slots_l, dtype=torch.int64))
             # CalCumSum: packed begin of every (expert, source) in recv_x, and the row offset of expert e in
             # source s's part (a handful of ints: Python lists, then one tensor each)
-            begin_l, off_l, run = [], [], [0] * E_local
+            begin_l, run = [], [0] * E_local
             for row in cnt_l:
                 begin_l.append(run)
                 run = [a + b for a, b in zip(run, row)]
-                acc, offs = 0, []
-                for c in row:
-                    offs.append(acc)
-                    acc += c
-                off_l.append(offs)
+            off_l = [list(accumulate(row, initial=0))[:-1] for row in cnt_l]
             cnt, begin = torch.tensor(cnt_l, dtype=torch.int64), torch.tensor(begin_l, dtype=torch.int64)
             layout_range.copy_(torch.tensor([[(begin_l[s][e] << 32) | cnt_l[s][e] for s in range(R)]
                                              for e in range(E_local)], dtype=torch.int64))
@@ -1702,14 +1695,11 @@ class Buffer:
             rows = region.rows(local, half, 0, fmt, n_valid)
             # each host's rows form one run of slots, in rank order; own rows that skipped the slots
             # (own_direct) are slots [lo, hi) and are not polled
-            bounds = [0]
-            for c in per_host:
-                bounds.append(bounds[-1] + c)
+            bounds = list(accumulate(per_host, initial=0))
             lo, hi = (bounds[me], bounds[me + 1]) if own_direct else (0, 0)
             pending_hosts = [h for h in range(R) if bounds[h + 1] > bounds[h] and not (own_direct and h == me)]
             if self.sync == "dc":
-                total = sum(ctrl_words[s][P.CTRL_CHECKSUM] for s in range(R))
-                total = ((total + (1 << 63)) % (1 << 64)) - (1 << 63)
+                total = P.wrap_int64(sum(ctrl_words[s][P.CTRL_CHECKSUM] for s in range(R)))
 
                 def poll_rows():
                     return [] if eng.rows_arrived(fmt, rows, flag, total) else pending_hosts
@@ -1754,8 +1744,7 @@ def _add_stats(stats: torch.Tensor, values: List[int]) -> None:
     """``stats += values`` for a checked int32/int64 statistics tensor and Python ints of any size: the sum
     wraps like the tensor's own integer arithmetic (an int32 tensor of nanoseconds wraps after ~2.1 s)
     instead of failing after the exchange."""
-    wrapped = [((v + (1 << 63)) % (1 << 64)) - (1 << 63) for v in values]
-    stats.add_(torch.tensor(wrapped, dtype=torch.int64).to(stats.dtype))
+    stats.add_(torch.tensor([P.wrap_int64(v) for v in values], dtype=torch.int64).to(stats.dtype))
 
 
 def _check_stats(name: str, stats, n: int) -> None:

@@ -18,6 +18,7 @@ contents and outputs are bit-identical to ``TorchEngine`` (``tests/test_native_e
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Optional, Sequence
 
 import torch
@@ -236,9 +237,7 @@ class NativeEngine(TorchEngine):
         per_dest = torch.empty(R, dtype=torch.int64)
         _native.token_rows(t_idx.data_ptr(), k_idx.data_ptr(), g.data_ptr(), g.numel(), T, E_local, R, K,
                            tokens.data_ptr(), items.data_ptr(), per_dest.data_ptr())
-        bounds = [0]
-        for c in per_dest.tolist():
-            bounds.append(bounds[-1] + c)
+        bounds = list(accumulate(per_dest.tolist(), initial=0))
         return ([tokens[bounds[r]:bounds[r + 1]] for r in range(R)],
                 [items[bounds[r]:bounds[r + 1]] for r in range(R)])
 

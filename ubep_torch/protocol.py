@@ -435,6 +435,12 @@ def unpack_bitmap(words: torch.Tensor, nblocks: int) -> torch.Tensor:
     return bits.view(n, nwords * 32)[:, :nblocks].bool()
 
 
+def wrap_int64(v: int) -> int:
+    """A Python int reduced modulo 2**64 into int64's range, as int64 arithmetic wraps."""
+    v = int(v) & ((1 << 64) - 1)
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
 def wrapping_sum(words: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Sum of int64 words modulo 2**64 (torch integer sums wrap on overflow)."""
     return words.sum(dim=dim, dtype=torch.int64)

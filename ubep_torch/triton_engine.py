@@ -237,7 +237,7 @@ class TritonEngine(TorchEngine):
         idx = index.to(torch.int64).contiguous() if index is not None else torch.zeros(1, dtype=torch.int64)
         daf.poll_rows_kernel[(1,)](
             torch.tensor([_addr(rows)], dtype=torch.int64), idx, status, n, nblocks, flag,
-            _wrap64(expected), 1, SYNC=_SYNC[sync], HAS_INDEX=index is not None, NB_BLOCK=_p2(nblocks, 2))
+            P.wrap_int64(expected), 1, SYNC=_SYNC[sync], HAS_INDEX=index is not None, NB_BLOCK=_p2(nblocks, 2))
         return bool(status[0]), int(status[1])
 
     def ctrl_arrived(self, ctrl: torch.Tensor, flag: int) -> bool:
@@ -325,9 +325,6 @@ class TritonEngine(TorchEngine):
         return kdispatch_ll_receive(fmt, ctrl_views, row_views, flag, n_exp, out, n_count, self.max_spins)
 
 
-def _wrap64(v: int) -> int:
-    v = int(v) & ((1 << 64) - 1)
-    return v - (1 << 64) if v >= (1 << 63) else v
 
 
 def _ctrl_words(payload: torch.Tensor, nctrl: int) -> torch.Tensor:
