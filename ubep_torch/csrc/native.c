@@ -70,6 +70,20 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? 0xffffu : rounded);
 }
 
+/* A plain copy of a few hundred bytes (a block's payload, a meta block) with 16 B vector loads and stores:
+ * memcpy's generic path for sizes like 480 B measured about 1.5x slower here when the destination lines
+ * sit in another core's cache (a peer's slots). The tail below 16 B goes through memcpy. */
+static inline void copy_plain(uint8_t *dst, const uint8_t *src, size_t n) {
+#if defined(__x86_64__)
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+    if (i < n) memcpy(dst + i, src + i, n - i);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
 /* fields: a tuple of (address, row stride, payload bytes, first block) per field */
 static int parse_fields(PyObject *tuple, field_t *f, int *nf) {
     if (!PyTuple_Check(tuple)) {
@@ -143,7 +157,7 @@ static PyObject *write_rows(PyObject *self, PyObject *args) {
         int64_t token;
         memcpy(&token, mblk + 8, 8);
         uint8_t *row = dst + i * row_bytes;
-        memcpy(row + 8, mblk + 8, BLOCK_BYTES - 8);
+        copy_plain(row + 8, mblk + 8, BLOCK_BYTES - 8);
         if (patch) memcpy(row + FLAG_BYTES, patch + i * patch_items, (size_t)patch_items * 4);
         publish(row, flag);
         for (int k = 0; k < nf; k++) {
@@ -154,7 +168,7 @@ static PyObject *write_rows(PyObject *self, PyObject *args) {
                 const int64_t head[3] = {token, (int64_t)b, (int64_t)rank};
                 memcpy(blk + 8, head, sizeof(head));
                 const Py_ssize_t take = left < PAYLOAD ? left : PAYLOAD;
-                memcpy(blk + FLAG_BYTES, src, (size_t)take);
+                copy_plain(blk + FLAG_BYTES, src, (size_t)take);
                 if (take < PAYLOAD) memset(blk + FLAG_BYTES + take, 0, (size_t)(PAYLOAD - take));
                 publish(blk, flag);
                 src += take;
@@ -217,7 +231,7 @@ static inline void stream_copy(uint8_t *dst, const uint8_t *src, size_t n) {
         return;
     }
 #endif
-    memcpy(dst, src, n);
+    copy_plain(dst, src, n);
 }
 
 static inline void stream_fence(void) {
