@@ -123,6 +123,13 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     recv_x, recv_count, handle, _, hk = buf.low_latency_dispatch(
         x, topk, N, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8, return_recv_hook=hook)
     if hook:
+        # the handle is not usable before the recv hook ran: a clear error, nothing sent, nothing broken
+        try:
+            buf.low_latency_combine(torch.zeros(E // R, R * N, H, dtype=torch.bfloat16), topk, w, handle)
+        except ValueError as e:
+            assert "hook" in str(e), e
+        else:
+            raise AssertionError("low_latency_combine before the dispatch's recv hook did not raise")
         hk()
     all_x, all_topk = gather(x), gather(topk)
     ref = ll_reference(all_x, all_topk, r, E, N)
@@ -157,6 +164,8 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     # DeepEP's low-latency handle is a plain tuple: a copy kept as one works like the handle itself
     again = buf.low_latency_combine(y, topk, w, tuple(handle))[0]
     assert torch.equal(again, out), "low_latency_combine with a plain-tuple handle differs"
+    copied = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in handle)   # entries copied
+    assert torch.equal(buf.low_latency_combine(y, topk, w, copied)[0], out), "copied plain-tuple handle"
     return recv_count.tolist()
 
 
@@ -200,6 +209,11 @@ def dispatch_variants(ctx, sync, seed=1, backend="auto"):
     assert torch.equal(wx[:n], recv_x) and bool((widx[n:] == -1).all()) and torch.equal(widx[:n], recv_idx)
     wc, _, _ = buf.combine(wx, wh)
     assert torch.equal(buf.combine(wx, tuple(wh))[0], wc), "plain-tuple num_worst_tokens handle"
+    assert torch.equal(buf.combine(wx, tuple(t.clone() for t in wh))[0], wc), "copied num_worst_tokens handle"
+    # without topk_idx, the per-expert counts come from num_tokens_per_expert
+    nx, _, _, ncounts, _, _ = buf.dispatch(x, is_token_in_rank=itr, num_tokens_per_rank=ntpr,
+                                           num_tokens_per_expert=ntpe, expert_alignment=4)
+    assert torch.equal(nx, recv_x) and ncounts == counts, (ncounts, counts)
     # combine with bias and weights
     bias = torch.randn(T, H, generator=g)
     comb, cw, _ = buf.combine(recv_x, handle, topk_weights=recv_w, bias=(bias, None))
@@ -249,6 +263,7 @@ def bad_inputs(ctx, sync):
     topk, w = make_routing(3, ctx.rank, T, K, E, drop=0.0)
     x = torch.randn(T, H).bfloat16()
     ll_x, _, ll_handle, _, _ = buf.low_latency_dispatch(x, topk, 16, E, use_fp8=False)
+    _, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
     cases = {
         "ll combine fewer columns": (ValueError, lambda: buf.low_latency_combine(
             ll_x, topk[:, :1], w[:, :1], ll_handle)),
@@ -280,7 +295,9 @@ def bad_inputs(ctx, sync):
             x, torch.zeros(T, K, dtype=torch.int64), 16, E)),
         "bad handle": (TypeError, lambda: buf.combine(x, ("not", "a", "handle"))),
         "foreign ll handle": (TypeError, lambda: buf.low_latency_combine(
-            ll_x, topk, w, (ll_handle[0].clone(),) + tuple(ll_handle[1:]))),
+            ll_x, topk, w, (ll_handle[0].clone().fill_(7),) + tuple(ll_handle[1:]))),
+        "expert counts without topk_idx": (ValueError, lambda: buf.dispatch(
+            x, is_token_in_rank=itr, num_tokens_per_expert=ntpe + T + 1)),
         "handle entries": (ValueError, lambda: buf.combine(x, tuple(torch.zeros(2, dtype=torch.int32)
                                                                     for _ in range(6)))),
         "sync mode": (ValueError, lambda: Buffer(ctx.group, 1 << 20, sync="nope")),
@@ -399,6 +416,25 @@ def mismatched_hidden(ctx):
         buf.destroy()
         return type(e).__name__, str(e)
     buf.destroy()
+    return None, ""
+
+
+def mismatched_call_args(ctx, low_latency: bool):
+    """Ranks that disagree on num_experts (normal) or num_max_dispatch_tokens_per_rank (low-latency), which
+    no rank can see in its own inputs, get a clear error naming the argument."""
+    R, r = ctx.world_size, ctx.rank
+    buf = Buffer(ctx.group, 8 << 20, Buffer.get_low_latency_rdma_size_hint(16, 64, R, 4 * R),
+                 low_latency_mode=low_latency, timeout_s=20.0)
+    topk = torch.zeros(3, 1, dtype=torch.int64)
+    try:
+        if low_latency:
+            buf.low_latency_dispatch(torch.randn(3, 64).bfloat16(), topk, 8 * (r + 1), 2 * R, use_fp8=False)
+        else:
+            buf.dispatch(torch.randn(3, 64), topk_idx=topk, num_experts=2 * R * (r + 1))
+    except ubep_torch.UBEPError as e:
+        return type(e).__name__, str(e)
+    finally:
+        buf.destroy()
     return None, ""
 
 

@@ -69,7 +69,7 @@ def test_low_latency_two_in_flight(pool2, sync):
 @pytest.mark.parametrize("sync", SYNCS)
 def test_bad_inputs_raise_before_sending_and_buffer_stays_usable(pool2, sync):
     names = pool2.run(F.bad_inputs, sync)
-    assert names[0] == names[1] and len(names[0]) == 22
+    assert names[0] == names[1] and len(names[0]) == 23
 
 
 @pytest.mark.parametrize("sync", ["tff", "sp"])
@@ -116,6 +116,13 @@ def test_mismatched_hidden_sizes_are_reported(pool2):
     out = pool2.run(F.mismatched_hidden)
     assert all(name is not None for name, _ in out)
     assert any("different layout" in msg for _, msg in out)
+
+
+@pytest.mark.parametrize("low_latency", [False, True])
+def test_mismatched_call_arguments_are_reported(pool2, low_latency):
+    out = pool2.run(F.mismatched_call_args, low_latency)
+    name = "num_max_dispatch_tokens_per_rank" if low_latency else "num_experts"
+    assert all(kind == "UBEPError" and name in msg for kind, msg in out), out
 
 
 def test_many_local_experts_use_multi_block_control_messages(pool2):

@@ -35,7 +35,11 @@ _ACK_WORDS = 2 * _AUX_REGIONS
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _LL_MAX_TOPK = 16         # top-k the low-latency size hint provisions for
-_RECENT_HANDLES = 4       # handles recognised from their plain-tuple copies (per mode)
+_RECENT_HANDLES = 16      # handles recognised from their plain-tuple copies (per mode)
+# what a handle's tuple entries do not say, and two handles with equal entries must agree on to be exchangeable
+# (normal handles that differ only in num_worst_tokens match as one whose worst size is unknown)
+_DISPATCH_LAYOUT_KEYS = ("num_experts", "layout", "row_index")
+_LL_LAYOUT_KEYS = ("K", "num_tokens", "return_slot", "sent_counts", "pos", "n_pairs", "topk_snapshot", "src_k")
 _DEFAULT_NVL_BYTES = 256 << 20
 _STREAM_ROWS = 32         # fewest arrived rows of a source that streaming Token-Reordering copies at once
 
@@ -156,7 +160,7 @@ class DispatchHandle(tuple):
         offsets = [0] + col.tolist()
         send_idx = [itr[:, d].nonzero().squeeze(1) for d in range(R)]
         return cls(items, send_idx=send_idx, recv_counts=counts.tolist(), recv_offsets=offsets, num_recv=num_recv,
-                   num_tokens=itr.shape[0], num_experts=0, num_worst_tokens=0, layout="rank_major",
+                   num_tokens=itr.shape[0], num_experts=0, num_worst_tokens=None, layout="rank_major",
                    topk_idx=None)
 
 
@@ -485,6 +489,18 @@ class Buffer:
             return [r for r in range(R) if vals[r] < count]
         self._wait(phase, poll)
 
+    def _check_call_words(self, ctrl_words, op: str) -> None:
+        """Every source's control message names the same num_experts and num_max_dispatch_tokens_per_rank as
+        this rank's own (a disagreement no single rank can see in its inputs)."""
+        me = self.rank
+        for word, name in ((P.CTRL_NUM_EXPERTS, "num_experts"),
+                           (P.CTRL_MAX_TOKENS, "num_max_dispatch_tokens_per_rank")):
+            for s in range(self.group_size):
+                if ctrl_words[s][word] != ctrl_words[me][word]:
+                    self._broken = f"{name} mismatch with rank {s}"
+                    raise UBEPError(f"rank {s} called {op} with {name}={ctrl_words[s][word]}, rank {me} with "
+                                    f"{ctrl_words[me][word]}: every rank must pass the same")
+
     def _next_epoch(self, rid: int) -> int:
         self._in_call = True          # from here on, peers may be waiting for this rank
         self._epoch[rid] += 1
@@ -545,6 +561,23 @@ class Buffer:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks "
                              f"({self.group_size})")
         return num_experts
+
+    def _check_expert_counts(self, num_tokens_per_expert, E: int, is_token_in_rank: torch.Tensor) -> torch.Tensor:
+        """``num_tokens_per_expert`` given without ``topk_idx``: the per-expert counts sent to each rank come
+        from it, so it must fit the tokens each rank gets (every such token counted by 1..E_local of that
+        rank's experts)."""
+        R = self.group_size
+        t = num_tokens_per_expert
+        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool or \
+                tuple(t.shape) != (E,):
+            raise ValueError(f"num_tokens_per_expert must be an integer tensor of shape ({E},)")
+        per_rank = t.cpu().to(torch.int64).view(R, E // R)
+        to_rank = is_token_in_rank.sum(0)
+        if (per_rank < 0).any() or (per_rank > to_rank.view(R, 1)).any() or (per_rank.sum(1) < to_rank).any():
+            raise ValueError("num_tokens_per_expert does not fit is_token_in_rank: each expert counts at most "
+                             "the tokens sent to its rank, and every token sent to a rank counts for at least "
+                             "one of its experts")
+        return per_rank.view(E)
 
     def _parse_x(self, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if isinstance(x, tuple):
@@ -672,7 +705,7 @@ class Buffer:
             elif topk_idx is not None:
                 raise ValueError("dispatch needs num_tokens_per_expert (from get_dispatch_layout) or "
                                  "num_experts= to interpret topk_idx")
-        weights = None
+        weights = ntpe = None
         if topk_idx is not None:
             E = self._check_num_experts(num_experts)
             (ntpr_cached, _, ntpe, itr), topk_idx = self._layout(topk_idx, E)
@@ -705,10 +738,12 @@ class Buffer:
             if tuple(is_token_in_rank.shape) != (T, R) or is_token_in_rank.dtype != torch.bool:
                 raise ValueError(f"is_token_in_rank must be a [{T}, {R}] bool tensor")
             is_token_in_rank = is_token_in_rank.cpu()
-            E = int(num_experts) if num_experts else R
+            E = self._check_num_experts(num_experts) if num_experts else R
             K = 0
             if topk_weights is not None:
                 raise ValueError("topk_weights needs topk_idx")
+            if num_tokens_per_expert is not None:   # trusted for the counts, checked against the ranks
+                ntpe = self._check_expert_counts(num_tokens_per_expert, E, is_token_in_rank)
         if num_tokens_per_rank is not None:
             if tuple(num_tokens_per_rank.shape) != (R,):
                 raise ValueError(f"num_tokens_per_rank must have shape ({R},)")
@@ -742,11 +777,11 @@ class Buffer:
         fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
         src_index = self.engine.arange(T)
         if "counts" not in derived:
-            derived["counts"] = ntpe.view(R, E_local).tolist() if K else [[0] * E_local] * R
+            derived["counts"] = ntpe.view(R, E_local).tolist() if ntpe is not None else [[0] * E_local] * R
         counts, ntpr, sig = derived["counts"], [s.numel() for s in send_idx], fmt.signature()
 
         def ctrl_payload(d: int, checksum: int = 0) -> torch.Tensor:
-            return torch.tensor([ntpr[d], sig, checksum, 0, 0, 0] + counts[d] + ntpr, dtype=torch.int64)
+            return torch.tensor([ntpr[d], sig, checksum, 0, E, 0] + counts[d] + ntpr, dtype=torch.int64)
 
         recv = self._exchange(P.REGION_DISPATCH, fmt, fields_data, meta, src_index, send_idx, ctrl_payload,
                               n_counts=E_local, with_matrix=True)
@@ -866,7 +901,7 @@ class Buffer:
         if isinstance(handle, DispatchHandle):
             return handle
         if isinstance(handle, (tuple, list)):
-            return _recent_copy_of(handle, self._recent_handles) or \
+            return _recent_copy_of(handle, self._recent_handles, _DISPATCH_LAYOUT_KEYS, ("num_worst_tokens",)) or \
                 DispatchHandle.from_tuple(handle, self.rank, self.group_size)
         raise TypeError(f"handle must be the handle returned by Buffer.dispatch, got {type(handle).__name__}")
 
@@ -965,6 +1000,7 @@ class Buffer:
                 self._broken = f"layout mismatch with rank {s}"
                 raise UBEPError(f"rank {s} sent {P.REGION_NAMES[rid]} rows of a different layout than rank {me} "
                                 f"expects (hidden size, dtype, top-k, fp8 or sync mode differ between ranks)")
+        self._check_call_words(ctrl_words, P.REGION_NAMES[rid])
         nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
         cap = region.capacity(fmt)
         if max(nrows) > cap or min(nrows) < 0:
@@ -1090,7 +1126,9 @@ class Buffer:
             x = acc.to(x.dtype)
             if topk_weights is not None:
                 raise ValueError("topk_weights are not reduced for expert-major handles; weight rows before")
-        rows_expected = base.num_worst_tokens or base.num_recv
+        # a handle rebuilt from its tuple entries alone (num_worst_tokens None) does not know the worst size
+        rows_expected = x.shape[0] if base.num_worst_tokens is None and x.shape[0] > base.num_recv else \
+            base.num_worst_tokens or base.num_recv
         if x.shape[0] not in (base.num_recv, rows_expected):
             raise ValueError(f"combine x has {x.shape[0]} rows; the handle received {base.num_recv}")
         x = x[: base.num_recv].contiguous()
@@ -1311,7 +1349,7 @@ class Buffer:
         sig = fmt.signature()
 
         def ctrl_payload(d, cs=0):
-            return torch.tensor([nrows_l[d], sig, cs, bounds[d], 0, 0] + counts_l[d], dtype=torch.int64)
+            return torch.tensor([nrows_l[d], sig, cs, bounds[d], E, N] + counts_l[d], dtype=torch.int64)
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending"))
         # torch and C paths: this rank's own rows skip the slots (the receive side copies them straight from
@@ -1344,7 +1382,7 @@ class Buffer:
                                   sent_counts=counts, pos=pos, n_pairs=int(t_idx.numel()),
                                   topk_snapshot=topk_idx.clone())
         self._recent_ll_handles.append(handle)
-        pending = _Pending("low_latency_dispatch", epoch)
+        pending = handle.pending = _Pending("low_latency_dispatch", epoch)
         wait_ns = [0] * R            # per source: ns from the start of the receive until its rows were in
 
         def receive():
@@ -1361,6 +1399,7 @@ class Buffer:
                 if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
                     self._broken = "layout mismatch"
                     raise UBEPError(f"rank {s} sent low-latency rows of a different layout than rank {me} expects")
+            self._check_call_words(ctrl_words, "low_latency_dispatch")
             cnt_l = [ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + E_local] for s in range(R)]     # [R][E_l]
             slots_l = [ctrl_words[s][P.CTRL_RETURN_SLOT] for s in range(R)]
             if any(c > N or c < 0 for row in cnt_l for c in row):
@@ -1542,7 +1581,7 @@ class Buffer:
         if isinstance(handle, LowLatencyHandle):
             return handle
         if isinstance(handle, (tuple, list)) and len(handle) == 5:
-            found = _recent_copy_of(handle, self._recent_ll_handles)
+            found = _recent_copy_of(handle, self._recent_ll_handles, _LL_LAYOUT_KEYS)
             if found is not None:
                 return found
             raise TypeError(f"this plain-tuple handle does not come from one of this Buffer's last "
@@ -1580,6 +1619,9 @@ class Buffer:
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook are exclusive")
         handle = self._as_ll_handle(handle)
+        if not handle.pending.done:
+            raise ValueError("low_latency_combine got the handle of a low_latency_dispatch whose recv hook has "
+                             "not run yet; call hook() first")
         src_info, layout_range, N, H, E = handle
         R, me = self.group_size, self.rank
         E_local = E // R
@@ -1663,7 +1705,7 @@ class Buffer:
             s = (me + i) % R
             peer = self._peer_mem[s]
             n, at = per_src[s].numel(), int(handle.return_slot[s])
-            payload = torch.tensor([n, sig, 0, 0, 0, 0], dtype=torch.int64)
+            payload = torch.tensor([n, sig, 0, 0, E, N], dtype=torch.int64)
             sel = sels[s][:0] if s == me and own_direct else sels[s]
             job.dests.append(Destination(s, sel, region.rows(peer, half, 0, fmt, N * K)[at:at + n],
                                          region.ctrl(peer, half, me, nctrl), payload))
@@ -1686,6 +1728,7 @@ class Buffer:
                 if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
                     self._broken = "layout mismatch"
                     raise UBEPError(f"rank {s} sent low-latency combine rows of a different layout")
+            self._check_call_words(ctrl_words, "low_latency_combine")
             per_host = handle.sent_counts.sum(1).tolist()
             nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
             if nrows != per_host:
@@ -1780,12 +1823,37 @@ def _equal_values(given: torch.Tensor, expected: torch.Tensor) -> bool:
     return torch.equal(given, expected)
 
 
-def _recent_copy_of(items, recent) -> Optional[tuple]:
-    """The handle in ``recent`` (newest first) whose tensors ``items`` holds, entry for entry, else None."""
+def _recent_copy_of(items, recent, layout_keys: Sequence[str], loose_keys: Sequence[str] = ()) -> Optional[tuple]:
+    """The handle in ``recent`` that a plain tuple ``items`` was made from, else None.
+
+    First by identity (the handle's own tensors, entry for entry), then by content (copies of them: equal
+    entries). Several recent handles can have equal entries (the same routing on every layer); the newest
+    is taken when they also agree on every attribute in ``layout_keys`` (what the entries do not say),
+    else the tuple is ambiguous and TypeError asks for the handle object. An attribute in ``loose_keys``
+    on which they differ is set to None (unknown) in a copy of the newest."""
     for h in reversed(recent):
         if len(items) == len(h) and all(a is b for a, b in zip(items, h) if isinstance(b, torch.Tensor)):
             return h
-    return None
+    same = [h for h in reversed(recent) if len(items) == len(h) and all(_same_value(a, b) for a, b in zip(items, h))]
+    if not same:
+        return None
+    newest, unknown = same[0], {}
+    for h in same[1:]:
+        if not all(_same_value(getattr(newest, k, None), getattr(h, k, None)) for k in layout_keys):
+            raise TypeError("this plain-tuple handle equals the handles of several recent calls that differ in "
+                            "layout; pass the handle object returned by the call itself")
+        unknown.update((k, None) for k in loose_keys if getattr(newest, k) != getattr(h, k))
+    return type(newest)(tuple(newest), **{**newest.__dict__, **unknown}) if unknown else newest
+
+
+def _same_value(a, b) -> bool:
+    """Equal handle entries or attributes: tensors by dtype, shape and values, sequences item by item."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def _same_routing(topk_idx, snapshot: torch.Tensor) -> bool:
