@@ -125,6 +125,16 @@ def test_mismatched_call_arguments_are_reported(pool2, low_latency):
     assert all(kind == "UBEPError" and name in msg for kind, msg in out), out
 
 
+@pytest.mark.parametrize("sync", SYNCS)
+def test_calls_larger_than_the_slots_run_in_several_exchanges(pool2, sync):
+    assert pool2.run(F.normal_rounds, sync) == [23, 3]
+
+
+def test_calls_larger_than_the_slots_on_four_ranks(pool4):
+    assert pool4.run(F.normal_rounds, "tff") == [23, 3, 0, 17]
+    assert pool4.run(F.normal_rounds, "sp", backend="torch") == [23, 3, 0, 17]
+
+
 def test_many_local_experts_use_multi_block_control_messages(pool2):
     # 64 local experts: the per-expert counts need two control blocks
     pool2.run(F.smoke, "tff", E=128, K=6, T=20)

@@ -161,7 +161,7 @@ class DispatchHandle(tuple):
         send_idx = [itr[:, d].nonzero().squeeze(1) for d in range(R)]
         return cls(items, send_idx=send_idx, recv_counts=counts.tolist(), recv_offsets=offsets, num_recv=num_recv,
                    num_tokens=itr.shape[0], num_experts=0, num_worst_tokens=None, layout="rank_major",
-                   topk_idx=None)
+                   topk_idx=None, peer_tokens=None)
 
 
 class LowLatencyHandle(tuple):
@@ -757,12 +757,7 @@ class Buffer:
             fields.append(("scales", scales.shape[1] * 4))
         fmt = P.row_format(self.sync, tuple(fields), K + K * wsz)
         fmt.check_fits()
-        region = self._region(P.REGION_DISPATCH)
-        cap = region.capacity(fmt)
-        if T > cap:
-            need = normal_buffer_bytes(T, fmt.row_bytes, R)
-            raise ValueError(f"{T} tokens do not fit: the Buffer's dispatch slots hold {cap} rows of "
-                             f"{fmt.row_bytes} B per source; create it with num_nvl_bytes >= {need}")
+        cap = self._normal_capacity(P.REGION_DISPATCH, fmt)
         E_local = E // R
 
         # ---------------- send
@@ -780,38 +775,46 @@ class Buffer:
             derived["counts"] = ntpe.view(R, E_local).tolist() if ntpe is not None else [[0] * E_local] * R
         counts, ntpr, sig = derived["counts"], [s.numel() for s in send_idx], fmt.signature()
 
-        def ctrl_payload(d: int, checksum: int = 0) -> torch.Tensor:
-            return torch.tensor([ntpr[d], sig, checksum, 0, E, 0] + counts[d] + ntpr, dtype=torch.int64)
+        def exchange(lists):
+            return self._exchange(P.REGION_DISPATCH, fmt, fields_data, meta, src_index, lists,
+                                  lambda d: [int(lists[d].numel()), sig, 0, 0, E, 0] + counts[d] + ntpr, T,
+                                  n_counts=E_local, with_matrix=True)
 
-        recv = self._exchange(P.REGION_DISPATCH, fmt, fields_data, meta, src_index, send_idx, ctrl_payload,
-                              n_counts=E_local, with_matrix=True)
         # ---------------- receive side: CalCumSum and Token-Reordering into the DeepEP layout
-        off_l = list(accumulate(recv["nrows"], initial=0))
-        num_recv = off_l[-1]
-        rows_out = num_worst_tokens if num_worst_tokens else num_recv
-        if num_worst_tokens and num_recv > num_worst_tokens:
-            raise UBEPError(f"rank {self.rank} received {num_recv} tokens > num_worst_tokens={num_worst_tokens}")
-        recv_x = self._out.zeros((rows_out, H), xd.dtype) if num_worst_tokens else \
-            self._out.empty((num_recv, H), xd.dtype)
-        recv_scales = None
-        if scales is not None:
-            recv_scales = self._out.zeros((rows_out, scales.shape[1]), torch.float32)
-        # every received row's meta items and source token are written below (rows past num_recv, with
-        # num_worst_tokens, are masked by local_topk)
-        recv_meta = torch.empty(rows_out, fmt.meta_words, dtype=torch.int32)
-        recv_src_idx = torch.empty(num_recv, dtype=torch.int32)
-        outs = [P.as_bytes(recv_x)] + ([P.as_bytes(recv_scales)] if recv_scales is not None else [])
-        def local_copy(o: int, n: int) -> None:
-            sel = send_idx[self.rank]
-            self._gather_own_rows(xd, sel, recv_x, o)
-            if recv_scales is not None:
-                self._gather_own_rows(scales, sel, recv_scales, o)
-            if meta is not None:
-                torch.index_select(meta, 0, sel, out=recv_meta[o:o + n])
-            recv_src_idx[o:o + n].copy_(sel)
+        out = {}
 
-        self._receive_rows(P.REGION_DISPATCH, fmt, recv, off_l, outs, recv_meta, recv_src_idx,
-                           local_copy=local_copy)
+        def allocate(recv: dict) -> Tuple[List[int], list, torch.Tensor, torch.Tensor]:
+            rows_from = self._rows_from(recv, [row[self.rank] for row in recv["ntpr_matrix"]], cap)
+            num_recv = sum(rows_from)
+            rows_out = num_worst_tokens if num_worst_tokens else num_recv
+            if num_worst_tokens and num_recv > num_worst_tokens:
+                raise UBEPError(f"rank {self.rank} received {num_recv} tokens > num_worst_tokens={num_worst_tokens}")
+            out["x"] = self._out.zeros((rows_out, H), xd.dtype) if num_worst_tokens else \
+                self._out.empty((num_recv, H), xd.dtype)
+            out["scales"] = None
+            if scales is not None:
+                out["scales"] = self._out.zeros((rows_out, scales.shape[1]), torch.float32)
+            # every received row's meta items and source token are written below (rows past num_recv, with
+            # num_worst_tokens, are masked by local_topk)
+            out["meta"] = torch.empty(rows_out, fmt.meta_words, dtype=torch.int32)
+            out["src_idx"] = torch.empty(num_recv, dtype=torch.int32)
+            out["recv"] = recv
+            outs = [P.as_bytes(out["x"])] + ([P.as_bytes(out["scales"])] if scales is not None else [])
+            return rows_from, outs, out["meta"], out["src_idx"]
+
+        def local_copy(o: int, sel: torch.Tensor) -> None:
+            n = sel.numel()
+            self._gather_own_rows(xd, sel, out["x"], o)
+            if scales is not None:
+                self._gather_own_rows(scales, sel, out["scales"], o)
+            if meta is not None:
+                torch.index_select(meta, 0, sel, out=out["meta"][o:o + n])
+            out["src_idx"][o:o + n].copy_(sel)
+
+        rows_from = self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, send_idx, exchange, allocate, local_copy)
+        off_l = list(accumulate(rows_from, initial=0))
+        num_recv, recv = off_l[-1], out["recv"]
+        recv_x, recv_scales, recv_meta, recv_src_idx = out["x"], out["scales"], out["meta"], out["src_idx"]
 
         recv_topk_idx = recv_topk_weights = None
         if K:   # global expert ids -> this rank's local ids (-1 for -1, other ranks' experts and unused rows)
@@ -840,8 +843,9 @@ class Buffer:
         recv_channel_prefix = torch.tensor(off_l[:R], dtype=torch.int32).view(R, 1)
         h = DispatchHandle(
             (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank.clone(), send_head),
-            send_idx=send_idx, recv_counts=list(recv["nrows"]), recv_offsets=off_l, num_recv=num_recv, num_tokens=T,
-            num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=topk_idx)
+            send_idx=send_idx, recv_counts=rows_from, recv_offsets=off_l, num_recv=num_recv, num_tokens=T,
+            num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=topk_idx,
+            peer_tokens=recv["num_tokens"])
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         self._report("dispatch", topk_idx, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0))
         if layout == "expert_major":
@@ -909,42 +913,39 @@ class Buffer:
         handle = self._as_dispatch_handle(handle)
         base = getattr(handle, "base_handle", None) or handle
         T, H = xd.shape
-        R = self.group_size
         if T != base.num_tokens:
             raise ValueError(f"cached dispatch: x has {T} rows but the handle was made for {base.num_tokens}")
         fields = [("x", H * xd.element_size())]
         if scales is not None:
             fields.append(("scales", scales.shape[1] * 4))
         fmt = P.row_format(self.sync, tuple(fields), 0)
-        region = self._region(P.REGION_DISPATCH)
-        if T > region.capacity(fmt):
-            raise ValueError(f"{T} tokens do not fit the dispatch slots; create the Buffer with num_nvl_bytes >= "
-                             f"{normal_buffer_bytes(T, fmt.row_bytes, R)}")
-        send_idx = base.send_idx
+        cap = self._normal_capacity(P.REGION_DISPATCH, fmt)
         fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
+        sig, src_index = fmt.signature(), self.engine.arange(T)
 
-        def ctrl_payload(d: int, checksum: int = 0) -> torch.Tensor:
-            return torch.tensor([int(send_idx[d].numel()), fmt.signature(), checksum, 0, 0, 0], dtype=torch.int64)
+        def exchange(lists):
+            return self._exchange(P.REGION_DISPATCH, fmt, fields_data, None, src_index, lists,
+                                  lambda d: [int(lists[d].numel()), sig, 0, 0, 0, 0], T)
 
-        recv = self._exchange(P.REGION_DISPATCH, fmt, fields_data, None, self.engine.arange(T),
-                              send_idx, ctrl_payload)
-        if recv["nrows"] != base.recv_counts:
-            raise UBEPError(f"cached dispatch on rank {self.rank}: peers sent {recv['nrows']} rows, the "
-                            f"handle expects {base.recv_counts} (handles from different calls?)")
-        num_recv = base.num_recv
-        rows_out = base.num_worst_tokens or num_recv
+        rows_out = base.num_worst_tokens or base.num_recv
         recv_x = self._out.zeros((rows_out, H), xd.dtype) if base.num_worst_tokens else \
             self._out.empty((rows_out, H), xd.dtype)
         recv_scales = self._out.zeros((rows_out, scales.shape[1]), torch.float32) if scales is not None else None
         outs = [P.as_bytes(recv_x)] + ([P.as_bytes(recv_scales)] if scales is not None else [])
-        def local_copy(o: int, n: int) -> None:
-            sel = send_idx[self.rank]
+
+        def allocate(recv: dict):
+            if any(t <= cap and n != c for t, n, c in zip(recv["num_tokens"], recv["nrows"], base.recv_counts)):
+                self._broken = "cached dispatch layout mismatch"
+                raise UBEPError(f"cached dispatch on rank {self.rank}: peers sent {recv['nrows']} rows, the "
+                                f"handle expects {base.recv_counts} (handles from different calls?)")
+            return base.recv_counts, outs, None, None
+
+        def local_copy(o: int, sel: torch.Tensor) -> None:
             self._gather_own_rows(xd, sel, recv_x, o)
             if recv_scales is not None:
                 self._gather_own_rows(scales, sel, recv_scales, o)
 
-        self._receive_rows(P.REGION_DISPATCH, fmt, recv, base.recv_offsets, outs, None, None,
-                           local_copy=local_copy)
+        self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, base.send_idx, exchange, allocate, local_copy)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         if handle.layout == "expert_major":
             row_index = handle.row_index
@@ -960,14 +961,16 @@ class Buffer:
 
     # ------------------------------------------------------------------ the exchange (both normal ops)
     def _exchange(self, rid: int, fmt: P.RowFormat, fields_data, meta, src_index, send_idx,
-                  ctrl_payload: Callable, n_counts: int = 0, with_matrix: bool = False) -> dict:
-        """Count group + token group for one call; returns what the control messages said.
+                  ctrl_payload: Callable, num_tokens: int, n_counts: int = 0, with_matrix: bool = False) -> dict:
+        """Count group + token group for one exchange; returns what the control messages said.
 
-        ``send_idx[d]`` lists the staging rows for destination ``d`` in slot order.
+        ``send_idx[d]`` lists the staging rows for destination ``d`` in slot order; ``ctrl_payload(d)`` the
+        control words for ``d`` up to its counts (and rank matrix row), after which every message carries
+        ``num_tokens``, the token count of this rank's side of the call (see ``_more_rounds``).
         """
         R, me = self.group_size, self.rank
         region = self._region(rid)
-        extra_ctrl = n_counts + (R if with_matrix else 0)
+        extra_ctrl = n_counts + (R if with_matrix else 0) + 1
         if P.ctrl_blocks(extra_ctrl) > P.MAX_CTRL_BLOCKS:
             raise ValueError(f"too many counts for one control message ({extra_ctrl}); at most "
                              f"{P.MAX_CTRL_BLOCKS * P.CTRL_WORDS_PER_BLOCK - P.CTRL_COUNTS}")
@@ -986,8 +989,8 @@ class Buffer:
             peer = self._peer_mem[d]
             # rows for this rank itself skip the slots: the receive side copies them straight from the source
             sel = none if d == me else send_idx[d]
-            job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt),
-                                         region.ctrl(peer, half, me, nctrl), ctrl_payload(d)))
+            job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt), region.ctrl(peer, half, me, nctrl),
+                                         torch.tensor(ctrl_payload(d) + [num_tokens], dtype=torch.int64)))
         eng.send_phase(job)
         # receive the control messages of every source (verification of flags and counts)
         ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
@@ -1009,10 +1012,76 @@ class Buffer:
                             f"hold [0, {cap}]")
         out = {"epoch": epoch, "half": half, "flag": flag, "nrows": nrows, "ctrl": ctrl_words,
                "counts": [ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + n_counts] for s in range(R)]}
+        c0 = P.CTRL_COUNTS + n_counts
         if with_matrix:
-            c0 = P.CTRL_COUNTS + n_counts
             out["ntpr_matrix"] = [ctrl_words[s][c0:c0 + R] for s in range(R)]
+            c0 += R
+        out["num_tokens"] = [ctrl_words[s][c0] for s in range(R)]
         return out
+
+    def _more_rounds(self, recv: dict, cap: int) -> List[Tuple[int, int]]:
+        """The token ranges of a normal call's exchanges after the first.
+
+        Slots hold ``cap`` rows per source, so an exchange carries the rows of at most ``cap`` tokens of each
+        rank: the first one tokens [0, cap). Its control messages carry every rank's token count; while some
+        rank has more, every rank runs one more exchange per ``cap`` tokens (with nothing to send once its
+        own tokens are done), so calls are not limited by the buffer size."""
+        most = max(recv["num_tokens"])
+        if not 0 <= most < 1 << 40:
+            self._broken = "bad token count"
+            raise UBEPError(f"a peer announced {most} tokens (corrupted control message)")
+        return [(a, min(a + cap, most)) for a in range(cap, most, cap)]
+
+    def _normal_capacity(self, rid: int, fmt: P.RowFormat) -> int:
+        """Rows per source that one exchange of a normal call can carry (at least one, else ValueError)."""
+        cap = self._region(rid).capacity(fmt)
+        if cap < 1:
+            raise ValueError(f"a {P.REGION_NAMES[rid]} row of {fmt.row_bytes} B does not fit the Buffer's slots; "
+                             f"create it with num_nvl_bytes >= "
+                             f"{normal_buffer_bytes(1, fmt.row_bytes, self.group_size)}")
+        return cap
+
+    def _rows_from(self, recv: dict, announced: List[int], cap: int) -> List[int]:
+        """Rows each source sends in the whole call, as its first control message announced them: a source
+        with at most ``cap`` tokens sends them all in the first exchange."""
+        for s, n in enumerate(announced):
+            if not 0 <= n <= max(recv["num_tokens"][s], 0) or (recv["num_tokens"][s] <= cap and n != recv["nrows"][s]):
+                self._broken = "bad row counts"
+                raise UBEPError(f"rank {s} announced {n} rows in all for {recv['num_tokens'][s]} tokens and "
+                                f"{recv['nrows'][s]} rows now (corrupted control message)")
+        return list(announced)
+
+    def _dispatch_rounds(self, rid: int, fmt: P.RowFormat, cap: int, T: int, send_idx: List[torch.Tensor],
+                         exchange: Callable, allocate: Callable, local_copy: Callable) -> List[int]:
+        """The exchanges of one dispatch, each reordered as it arrives (see ``_more_rounds``).
+
+        ``exchange(lists)`` sends this rank's rows ``lists[d]`` (sorted staging rows) to every rank d and
+        returns what the control messages said; ``allocate(recv)`` sizes the outputs from the first one and
+        returns (rows from each source in all, the outputs' byte views, meta and source-token outputs); this
+        rank's own rows come from ``local_copy(at, rows)``. Returns the rows from each source."""
+        R, me = self.group_size, self.rank
+        lists = send_idx if T <= cap else _token_slices(send_idx, 0, cap)
+        recv = exchange(lists)
+        rows_from, outs, recv_meta, recv_src_idx = allocate(recv)
+        off = list(accumulate(rows_from, initial=0))
+        done = [0] * R
+        rounds = self._more_rounds(recv, cap)
+        for i in range(len(rounds) + 1):
+            if i:
+                lists = _token_slices(send_idx, *rounds[i - 1])
+                recv = exchange(lists)
+            nrows = recv["nrows"]
+            if any(nrows[s] > rows_from[s] - done[s] for s in range(R)):
+                self._broken = "bad row counts"
+                raise UBEPError(f"{P.REGION_NAMES[rid]} on rank {me}: sources sent {nrows} more rows after {done} "
+                                f"of {rows_from} (corrupted control message or mismatched handles)")
+            self._receive_rows(rid, fmt, recv, [off[s] + done[s] for s in range(R)], outs, recv_meta, recv_src_idx,
+                               local_copy=lambda o, n, own=lists[me]: local_copy(o, own))
+            done = [a + b for a, b in zip(done, nrows)]
+        if done != rows_from:
+            self._broken = "bad row counts"
+            raise UBEPError(f"{P.REGION_NAMES[rid]} on rank {me}: sources sent {done} rows, announced {rows_from}")
+        return rows_from
 
     def _receive_rows(self, rid: int, fmt: P.RowFormat, recv: dict, offsets: Sequence[int], outs, recv_meta,
                       recv_src_idx, accumulate: Optional[Callable] = None,
@@ -1154,39 +1223,51 @@ class Buffer:
         wsz = topk_weights.element_size() // 4 if K else 0
         fmt = P.row_format(self.sync, (("x", H * x.element_size()),), K * wsz)
         fmt.check_fits()
-        region = self._region(P.REGION_COMBINE)
-        if max(base.recv_counts) > region.capacity(fmt):
-            raise ValueError(f"combine rows do not fit; create the Buffer with num_nvl_bytes >= "
-                             f"{normal_buffer_bytes(max(base.recv_counts), fmt.row_bytes, R)}")
-        # destination d gets back the rows that came from d, in d's send order
-        offsets = bounds = base.recv_offsets
-        send_idx = [self.engine.span(bounds[d], bounds[d + 1]) for d in range(R)]
+        cap = self._normal_capacity(P.REGION_COMBINE, fmt)
+        # Destination d gets back the rows that came from d, in d's send order. An exchange carries the rows
+        # of d's tokens in one range (see _more_rounds): rows [lo, hi) of x, found among d's rows by their
+        # source token; this rank's tokens in that range come back from every rank in the same exchange, so
+        # the reduction order per token does not depend on the number of exchanges.
+        bounds = base.recv_offsets
+        whole = [(bounds[d], bounds[d + 1]) for d in range(R)]
+        peer_tokens = getattr(base, "peer_tokens", None)
+        ids = {}
+
+        def lists_for(a: int, b: int):
+            # (rows of x to send back to each rank, this rank's tokens that come back from each rank)
+            if a == 0 and peer_tokens is not None and max(peer_tokens) <= cap:
+                rows = whole
+            else:
+                if not ids:
+                    ids["src"] = base[3].to(torch.int64)
+                rows = []
+                for d in range(R):
+                    lo, hi = torch.searchsorted(ids["src"][bounds[d]:bounds[d + 1]],
+                                                torch.tensor([a, b], dtype=torch.int64)).tolist()
+                    rows.append((bounds[d] + lo, bounds[d] + hi))
+            return rows, base.send_idx if a == 0 and T <= cap else _token_slices(base.send_idx, a, b)
+
         meta = P.fresh(topk_weights).view(torch.int32).view(-1, K * wsz) if K else None
         src_index = self.engine.arange(base.num_recv)
-
-        def ctrl_payload(d: int, checksum: int = 0) -> torch.Tensor:
-            return torch.tensor([int(send_idx[d].numel()), fmt.signature(), checksum, 0, 0, 0], dtype=torch.int64)
-
-        recv = self._exchange(P.REGION_COMBINE, fmt, [P.as_bytes(x)], meta, src_index, send_idx, ctrl_payload)
-        expect = [s.numel() for s in base.send_idx]
-        if recv["nrows"] != expect:
-            self._broken = "combine layout mismatch"
-            raise UBEPError(f"combine on rank {self.rank}: peers returned {recv['nrows']} rows, the handle "
-                            f"sent {expect} (was the handle from the latest matching dispatch?)")
+        sig = fmt.signature()
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         eng = self.engine
         wacc = torch.zeros(T, K, dtype=topk_weights.dtype) if K else None
         out = self._out.empty((T, H), x.dtype)
         # Two ranks that each got every token back (the common 2-rank case): one pass adds this rank's
         # rows to the peer's rows read in place from the slots, with the accumulator's exact rounding.
-        pair = (R == 2 and not biases and eng.direct_rows and T > 0
+        pair = (R == 2 and not biases and eng.direct_rows and 0 < T <= cap
                 and all(int(i.numel()) == T for i in base.send_idx))
         acc = None if pair else eng.scratch("combine_acc", (T, H), acc_dtype)
         state = {"init": False}   # acc is written by the first source in rank order, then accumulated into
+        if T > cap:               # tokens come back over several exchanges: accumulate from zeros
+            acc.zero_()
+            state["init"] = True
+        cur = {}                  # the current exchange's lists_for
 
         def acc_own(s: int) -> None:
-            idx = base.send_idx[s]
-            lo, hi = int(offsets[s]), int(offsets[s + 1])
+            idx = cur["tok"][s]
+            lo, hi = cur["rows"][s]
             if hi == lo:
                 return
             if not state["init"] and idx.numel() == T:   # every token, in order: 0 + x without a gather
@@ -1201,20 +1282,22 @@ class Buffer:
         def acc_weights(s: int, rows: Optional[torch.Tensor]) -> None:
             if not K:
                 return
-            lo, hi = int(offsets[s]), int(offsets[s + 1])
+            lo, hi = cur["rows"][s]
             if rows is None:
-                wacc.index_add_(0, base.send_idx[s], topk_weights[lo:hi])
+                wacc.index_add_(0, cur["tok"][s], topk_weights[lo:hi])
             else:
                 meta = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, :K * wsz]
-                wacc.index_add_(0, base.send_idx[s], P.fresh(meta).view(wacc.dtype))
+                wacc.index_add_(0, cur["tok"][s], P.fresh(meta).view(wacc.dtype))
 
         def accumulate(s: int, rows: Optional[torch.Tensor]) -> None:
             nonlocal acc, pair
+            if rows is not None and rows.shape[0] == 0:
+                return
             if pair:
                 acc_weights(s, rows)
                 if rows is None:
                     return
-                lo, hi = int(offsets[me]), int(offsets[me + 1])
+                lo, hi = cur["rows"][me]
                 if eng.combine_pair(fmt, x[lo:hi], rows, out, own_first=me < s):
                     eng.rearm(fmt, rows)
                     return
@@ -1224,26 +1307,38 @@ class Buffer:
                     if src == me:
                         acc_own(src)
                     else:
-                        eng.combine_accumulate(fmt, rows, base.send_idx[src], acc, x.dtype, None,
+                        eng.combine_accumulate(fmt, rows, cur["tok"][src], acc, x.dtype, None,
                                                first=not state["init"])
                         state["init"] = True
                 eng.rearm(fmt, rows)
                 state["pair_fallback"] = True
                 return
-            idx = base.send_idx[s]
             if rows is None:   # this rank's own rows: straight from x
                 if not state.get("pair_fallback"):   # (a fallback already added them in rank order)
                     acc_own(s)
                 acc_weights(s, None)
                 return
-            if rows.shape[0] == 0:
-                return
-            eng.combine_accumulate(fmt, rows, idx, acc, x.dtype, wacc, first=not state["init"])
+            eng.combine_accumulate(fmt, rows, cur["tok"][s], acc, x.dtype, wacc, first=not state["init"])
             state["init"] = True
             eng.rearm(fmt, rows)
 
         me = self.rank
-        self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None, accumulate=accumulate)
+        rounds: List[Tuple[int, int]] = [(0, cap)]
+        i = 0
+        while i < len(rounds):
+            cur["rows"], cur["tok"] = lists_for(*rounds[i])
+            send = [eng.span(lo, hi) for lo, hi in cur["rows"]]
+            recv = self._exchange(P.REGION_COMBINE, fmt, [P.as_bytes(x)], meta, src_index, send,
+                                  lambda d, send=send: [int(send[d].numel()), sig, 0, 0, 0, 0], T)
+            if not i:
+                rounds += self._more_rounds(recv, cap)
+            expect = [t.numel() for t in cur["tok"]]
+            if recv["nrows"] != expect:
+                self._broken = "combine layout mismatch"
+                raise UBEPError(f"combine on rank {self.rank}: peers returned {recv['nrows']} rows, the handle "
+                                f"sent {expect} (was the handle from the latest matching dispatch?)")
+            self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None, accumulate=accumulate)
+            i += 1
         self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size())
         if pair:
             return out, wacc, EventOverlap(None)
@@ -1854,6 +1949,16 @@ def _same_value(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
+
+
+def _token_slices(lists: List[torch.Tensor], a: int, b: int) -> List[torch.Tensor]:
+    """The entries in [a, b) of every ascending int64 tensor in ``lists`` (a view each)."""
+    bounds = torch.tensor([a, b], dtype=torch.int64)
+    out = []
+    for t in lists:
+        lo, hi = torch.searchsorted(t, bounds).tolist()
+        out.append(t[lo:hi])
+    return out
 
 
 def _same_routing(topk_idx, snapshot: torch.Tensor) -> bool:

@@ -138,7 +138,7 @@ CTRL_MAX_TOKENS = 5
 CTRL_COUNTS = 6
 
 
-#: Control blocks reserved for every control message (room for 474 per-expert counts).
+#: Control blocks reserved for every control message (room for 474 words after the fixed six).
 MAX_CTRL_BLOCKS = 8
 
 
