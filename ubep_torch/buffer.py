@@ -541,7 +541,7 @@ class Buffer:
         if not isinstance(topk_idx, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(topk_idx).__name__}")
         if topk_idx.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{name} must be int64 (DeepEP's topk_idx_t), got {topk_idx.dtype}")
+            raise TypeError(f"{name} must be int64 (DeepEP's topk_idx_t; int32 is also taken), got {topk_idx.dtype}")
         if topk_idx.dim() != 2:
             raise ValueError(f"{name} must be [num_tokens, num_topk], got shape {tuple(topk_idx.shape)}")
         if topk_idx.device.type != "cpu":
