@@ -224,9 +224,10 @@ def parse_args(argv=None):
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a seconds-long run (tests)")
     args = p.parse_args(argv)
-    if args.tiny:
-        args.tokens, args.batch, args.dim, args.ffn, args.shared = min(args.tokens, 6), 4, 32, 32, 16
-        args.experts = max(4, args.experts // 2)
+    if args.tiny:   # smaller defaults; options given on the command line still win
+        p.set_defaults(tokens=min(p.get_default("tokens"), 6), batch=4, dim=32, ffn=32, shared=16,
+                       experts=max(4, p.get_default("experts") // 2))
+        args = p.parse_args(argv)
     return args
 
 

@@ -272,10 +272,10 @@ def parse_args(argv=None):
     p.add_argument("--loss-file", default="")
     p.add_argument("--save", default="", help="write a dense checkpoint (for infer_moe.py --ckpt)")
     args = p.parse_args(argv)
-    if args.tiny:
-        args.steps, args.batch, args.seq, args.dim, args.ffn, args.shared = \
-            min(args.steps, 8), 2, 24, 32, 32, 16
-        args.experts = max(4, args.experts // 2)
+    if args.tiny:   # smaller defaults; options given on the command line still win
+        p.set_defaults(steps=min(p.get_default("steps"), 8), batch=2, seq=24, dim=32, ffn=32, shared=16,
+                       experts=max(4, p.get_default("experts") // 2))
+        args = p.parse_args(argv)
     return args
 
 

@@ -429,7 +429,7 @@ def low_latency_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, num_ma
 
     Args:
         buffer: a :class:`ubep_torch.Buffer` made with ``low_latency_mode=True``.
-        x: ``[T, H]`` tokens, ``T <= N``.
+        x: ``[T, H]`` bfloat16 tokens, ``T <= N`` (low-latency mode moves bf16 only, as in DeepEP).
         topk_idx: ``[T, K]`` int64 global expert ids (``-1`` = none).
         num_max_dispatch_tokens_per_rank: ``N`` (equal on all ranks).
         num_experts: ``E``.
