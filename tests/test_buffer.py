@@ -156,6 +156,8 @@ def test_deepep_semantics_with_triton_backend(pool2, sync):
     pool2.run(F.ll_roundtrip, sync, T=4, backend="triton")
     if sync in ("tff", "sp"):
         pool2.run(F.dispatch_variants, sync, backend="triton")
+    if sync == "tff":
+        assert pool2.run(F.normal_rounds, sync, backend="triton") == [23, 3]
 
 
 def _engine(name):
