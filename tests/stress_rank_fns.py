@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ubep_torch import Buffer
-from ubep_torch.buffer import _quantize_fp8
+from ubep_torch.buffer import _quantize_fp8, normal_buffer_bytes
 
 N_LL = 16          # num_max_dispatch_tokens_per_rank of the low-latency calls
 H_MAX = 256
@@ -149,7 +149,9 @@ def get_buffers(ctx, syncs, timeout_s: float, backend: str = "auto"):
         group2 = dist.new_group(list(range(R)))
         rdma = Buffer.get_low_latency_rdma_size_hint(N_LL, H_MAX, R, 4 * R)
         ctx.cache[key] = {
-            "A": Buffer(ctx.group, 8 << 20, 0, sync=syncs[0], timeout_s=timeout_s, backend=backend),
+            # A's slots hold 8 rows of the widest payload: larger normal calls run in several exchanges
+            "A": Buffer(ctx.group, normal_buffer_bytes(8, H_MAX * 8, R), 0, sync=syncs[0], timeout_s=timeout_s,
+                        backend=backend),
             "B": Buffer(group2, 8 << 20, rdma, low_latency_mode=True, sync=syncs[1], timeout_s=timeout_s,
                         backend=backend),
         }
