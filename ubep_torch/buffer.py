@@ -775,10 +775,10 @@ class Buffer:
             derived["counts"] = ntpe.view(R, E_local).tolist() if ntpe is not None else [[0] * E_local] * R
         counts, ntpr, sig = derived["counts"], [s.numel() for s in send_idx], fmt.signature()
 
-        def exchange(lists):
+        def exchange(lists, staged=None):
             return self._exchange(P.REGION_DISPATCH, fmt, fields_data, meta, src_index, lists,
                                   lambda d: [int(lists[d].numel()), sig, 0, 0, E, 0] + counts[d] + ntpr, T,
-                                  n_counts=E_local, with_matrix=True)
+                                  n_counts=E_local, with_matrix=True, staged=staged)
 
         # ---------------- receive side: CalCumSum and Token-Reordering into the DeepEP layout
         out = {}
@@ -923,9 +923,9 @@ class Buffer:
         fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
         sig, src_index = fmt.signature(), self.engine.arange(T)
 
-        def exchange(lists):
+        def exchange(lists, staged=None):
             return self._exchange(P.REGION_DISPATCH, fmt, fields_data, None, src_index, lists,
-                                  lambda d: [int(lists[d].numel()), sig, 0, 0, 0, 0], T)
+                                  lambda d: [int(lists[d].numel()), sig, 0, 0, 0, 0], T, staged=staged)
 
         rows_out = base.num_worst_tokens or base.num_recv
         recv_x = self._out.zeros((rows_out, H), xd.dtype) if base.num_worst_tokens else \
@@ -961,12 +961,14 @@ class Buffer:
 
     # ------------------------------------------------------------------ the exchange (both normal ops)
     def _exchange(self, rid: int, fmt: P.RowFormat, fields_data, meta, src_index, send_idx,
-                  ctrl_payload: Callable, num_tokens: int, n_counts: int = 0, with_matrix: bool = False) -> dict:
+                  ctrl_payload: Callable, num_tokens: int, n_counts: int = 0, with_matrix: bool = False,
+                  staged: Optional[tuple] = None) -> dict:
         """Count group + token group for one exchange; returns what the control messages said.
 
         ``send_idx[d]`` lists the staging rows for destination ``d`` in slot order; ``ctrl_payload(d)`` the
         control words for ``d`` up to its counts (and rank matrix row), after which every message carries
-        ``num_tokens``, the token count of this rank's side of the call (see ``_more_rounds``).
+        ``num_tokens``, the token count of this rank's side of the call (see ``_more_rounds``). Rows are
+        staged once per call: ``staged`` is the ``"staged"`` entry an earlier exchange of the call returned.
         """
         R, me = self.group_size, self.rank
         region = self._region(rid)
@@ -978,7 +980,8 @@ class Buffer:
         half = region.half(epoch)
         flag = P.flag_word(epoch, rid)
         eng = self.engine
-        staging, checked, row_sums = eng.stage_rows(fmt, fields_data, meta, src_index, me)
+        staged = staged or eng.stage_rows(fmt, fields_data, meta, src_index, me)
+        staging, checked, row_sums = staged
         self._wait_acks(rid, epoch)
         nctrl = P.ctrl_blocks(extra_ctrl)
         job = SendJob(fmt, staging, checked, row_sums, flag,
@@ -1010,7 +1013,7 @@ class Buffer:
             self._broken = "peer announced more rows than fit"
             raise UBEPError(f"a peer announced {max(nrows) if max(nrows) > cap else min(nrows)} rows but slots "
                             f"hold [0, {cap}]")
-        out = {"epoch": epoch, "half": half, "flag": flag, "nrows": nrows, "ctrl": ctrl_words,
+        out = {"epoch": epoch, "half": half, "flag": flag, "nrows": nrows, "ctrl": ctrl_words, "staged": staged,
                "counts": [ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + n_counts] for s in range(R)]}
         c0 = P.CTRL_COUNTS + n_counts
         if with_matrix:
@@ -1055,10 +1058,11 @@ class Buffer:
                          exchange: Callable, allocate: Callable, local_copy: Callable) -> List[int]:
         """The exchanges of one dispatch, each reordered as it arrives (see ``_more_rounds``).
 
-        ``exchange(lists)`` sends this rank's rows ``lists[d]`` (sorted staging rows) to every rank d and
-        returns what the control messages said; ``allocate(recv)`` sizes the outputs from the first one and
-        returns (rows from each source in all, the outputs' byte views, meta and source-token outputs); this
-        rank's own rows come from ``local_copy(at, rows)``. Returns the rows from each source."""
+        ``exchange(lists, staged)`` sends this rank's rows ``lists[d]`` (sorted staging rows) to every rank d
+        and returns what the control messages said (``staged``: the first exchange's staging, reused);
+        ``allocate(recv)`` sizes the outputs from the first one and returns (rows from each source in all,
+        the outputs' byte views, meta and source-token outputs); this rank's own rows come from
+        ``local_copy(at, rows)``. Returns the rows from each source."""
         R, me = self.group_size, self.rank
         lists = send_idx if T <= cap else _token_slices(send_idx, 0, cap)
         recv = exchange(lists)
@@ -1069,7 +1073,7 @@ class Buffer:
         for i in range(len(rounds) + 1):
             if i:
                 lists = _token_slices(send_idx, *rounds[i - 1])
-                recv = exchange(lists)
+                recv = exchange(lists, recv["staged"])
             nrows = recv["nrows"]
             if any(nrows[s] > rows_from[s] - done[s] for s in range(R)):
                 self._broken = "bad row counts"
@@ -1324,12 +1328,13 @@ class Buffer:
 
         me = self.rank
         rounds: List[Tuple[int, int]] = [(0, cap)]
-        i = 0
+        i, recv = 0, {"staged": None}
         while i < len(rounds):
             cur["rows"], cur["tok"] = lists_for(*rounds[i])
             send = [eng.span(lo, hi) for lo, hi in cur["rows"]]
             recv = self._exchange(P.REGION_COMBINE, fmt, [P.as_bytes(x)], meta, src_index, send,
-                                  lambda d, send=send: [int(send[d].numel()), sig, 0, 0, 0, 0], T)
+                                  lambda d, send=send: [int(send[d].numel()), sig, 0, 0, 0, 0], T,
+                                  staged=recv["staged"])
             if not i:
                 rounds += self._more_rounds(recv, cap)
             expect = [t.numel() for t in cur["tok"]]
