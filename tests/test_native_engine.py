@@ -411,3 +411,30 @@ def test_engine_selection(monkeypatch):
 @needs_native
 def test_low_latency_combine_into_strided_out(pool):
     F.assert_all_same(pool.run(F.ll_strided_out))
+
+
+@needs_native
+@pytest.mark.parametrize("H,stride_pad", [(7168, 0), (100, 3), (1, 0)])
+def test_add_rows_same_on_both_engines(H, stride_pad):
+    """Own rows added into the normal combine's float32 accumulator: the C pass has torch's bits (signed
+    zeros, infinities and NaNs included) for any subset of target rows, and refuses an index out of range
+    before writing anything."""
+    g = torch.Generator().manual_seed(H)
+    n, T = 11, 17
+    src = torch.randn(n, H + stride_pad, generator=g).bfloat16()[:, :H]      # rows with a stride
+    src[0] = -0.0
+    src[1, ::2] = float("inf")
+    src[2, 0] = float("nan")
+    index = torch.randperm(T, generator=g)[:n]
+    acc0 = torch.randn(T, H, generator=g)
+    acc0[index[0]] = -0.0
+    got, want = acc0.clone(), acc0.clone()
+    native_engine.NativeEngine().add_rows(src, index, got)
+    TorchEngine().add_rows(src, index, want)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    bad = index.clone()
+    bad[-1] = T
+    untouched = acc0.clone()
+    with pytest.raises(IndexError):
+        native_engine.NativeEngine().add_rows(src, bad, untouched)
+    assert torch.equal(untouched, acc0)

@@ -1280,7 +1280,7 @@ class Buffer:
             else:
                 if not state["init"]:
                     acc.zero_()
-                acc.index_add_(0, idx, x[lo:hi].to(acc_dtype))
+                eng.add_rows(x[lo:hi], idx, acc)
             state["init"] = True
 
         def acc_weights(s: int, rows: Optional[torch.Tensor]) -> None:

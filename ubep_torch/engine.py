@@ -626,6 +626,11 @@ class TorchEngine:
         return meta[:, : fmt.meta_words]
 
     # ------------------------------------------------------------------ combine reductions
+    def add_rows(self, src: torch.Tensor, index: torch.Tensor, acc: torch.Tensor) -> None:
+        """Normal combine, this rank's own rows: ``acc[index[r]] += float(src[r])`` (distinct indices, so
+        the order rows are added in does not matter)."""
+        acc.index_add_(0, index, src.to(acc.dtype))
+
     def combine_accumulate(self, fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor, acc: torch.Tensor,
                            x_dtype: torch.dtype, wacc: Optional[torch.Tensor] = None, first: bool = False) -> None:
         """Normal combine, one source: ``acc[index[r]] += float(x_r)`` and ``wacc[index[r]] += w_r``.

@@ -33,7 +33,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 14
+API_VERSION = 15
 
 
 def _matches() -> bool:
@@ -290,6 +290,14 @@ class NativeEngine(TorchEngine):
         if wacc is not None and wacc.shape[1]:
             meta = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, : fmt.meta_words]
             wacc.index_add_(0, index, P.fresh(meta).view(wacc.dtype))
+
+    def add_rows(self, src: torch.Tensor, index: torch.Tensor, acc: torch.Tensor) -> None:
+        H = acc.shape[1]
+        if not (src.dtype == torch.bfloat16 and acc.dtype == torch.float32 and acc.is_contiguous() and _rowwise(src)
+                and src.shape[1] == H and _contiguous_int64(index) and index.numel() == src.shape[0]):
+            return super().add_rows(src, index, acc)
+        _native.add_rows_bf16(src.data_ptr(), src.stride(0) * 2, src.shape[0], H, index.data_ptr(), acc.data_ptr(),
+                              acc.shape[0])
 
     def combine_pair(self, fmt: P.RowFormat, own: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
                      own_first: bool = True) -> bool:

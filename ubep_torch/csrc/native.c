@@ -38,7 +38,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 14             /* bumped whenever a function's arguments change */
+#define API_VERSION 15             /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -713,6 +713,31 @@ static PyObject *accumulate_bf16(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+HOT static void add_rows_loop(const uint8_t *src, Py_ssize_t stride, Py_ssize_t n, Py_ssize_t H,
+                              const int64_t *index, float *restrict acc) {
+    for (Py_ssize_t r = 0; r < n; r++) {
+        const uint16_t *restrict p = (const uint16_t *)(src + r * stride);
+        float *restrict a = acc + index[r] * H;
+        for (Py_ssize_t j = 0; j < H; j++) a[j] = a[j] + bf16_to_f32(p[j]);
+    }
+}
+
+/* add_rows_bf16(src, stride, n, H, index, acc, limit)
+ *
+ * Normal combine, this rank's own rows: acc[index[r]] = acc[index[r]] + f32(src row r) for n plain bf16 rows
+ * ``stride`` bytes apart (float32 accumulator [limit, H]); every index is checked first (IndexError). */
+static PyObject *add_rows_bf16(PyObject *self, PyObject *args) {
+    unsigned long long src_p, index_p, acc_p;
+    Py_ssize_t stride, n, H, limit;
+    if (!PyArg_ParseTuple(args, "KnnnKKn", &src_p, &stride, &n, &H, &index_p, &acc_p, &limit)) return NULL;
+    const int64_t *index = (const int64_t *)(uintptr_t)index_p;
+    if (check_index(index, n, limit, "combine row") < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    add_rows_loop((const uint8_t *)(uintptr_t)src_p, stride, n, H, index, (float *)(uintptr_t)acc_p);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 HOT static void weighted_loop(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
                               const float *w, uint16_t *restrict out) {
     float acc[BF16_PER_BLOCK];
@@ -789,6 +814,7 @@ static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"write_rows", write_rows, METH_VARARGS, "TFF token-group stores into a peer's slots"},
+    {"add_rows_bf16", add_rows_bf16, METH_VARARGS, "normal combine: add plain bf16 rows into a float32 accumulator"},
     {"write_ctrl", write_ctrl, METH_VARARGS, "count-group store of one control message"},
     {"read_ctrl", read_ctrl, METH_VARARGS, "payload words of an arrived control message"},
     {"arrived", arrived, METH_VARARGS, "whether every block of the rows carries the flag"},
