@@ -384,7 +384,8 @@ def shm_entries(ctx, directory):
 
 
 def peer_failure_aborts_waits(ctx):
-    """Rank 0 fails inside a call (worst-case size too small); rank 1's next wait aborts fast."""
+    """Rank 0 fails inside a call (worst-case size too small); the others' next waits abort fast, naming
+    rank 0 (not the ranks that gave up because of it)."""
     import time
     buf = Buffer(ctx.group, 8 << 20, timeout_s=20.0)
     E = 2 * ctx.world_size
@@ -400,9 +401,9 @@ def peer_failure_aborts_waits(ctx):
     except ubep_torch.UBEPError as e:
         elapsed = time.monotonic() - t0
         buf.destroy()
-        return type(e).__name__, elapsed
+        return type(e).__name__, elapsed, getattr(e, "aborted_ranks", None)
     buf.destroy()
-    return None, 0.0
+    return None, 0.0, None
 
 
 def mismatched_hidden(ctx):

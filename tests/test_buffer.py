@@ -101,9 +101,15 @@ def test_no_segment_left_in_shm_dir(pool2, shm_dir):
 
 
 def test_failure_inside_a_call_aborts_peer_waits(pool2):
-    (n0, _), (n1, t1) = pool2.run(F.peer_failure_aborts_waits)
+    (n0, _, _), (n1, t1, a1) = pool2.run(F.peer_failure_aborts_waits)
     assert n0 == "UBEPError"
-    assert n1 == "UBEPPeerAbortedError" and t1 < 5.0
+    assert n1 == "UBEPPeerAbortedError" and t1 < 5.0 and a1 == [0]
+
+
+def test_failure_on_four_ranks_names_the_rank_that_failed(pool4):
+    out = pool4.run(F.peer_failure_aborts_waits)
+    assert out[0][0] == "UBEPError"
+    assert all(name == "UBEPPeerAbortedError" and t < 5.0 and aborted == [0] for name, t, aborted in out[1:]), out
 
 
 def test_buffer_arguments_must_agree_across_ranks(pool2, shm_dir):

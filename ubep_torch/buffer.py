@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from . import protocol as P
 from .engine import Destination, SendJob, make_engine
-from .errors import UBEPBrokenError, UBEPError
+from .errors import UBEPBrokenError, UBEPError, UBEPPeerAbortedError, UBEPPeerLostError, UBEPTimeoutError
 from .ugas import SymmetricHeap
 from .utils import Config, EventOverlap, TensorCache
 
@@ -506,22 +506,24 @@ class Buffer:
         self._epoch[rid] += 1
         return self._epoch[rid]
 
-    def _peer_aborted(self, r: int) -> bool:
-        return r != self.rank and int(self._aux_words[(_ACK_WORDS + 1) * self.group_size + r]) != 0
+    def _peer_aborted(self, r: int) -> int:
+        """0, or how rank r aborted: 1 = it failed itself, 2 = it gave up on another rank."""
+        return 0 if r == self.rank else int(self._aux_words[(_ACK_WORDS + 1) * self.group_size + r])
 
-    def _signal_abort(self) -> None:
-        """Tell every peer that this rank failed inside a call, so they fail fast instead of timing out."""
+    def _signal_abort(self, how: int = 1) -> None:
+        """Tell every peer that this rank failed inside a call (``how``: see ``_peer_aborted``), so they fail
+        fast instead of timing out, and their errors name the rank that caused it."""
         slot = (_ACK_WORDS + 1) * self.group_size + self.rank
         for r in range(self.group_size):
             try:
-                self._peer_words[r][slot] = 1
+                self._peer_words[r][slot] = how
             except Exception:
                 pass
 
     def _fail(self, e: BaseException) -> None:
         if self._broken is None:
             self._broken = f"{type(e).__name__}: {e}"
-        self._signal_abort()
+        self._signal_abort(2 if isinstance(e, (UBEPTimeoutError, UBEPPeerLostError, UBEPPeerAbortedError)) else 1)
 
     def _report(self, kind: str, topk_idx: Optional[torch.Tensor], num_experts: int, hidden: int,
                 bytes_per_token: int) -> None:

@@ -358,7 +358,7 @@ class Waiter:
     spin_s: float = float(os.environ.get("UBEP_SPIN_S", "0.002"))
 
     def __init__(self, rank: int, timeout_s: float, peer_alive: Optional[Callable[[int], bool]] = None,
-                 peer_aborted: Optional[Callable[[int], bool]] = None):
+                 peer_aborted: Optional[Callable[[int], int]] = None):
         self.rank = rank
         self.timeout_s = timeout_s
         self.peer_alive = peer_alive
@@ -392,6 +392,8 @@ class Waiter:
                 # should name the cause. A rank that aborted (and may have exited since) is an abort.
                 aborted = [] if self.peer_aborted is None else \
                     [r for r in range(self._world(missing)) if self.peer_aborted(r)]
+                # name the ranks that failed themselves (code 1) rather than those that gave up on them
+                aborted = [r for r in aborted if self.peer_aborted(r) == 1] or aborted
                 if self.peer_alive is not None:
                     dead = [r for r in missing if r not in aborted and not self.peer_alive(r)]
                     if dead:
