@@ -777,7 +777,7 @@ class Buffer:
             derived["counts"] = ntpe.view(R, E_local).tolist() if ntpe is not None else [[0] * E_local] * R
         counts, ntpr, sig = derived["counts"], [s.numel() for s in send_idx], fmt.signature()
 
-        def exchange(lists, staged=None):
+        def exchange(lists, staged):
             return self._exchange(P.REGION_DISPATCH, fmt, fields_data, meta, src_index, lists,
                                   lambda d: [int(lists[d].numel()), sig, 0, 0, E, 0] + counts[d] + ntpr, T,
                                   n_counts=E_local, with_matrix=True, staged=staged)
@@ -925,7 +925,7 @@ class Buffer:
         fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
         sig, src_index = fmt.signature(), self.engine.arange(T)
 
-        def exchange(lists, staged=None):
+        def exchange(lists, staged):
             return self._exchange(P.REGION_DISPATCH, fmt, fields_data, None, src_index, lists,
                                   lambda d: [int(lists[d].numel()), sig, 0, 0, 0, 0], T, staged=staged)
 
@@ -1037,6 +1037,19 @@ class Buffer:
             raise UBEPError(f"a peer announced {most} tokens (corrupted control message)")
         return [(a, min(a + cap, most)) for a in range(cap, most, cap)]
 
+    def _exchanges(self, cap: int, lists_for: Callable, exchange: Callable):
+        """The exchanges of one normal call (see ``_more_rounds``): yields ``(lists, recv)`` for each, where
+        ``lists = lists_for(a, b)`` is what this rank sends for tokens [a, b) and ``recv = exchange(lists,
+        staged)`` what the control messages said; the first exchange stages the call's rows, the others
+        reuse that staging."""
+        lists = lists_for(0, cap)
+        recv = exchange(lists, None)
+        yield lists, recv
+        for a, b in self._more_rounds(recv, cap):
+            lists = lists_for(a, b)
+            recv = exchange(lists, recv["staged"])
+            yield lists, recv
+
     def _normal_capacity(self, rid: int, fmt: P.RowFormat) -> int:
         """Rows per source that one exchange of a normal call can carry (at least one, else ValueError)."""
         cap = self._region(rid).capacity(fmt)
@@ -1061,21 +1074,17 @@ class Buffer:
         """The exchanges of one dispatch, each reordered as it arrives (see ``_more_rounds``).
 
         ``exchange(lists, staged)`` sends this rank's rows ``lists[d]`` (sorted staging rows) to every rank d
-        and returns what the control messages said (``staged``: the first exchange's staging, reused);
-        ``allocate(recv)`` sizes the outputs from the first one and returns (rows from each source in all,
-        the outputs' byte views, meta and source-token outputs); this rank's own rows come from
-        ``local_copy(at, rows)``. Returns the rows from each source."""
+        (see ``_exchanges``); ``allocate(recv)`` sizes the outputs from the first one and returns (rows from
+        each source in all, the outputs' byte views, meta and source-token outputs); this rank's own rows
+        come from ``local_copy(at, rows)``. Returns the rows from each source."""
         R, me = self.group_size, self.rank
-        lists = send_idx if T <= cap else _token_slices(send_idx, 0, cap)
-        recv = exchange(lists)
-        rows_from, outs, recv_meta, recv_src_idx = allocate(recv)
-        off = list(accumulate(rows_from, initial=0))
-        done = [0] * R
-        rounds = self._more_rounds(recv, cap)
-        for i in range(len(rounds) + 1):
-            if i:
-                lists = _token_slices(send_idx, *rounds[i - 1])
-                recv = exchange(lists, recv["staged"])
+        rows_from = None
+        for lists, recv in self._exchanges(
+                cap, lambda a, b: send_idx if a == 0 and T <= cap else _token_slices(send_idx, a, b), exchange):
+            if rows_from is None:
+                rows_from, outs, recv_meta, recv_src_idx = allocate(recv)
+                off = list(accumulate(rows_from, initial=0))
+                done = [0] * R
             nrows = recv["nrows"]
             if any(nrows[s] > rows_from[s] - done[s] for s in range(R)):
                 self._broken = "bad row counts"
@@ -1248,10 +1257,14 @@ class Buffer:
                     ids["src"] = base[3].to(torch.int64)
                 rows = []
                 for d in range(R):
-                    lo, hi = torch.searchsorted(ids["src"][bounds[d]:bounds[d + 1]],
-                                                torch.tensor([a, b], dtype=torch.int64)).tolist()
+                    lo, hi = _token_range(ids["src"][bounds[d]:bounds[d + 1]], a, b)
                     rows.append((bounds[d] + lo, bounds[d] + hi))
             return rows, base.send_idx if a == 0 and T <= cap else _token_slices(base.send_idx, a, b)
+
+        def exchange(lists, staged):
+            send = [eng.span(lo, hi) for lo, hi in lists[0]]
+            return self._exchange(P.REGION_COMBINE, fmt, [P.as_bytes(x)], meta, src_index, send,
+                                  lambda d: [int(send[d].numel()), sig, 0, 0, 0, 0], T, staged=staged)
 
         meta = P.fresh(topk_weights).view(torch.int32).view(-1, K * wsz) if K else None
         src_index = self.engine.arange(base.num_recv)
@@ -1329,23 +1342,13 @@ class Buffer:
             eng.rearm(fmt, rows)
 
         me = self.rank
-        rounds: List[Tuple[int, int]] = [(0, cap)]
-        i, recv = 0, {"staged": None}
-        while i < len(rounds):
-            cur["rows"], cur["tok"] = lists_for(*rounds[i])
-            send = [eng.span(lo, hi) for lo, hi in cur["rows"]]
-            recv = self._exchange(P.REGION_COMBINE, fmt, [P.as_bytes(x)], meta, src_index, send,
-                                  lambda d, send=send: [int(send[d].numel()), sig, 0, 0, 0, 0], T,
-                                  staged=recv["staged"])
-            if not i:
-                rounds += self._more_rounds(recv, cap)
+        for (cur["rows"], cur["tok"]), recv in self._exchanges(cap, lists_for, exchange):
             expect = [t.numel() for t in cur["tok"]]
             if recv["nrows"] != expect:
                 self._broken = "combine layout mismatch"
                 raise UBEPError(f"combine on rank {self.rank}: peers returned {recv['nrows']} rows, the handle "
                                 f"sent {expect} (was the handle from the latest matching dispatch?)")
             self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None, accumulate=accumulate)
-            i += 1
         self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size())
         if pair:
             return out, wacc, EventOverlap(None)
@@ -1958,14 +1961,15 @@ def _same_value(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _token_range(t: torch.Tensor, a: int, b: int) -> Tuple[int, int]:
+    """Positions [lo, hi) of the entries in [a, b) of an ascending int64 tensor."""
+    lo, hi = torch.searchsorted(t, torch.tensor([a, b], dtype=torch.int64)).tolist()
+    return lo, hi
+
+
 def _token_slices(lists: List[torch.Tensor], a: int, b: int) -> List[torch.Tensor]:
     """The entries in [a, b) of every ascending int64 tensor in ``lists`` (a view each)."""
-    bounds = torch.tensor([a, b], dtype=torch.int64)
-    out = []
-    for t in lists:
-        lo, hi = torch.searchsorted(t, bounds).tolist()
-        out.append(t[lo:hi])
-    return out
+    return [t[slice(*_token_range(t, a, b))] for t in lists]
 
 
 def _same_routing(topk_idx, snapshot: torch.Tensor) -> bool:
