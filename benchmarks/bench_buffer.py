@@ -45,6 +45,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ubep_torch import Buffer  # noqa: E402
+from ubep_torch.buffer import normal_buffer_bytes  # noqa: E402
 from ubep_torch.testing import RankPool  # noqa: E402
 from ubep_torch.ugas import SymmetricHeap  # noqa: E402
 
@@ -103,13 +104,14 @@ def naive_expert_rows(x, topk_idx, weights, E, R):
     return recv, out.to(x.dtype)
 
 
-def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends):
+def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
     torch.manual_seed(ctx.rank)
     R = ctx.world_size
     x = torch.randn(T, H).bfloat16()
     w, topk = torch.randn(T, E).softmax(-1).topk(K, dim=-1)
     topk = topk.to(torch.int64)
-    nvl = Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R)
+    nvl = normal_buffer_bytes(nvl_tokens, H * 2, R) if nvl_tokens else \
+        Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R)
     rdma = Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
     paths = {}     # backend -> (dispatch, combine, low-latency dispatch, low-latency combine)
     bufs = []
@@ -206,6 +208,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sync", default="tff", choices=["tff", "dc", "sp", "sw"])
+    ap.add_argument("--nvl-tokens", type=int, default=0,
+                    help="size the normal-mode buffer for this many rows per source (default: DeepEP's hint); "
+                         "fewer than --tokens makes each normal call run several exchanges")
     ap.add_argument("--backends", default="auto,torch",
                     help="comma-separated Buffer backends to time side by side (auto = the C path where built)")
     a = ap.parse_args()
@@ -213,6 +218,7 @@ def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     with RankPool(a.ranks, env={"PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])}) as pool:
         per_rank = pool.run(bench_rank, a.tokens, a.hidden, a.topk, a.experts, a.iters, a.rounds, a.sync, backends,
+                            a.nvl_tokens,
                             timeout_s=1800)
     recv_bytes, ll_bytes, names = per_rank[0][1], per_rank[0][2], per_rank[0][3]
     # slowest rank of every round, then the median over rounds
