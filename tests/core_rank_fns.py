@@ -440,7 +440,7 @@ def mismatched_call_args(ctx, low_latency: bool):
 
 
 def combine_pair_exact(ctx, sync, dtype=torch.bfloat16, T=12, H=256, seed=5):
-    """Every token on both ranks (the two-rank single-pass combine): the result has exactly the bits of a
+    """Every token on both ranks (each token has two rows to sum): the result has exactly the bits of a
     float32 accumulator that starts at +0.0 and adds the ranks' rows in rank order, signed zeros and
     all-zero rows (SP sentinel collisions) included."""
     buf = get_buffer(ctx, sync)

@@ -363,33 +363,6 @@ def test_out_of_range_indices_are_refused_before_any_store():
                              local=(torch.zeros(3, 500, dtype=torch.bfloat16), 1, 2, torch.tensor([3])))
 
 
-@needs_native
-@pytest.mark.parametrize("first,every_token", [(True, True), (True, False), (False, True), (False, False)])
-def test_general_combine_accumulation_same_bits(first, every_token):
-    """One source of the combine of three or more ranks: ``acc[index] (+)= f32(x)`` read from the slots,
-    the first source counting as ``0 + x`` (so -0.0 comes out +0.0), and the weights reduced alongside."""
-    g = torch.Generator().manual_seed(3)
-    T, H, K = 12, 1000, 3
-    idx = torch.arange(T) if every_token else torch.tensor([0, 2, 3, 7, 11])
-    n = idx.numel()
-    x = F._with_specials(torch.randn(n, H, generator=g), g).bfloat16()
-    x[1] = -0.0
-    w = torch.rand(n, K, generator=g)
-    fmt = P.row_format("tff", (("x", H * 2),), K)
-    rows, _, _ = TorchEngine().pack_rows(fmt, [P.as_bytes(x)], w.view(torch.int32), torch.arange(n), 1)
-    start = F._with_specials(torch.randn(T, H, generator=g), g)
-    start[0] = -0.0
-    out = {}
-    for name, eng in (("torch", TorchEngine()), ("native", native_engine.NativeEngine())):
-        acc, wacc = start.clone(), torch.ones(T, K)
-        eng.combine_accumulate(fmt, rows, idx, acc, torch.bfloat16, wacc, first=first)
-        out[name] = (acc.bfloat16().view(torch.int16), acc.signbit() & ~acc.isnan(), wacc)
-    assert torch.equal(out["torch"][0], out["native"][0])
-    assert torch.equal(out["torch"][1], out["native"][1])   # signed zeros of the float32 accumulator (NaN aside:
-    # the result is rounded to bf16, where every NaN is stored as 0xFFFF)
-    assert torch.equal(out["torch"][2], out["native"][2])
-
-
 def test_engine_selection(monkeypatch):
     """"auto" takes the C path when it is built and allowed, else torch; "native" without it says how to get it."""
     from ubep_torch.engine import make_engine
@@ -414,27 +387,27 @@ def test_low_latency_combine_into_strided_out(pool):
 
 
 @needs_native
-@pytest.mark.parametrize("H,stride_pad", [(7168, 0), (100, 3), (1, 0)])
-def test_add_rows_same_on_both_engines(H, stride_pad):
-    """Own rows added into the normal combine's float32 accumulator: the C pass has torch's bits (signed
-    zeros, infinities and NaNs included) for any subset of target rows, and refuses an index out of range
-    before writing anything."""
+@pytest.mark.parametrize("H", [7168, 100, 1])
+def test_combine_reduction_checks_tokens_first(H):
+    """The C normal-combine pass refuses a token out of range, a token twice in one source, or a token list
+    of the wrong length before it writes anything; for good lists it has the torch path's bits."""
     g = torch.Generator().manual_seed(H)
-    n, T = 11, 17
-    src = torch.randn(n, H + stride_pad, generator=g).bfloat16()[:, :H]      # rows with a stride
-    src[0] = -0.0
-    src[1, ::2] = float("inf")
-    src[2, 0] = float("nan")
-    index = torch.randperm(T, generator=g)[:n]
-    acc0 = torch.randn(T, H, generator=g)
-    acc0[index[0]] = -0.0
-    got, want = acc0.clone(), acc0.clone()
-    native_engine.NativeEngine().add_rows(src, index, got)
-    TorchEngine().add_rows(src, index, want)
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    bad = index.clone()
-    bad[-1] = T
-    untouched = acc0.clone()
-    with pytest.raises(IndexError):
-        native_engine.NativeEngine().add_rows(src, bad, untouched)
-    assert torch.equal(untouched, acc0)
+    T, n = 9, 5
+    fmt = P.row_format("tff", (("x", H * 2),), 0)
+    own = torch.randn(n, H + 3, generator=g).bfloat16()[:, :H]       # strided rows
+    x = torch.randn(n, H, generator=g).bfloat16()
+    staging, checked, _ = TorchEngine().pack_rows(fmt, [P.as_bytes(x)], None, torch.arange(n), 1)
+    rows = torch.zeros_like(staging)
+    TorchEngine().write_rows(fmt, staging, checked, None, rows, P.flag_word(1, P.REGION_COMBINE))
+    own_tok, peer_tok = torch.tensor([0, 2, 3, 7, 8]), torch.tensor([1, 2, 4, 5, 8])
+    got, want = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, H, dtype=torch.bfloat16)
+    native_engine.NativeEngine().reduce_sources(fmt, [(own, own_tok), (rows, peer_tok)], got)
+    TorchEngine().reduce_sources(fmt, [(own, own_tok), (rows, peer_tok)], want)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert not got[6].any()                                          # no rows: zeros
+    for bad, err in ((torch.tensor([0, 2, 3, 7, 9]), IndexError), (torch.tensor([-1, 2, 3, 7, 8]), IndexError),
+                     (torch.tensor([0, 2, 2, 7, 8]), IndexError), (torch.tensor([0, 2, 3, 7]), ValueError)):
+        untouched = torch.full((T, H), 7.0, dtype=torch.bfloat16)
+        with pytest.raises(err):
+            native_engine.NativeEngine().reduce_sources(fmt, [(rows, peer_tok), (own, bad)], untouched)
+        assert bool((untouched == 7.0).all())

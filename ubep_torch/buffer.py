@@ -1099,16 +1099,16 @@ class Buffer:
         return rows_from
 
     def _receive_rows(self, rid: int, fmt: P.RowFormat, recv: dict, offsets: Sequence[int], outs, recv_meta,
-                      recv_src_idx, accumulate: Optional[Callable] = None,
+                      recv_src_idx, reduce: Optional[Callable] = None,
                       local_copy: Optional[Callable] = None) -> None:
         """Token-Reordering: copy each source's rows out as they arrive.
 
         Runs of complete rows are copied while the source still writes the rest where the engine can tell
-        them apart (see ``_next_run``); otherwise a source's rows once all its blocks are there. ``accumulate(s,
-        rows_view)`` replaces the copy (combine). Sources are then processed whole, in rank order, so
-        floating-point reductions are identical for every sync mode and arrival order. This rank's own rows
-        never went through the slots: ``local_copy(offset, n)`` (or ``accumulate(rank, None)``) takes them
-        from the source tensors.
+        them apart (see ``_next_run``); otherwise a source's rows once all its blocks are there. This rank's
+        own rows never went through the slots: ``local_copy(offset, n)`` takes them from the source tensors.
+        ``reduce(rows)`` replaces the copies (combine): it gets every source's rows at once, in rank order
+        (None for this rank's own), once all have arrived, so a reduction reads each token's rows in one
+        pass and its result does not depend on the sync mode or the arrival order.
         """
         R = self.group_size
         region = self._region(rid)
@@ -1117,7 +1117,7 @@ class Buffer:
         done = set()
         progress = {}                     # source -> rows already reordered (streaming)
         eng = self.engine
-        in_order = accumulate is not None
+        arrived = {}                      # reduce: source -> its rows (None: this rank's own)
 
         def reorder(s: int, rows: torch.Tensor, lo: int, hi: int) -> None:
             """Rows [lo, hi) of source s to their places in the outputs."""
@@ -1138,36 +1138,39 @@ class Buffer:
             for s in range(R):
                 if s in done:
                     continue
-                if in_order and missing:
-                    missing.append(s)
-                    continue
                 n = recv["nrows"][s]
                 if s == self.rank:
-                    if accumulate is not None:
-                        accumulate(s, None)
-                    elif n:
-                        local_copy(int(offsets[s]), n)
+                    if reduce is not None:
+                        arrived[s] = None
+                    else:
+                        if n:
+                            local_copy(int(offsets[s]), n)
+                        self._send_ack(rid, s, epoch)
                     done.add(s)
-                    self._send_ack(rid, s, epoch)
                     continue
                 rows = region.rows(local, half, s, fmt, n)
                 expected = recv["ctrl"][s][P.CTRL_CHECKSUM]
-                if accumulate is not None:
+                if reduce is not None:
                     if not eng.rows_arrived(fmt, rows, flag, expected):
                         missing.append(s)
                         continue
-                    accumulate(s, rows)
-                else:
-                    start = progress.get(s, 0)
-                    end = _next_run(eng, fmt, rows, flag, start, expected)
-                    if end > start:
-                        reorder(s, rows, start, end)
-                        progress[s] = end
-                    if end < n:
-                        missing.append(s)
-                        continue
+                    arrived[s] = rows
+                    done.add(s)
+                    continue
+                start = progress.get(s, 0)
+                end = _next_run(eng, fmt, rows, flag, start, expected)
+                if end > start:
+                    reorder(s, rows, start, end)
+                    progress[s] = end
+                if end < n:
+                    missing.append(s)
+                    continue
                 done.add(s)
                 self._send_ack(rid, s, epoch)
+            if reduce is not None and not missing:
+                reduce([arrived[s] for s in range(R)])
+                for s in range(R):     # (the slots may be written again once acknowledged)
+                    self._send_ack(rid, s, epoch)
             return missing
         self._wait(f"{P.REGION_NAMES[rid]}: Token-Reordering (waiting for token blocks)", poll)
 
@@ -1249,7 +1252,8 @@ class Buffer:
         ids = {}
 
         def lists_for(a: int, b: int):
-            # (rows of x to send back to each rank, this rank's tokens that come back from each rank)
+            # (rows of x to send back to each rank, this rank's tokens that come back from each rank, the
+            # range of this rank's tokens)
             if a == 0 and peer_tokens is not None and max(peer_tokens) <= cap:
                 rows = whole
             else:
@@ -1259,7 +1263,8 @@ class Buffer:
                 for d in range(R):
                     lo, hi = _token_range(ids["src"][bounds[d]:bounds[d + 1]], a, b)
                     rows.append((bounds[d] + lo, bounds[d] + hi))
-            return rows, base.send_idx if a == 0 and T <= cap else _token_slices(base.send_idx, a, b)
+            toks = base.send_idx if a == 0 and T <= cap else _token_slices(base.send_idx, a, b)
+            return rows, toks, (min(a, T), min(b, T))
 
         def exchange(lists, staged):
             send = [eng.span(lo, hi) for lo, hi in lists[0]]
@@ -1269,94 +1274,34 @@ class Buffer:
         meta = P.fresh(topk_weights).view(torch.int32).view(-1, K * wsz) if K else None
         src_index = self.engine.arange(base.num_recv)
         sig = fmt.signature()
-        acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         eng = self.engine
         wacc = torch.zeros(T, K, dtype=topk_weights.dtype) if K else None
         out = self._out.empty((T, H), x.dtype)
-        # Two ranks that each got every token back (the common 2-rank case): one pass adds this rank's
-        # rows to the peer's rows read in place from the slots, with the accumulator's exact rounding.
-        pair = (R == 2 and not biases and eng.direct_rows and 0 < T <= cap
-                and all(int(i.numel()) == T for i in base.send_idx))
-        acc = None if pair else eng.scratch("combine_acc", (T, H), acc_dtype)
-        state = {"init": False}   # acc is written by the first source in rank order, then accumulated into
-        if T > cap:               # tokens come back over several exchanges: accumulate from zeros
-            acc.zero_()
-            state["init"] = True
-        cur = {}                  # the current exchange's lists_for
-
-        def acc_own(s: int) -> None:
-            idx = cur["tok"][s]
-            lo, hi = cur["rows"][s]
-            if hi == lo:
-                return
-            if not state["init"] and idx.numel() == T:   # every token, in order: 0 + x without a gather
-                acc.copy_(x[lo:hi])
-                acc.add_(0.0)
-            else:
-                if not state["init"]:
-                    acc.zero_()
-                eng.add_rows(x[lo:hi], idx, acc)
-            state["init"] = True
-
-        def acc_weights(s: int, rows: Optional[torch.Tensor]) -> None:
-            if not K:
-                return
-            lo, hi = cur["rows"][s]
-            if rows is None:
-                wacc.index_add_(0, cur["tok"][s], topk_weights[lo:hi])
-            else:
-                meta = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, :K * wsz]
-                wacc.index_add_(0, cur["tok"][s], P.fresh(meta).view(wacc.dtype))
-
-        def accumulate(s: int, rows: Optional[torch.Tensor]) -> None:
-            nonlocal acc, pair
-            if rows is not None and rows.shape[0] == 0:
-                return
-            if pair:
-                acc_weights(s, rows)
-                if rows is None:
-                    return
-                lo, hi = cur["rows"][me]
-                if eng.combine_pair(fmt, x[lo:hi], rows, out, own_first=me < s):
-                    eng.rearm(fmt, rows)
-                    return
-                pair = False    # payload not readable in place: accumulate both sources in rank order
-                acc = eng.scratch("combine_acc", (T, H), acc_dtype)
-                for src in range(R):
-                    if src == me:
-                        acc_own(src)
-                    else:
-                        eng.combine_accumulate(fmt, rows, cur["tok"][src], acc, x.dtype, None,
-                                               first=not state["init"])
-                        state["init"] = True
-                eng.rearm(fmt, rows)
-                state["pair_fallback"] = True
-                return
-            if rows is None:   # this rank's own rows: straight from x
-                if not state.get("pair_fallback"):   # (a fallback already added them in rank order)
-                    acc_own(s)
-                acc_weights(s, None)
-                return
-            eng.combine_accumulate(fmt, rows, cur["tok"][s], acc, x.dtype, wacc, first=not state["init"])
-            state["init"] = True
-            eng.rearm(fmt, rows)
-
         me = self.rank
-        for (cur["rows"], cur["tok"]), recv in self._exchanges(cap, lists_for, exchange):
-            expect = [t.numel() for t in cur["tok"]]
+
+        def reduce(x_rows, toks, a: int, b: int, slot_rows: List[Optional[torch.Tensor]]) -> None:
+            # Every source's rows of tokens [a, b), in rank order; this rank's own straight from x. (A token's
+            # rows all come in one exchange, so the sum does not depend on the number of exchanges.)
+            rows = [x[x_rows[me][0]:x_rows[me][1]] if r is None else r for r in slot_rows]
+            tok = [t if a == 0 else t - a for t in toks]
+            eng.reduce_sources(fmt, list(zip(rows, tok)) + [(bias[a:b], None) for bias in biases], out[a:b])
+            for s, r in enumerate(slot_rows):
+                if K:
+                    w = topk_weights[x_rows[s][0]:x_rows[s][1]] if r is None else \
+                        P.fresh(r[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, :K * wsz]).view(wacc.dtype)
+                    wacc.index_add_(0, toks[s], w)
+                if r is not None:
+                    eng.rearm(fmt, r)
+
+        for (x_rows, toks, (a, b)), recv in self._exchanges(cap, lists_for, exchange):
+            expect = [t.numel() for t in toks]
             if recv["nrows"] != expect:
                 self._broken = "combine layout mismatch"
                 raise UBEPError(f"combine on rank {self.rank}: peers returned {recv['nrows']} rows, the handle "
                                 f"sent {expect} (was the handle from the latest matching dispatch?)")
-            self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None, accumulate=accumulate)
+            self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None,
+                               reduce=functools.partial(reduce, x_rows, toks, a, b))
         self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size())
-        if pair:
-            return out, wacc, EventOverlap(None)
-        if not state["init"]:
-            acc.zero_()
-        for b in biases:
-            acc += b.to(acc_dtype)
-        out.copy_(acc)
         return out, wacc, EventOverlap(None)
 
     # ================================================================== low-latency dispatch

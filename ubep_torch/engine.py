@@ -54,6 +54,14 @@ class SendJob:
     sync_all: Optional[Callable[[], None]] = None   #: SyncAll for the "sw" baseline
 
 
+def _sp_escaped(fmt: P.RowFormat, rows: torch.Tensor) -> bool:
+    """Do SP rows hold escaped words (payload words equal to the sentinel, restored on unpacking), so their
+    payload cannot be read in place?"""
+    if fmt.sync != "sp" or not fmt.bitmap_words or not rows.shape[0]:
+        return False
+    return bool(rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, fmt.meta_words:fmt.meta_words + fmt.bitmap_words].any())
+
+
 def _pair_targets(meta: torch.Tensor, K: int, base: torch.Tensor, cnt: torch.Tensor, room: int):
     """(row, output row, top-k slot) of every pair listed in one-row-per-token meta items (see
     ``TorchEngine.unpack_items``), after checking every item against the announced segments."""
@@ -626,11 +634,6 @@ class TorchEngine:
         return meta[:, : fmt.meta_words]
 
     # ------------------------------------------------------------------ combine reductions
-    def add_rows(self, src: torch.Tensor, index: torch.Tensor, acc: torch.Tensor) -> None:
-        """Normal combine, this rank's own rows: ``acc[index[r]] += float(src[r])`` (distinct indices, so
-        the order rows are added in does not matter)."""
-        acc.index_add_(0, index, src.to(acc.dtype))
-
     def combine_accumulate(self, fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor, acc: torch.Tensor,
                            x_dtype: torch.dtype, wacc: Optional[torch.Tensor] = None, first: bool = False) -> None:
         """Normal combine, one source: ``acc[index[r]] += float(x_r)`` and ``wacc[index[r]] += w_r``.
@@ -661,39 +664,51 @@ class TorchEngine:
         if wacc is not None and wacc.shape[1]:
             wacc.index_add_(0, index, P.fresh(meta).view(wacc.dtype))
 
-    def combine_pair(self, fmt: P.RowFormat, own: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                     own_first: bool = True) -> bool:
-        """Normal combine when every token came back from exactly two ranks, in token order.
+    def reduce_sources(self, fmt: P.RowFormat, sources: Sequence[tuple], out: torch.Tensor) -> None:
+        """Normal combine of one range of tokens: ``out[t]`` = the sum of the rows of token ``t``.
 
-        The same operations as the general path (a float32 accumulator, float64 for float64 payloads,
-        that starts at +0.0 and adds the two sources in rank order, rounded once into ``out``), but the
-        peer's rows are read straight from the slots: no unpacked copy and no scatter. ``own_first``:
-        this rank comes first in rank order (the order decides which NaN survives when both are NaN).
-        Returns False (nothing written) when the payload cannot be read in place (an SP row with escaped
-        words); the caller then takes the general path.
+        ``sources`` is ``[(rows, tok)]`` in the order the sum runs (the ranks in rank order, then any
+        biases): ``rows`` are plain rows ``[n, H]`` (this rank's own, a bias) or rows in the slots
+        (``[n, fmt.blocks, 512]`` uint8, field 0 holding the payload in ``out``'s dtype), and row ``r`` belongs
+        to token ``tok[r]`` (ascending, distinct rows of ``out``; None: row ``r`` is token ``r``). The sum is
+        that of an accumulator (float32; float64 for float64 rows) starting at +0.0 and adding the rows
+        widened, in source order, rounded once into ``out``; a token with no rows gets zeros. SP blocks are
+        not re-armed here (the caller does it once the rows are consumed).
         """
-        views = P.field_views(rows, fmt, 0, own.dtype)
-        if views is None:
-            return False
-        if fmt.sync == "sp" and fmt.bitmap_words and rows.shape[0]:
-            bm = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, fmt.meta_words:fmt.meta_words + fmt.bitmap_words]
-            if bool(bm.any()):
-                return False
-        acc_dtype = torch.float64 if own.dtype == torch.float64 else torch.float32
-        acc = self.scratch("combine_acc", tuple(out.shape), acc_dtype)
-        # (0 + a) + b == (a + b) + 0 bit for bit: both turn -0.0 + -0.0 into +0.0, and x + 0 == x for every
-        # other x (a NaN keeps the payload of the first NaN operand either way). So: widen the first source
-        # (exact), add the second in the accumulator's precision, then add +0.0 while rounding into out.
-        if own_first:
-            acc.copy_(own)
-            for lo, hi, v in views:
-                acc[:, lo:hi].view(v.shape).add_(v)
-        else:
-            for lo, hi, v in views:
-                acc[:, lo:hi].view(v.shape).copy_(v)      # widening copies are exact
-            acc.add_(own)
+        T, H = out.shape
+        acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+        acc = self.scratch("combine_acc", (T, H), acc_dtype)
+        first = True   # acc holds nothing yet
+        # A source with every token (ascending and distinct, so in order) is added without a gather, the
+        # first one copied: (a + b + ...) + 0 has the bits of 0 + a + b + ..., since a sum that starts at
+        # +0.0 differs from one that does not only while it is -0.0, and the final + 0.0 maps that to +0.0.
+        for rows, tok in sources:
+            n = rows.shape[0]
+            if n == 0:
+                continue
+            views = None
+            if rows.dim() == 2:
+                src = rows if rows.dtype in (acc_dtype, out.dtype) else rows.to(acc_dtype)
+                views = [(0, H, src)] if n == T else None
+            elif n == T and self.direct_rows and not _sp_escaped(fmt, rows):
+                views = P.field_views(rows, fmt, 0, out.dtype)
+            if views is not None:
+                for lo, hi, v in views:
+                    part = acc[:, lo:hi].view(v.shape)
+                    if first:
+                        part.copy_(v)      # widening copies are exact
+                    else:
+                        part.add_(v)
+            elif rows.dim() == 2:
+                if first:
+                    acc.zero_()
+                acc.index_add_(0, tok, src.to(acc_dtype))
+            else:
+                self.combine_accumulate(fmt, rows, tok, acc, out.dtype, None, first=first)
+            first = False
+        if first:
+            acc.zero_()
         torch.add(acc, 0.0, out=out)     # computed in the accumulator's dtype, rounded once into out
-        return True
 
     def weighted_combine(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor,
                          weights: torch.Tensor, out: torch.Tensor, pos: Optional[torch.Tensor] = None) -> None:

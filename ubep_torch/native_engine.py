@@ -7,11 +7,11 @@ without a C compiler the package installs without it and ``"auto"`` means the to
 What runs in C (``sync="tff"``, the default): the token group's stores into a peer's slots (each
 512 B DataBlock written and then published by a release store of its flag word), the arrival poll
 (acquire loads of the flag words), Token-Reordering (payload, meta items and source tokens copied out of
-the slots, scattered straight to their final rows), and the two bf16 reductions (two-source normal
-combine, low-latency weighted combine), each one pass over the rows instead of several torch operators.
-The count group's control messages (write, poll, read-back), the general bf16 combine of three or more
-sources and the low-latency routing (pairs sorted by expert, per-expert counts, combine slots, one row per
-(token, destination rank) with its meta items, segment row lists) run in C too. Everything else (DC/SP/SW
+the slots, scattered straight to their final rows), and the two bf16 reductions (normal combine of any
+number of sources, low-latency weighted combine), each one pass over the rows instead of several torch
+operators. The count group's control messages (write, poll, read-back) and the low-latency routing
+(pairs sorted by expert, per-expert counts, combine slots, one row per (token, destination rank) with its
+meta items, segment row lists) run in C too. Everything else (DC/SP/SW
 rows, other dtypes, CalCumSum, the call bookkeeping) is the inherited torch implementation. Memory
 contents and outputs are bit-identical to ``TorchEngine`` (``tests/test_native_engine.py``);
 ``ubep_torch/csrc/native.c`` states the memory-ordering argument.
@@ -33,7 +33,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 15
+API_VERSION = 16
 
 
 def _matches() -> bool:
@@ -63,6 +63,22 @@ def _slots(rows: torch.Tensor, fmt: P.RowFormat) -> bool:
 def _within(idx: Optional[torch.Tensor], limit: int) -> bool:
     """Every index in [0, limit): the C loops write where the indices say, so they are checked first."""
     return idx is None or idx.numel() == 0 or (int(idx.min()) >= 0 and int(idx.max()) < limit)
+
+
+def _source_spec(fmt: P.RowFormat, rows: torch.Tensor, tok: Optional[torch.Tensor], H: int) -> Optional[tuple]:
+    """``(base, stride, step, tok, n)`` of one bf16 source of ``combine_rows_bf16`` (see native.c), or None
+    when the C loop cannot address it."""
+    n = rows.shape[0]
+    if tok is not None and tok.numel() != n:
+        raise ValueError(f"{tok.numel()} tokens for {n} combine rows")
+    tok_p = 0 if tok is None or n == 0 else tok.data_ptr()
+    if rows.dim() == 2 and rows.dtype == torch.bfloat16 and _rowwise(rows) and rows.shape[1] == H:
+        # a plain row: pieces of 240 elements, 480 B apart
+        return rows.data_ptr(), rows.stride(0) * 2, P.TFF_PAYLOAD_BYTES, tok_p, n
+    if _slots(rows, fmt):
+        return (rows.data_ptr() + fmt.field_offset_blocks(0) * P.BLOCK_BYTES + P.FLAG_BYTES, fmt.row_bytes,
+                P.BLOCK_BYTES, tok_p, n)
+    return None
 
 
 class NativeEngine(TorchEngine):
@@ -273,42 +289,17 @@ class NativeEngine(TorchEngine):
         return True
 
     # ------------------------------------------------------------------ combine reductions
-    def combine_accumulate(self, fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor, acc: torch.Tensor,
-                           x_dtype: torch.dtype, wacc: Optional[torch.Tensor] = None, first: bool = False) -> None:
-        n, H = rows.shape[0], acc.shape[1]
-        if not (fmt.sync == "tff" and n and x_dtype == torch.bfloat16 and acc.dtype == torch.float32
-                and acc.is_contiguous() and _slots(rows, fmt) and fmt.fields[0][1] == H * 2
-                and _contiguous_int64(index) and index.numel() == n):
-            return super().combine_accumulate(fmt, rows, index, acc, x_dtype, wacc, first)
-        if not _within(index, acc.shape[0]):
-            raise IndexError(f"combine row out of range [0, {acc.shape[0]})")
-        assign = first and n == acc.shape[0]          # every token, in order: acc = 0 + x, no zeroing
-        if first and not assign:
-            acc.zero_()
-        _native.accumulate_bf16(rows.data_ptr(), n, fmt.blocks, fmt.field_offset_blocks(0), H, index.data_ptr(),
-                                acc.data_ptr(), assign)
-        if wacc is not None and wacc.shape[1]:
-            meta = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, : fmt.meta_words]
-            wacc.index_add_(0, index, P.fresh(meta).view(wacc.dtype))
-
-    def add_rows(self, src: torch.Tensor, index: torch.Tensor, acc: torch.Tensor) -> None:
-        H = acc.shape[1]
-        if not (src.dtype == torch.bfloat16 and acc.dtype == torch.float32 and acc.is_contiguous() and _rowwise(src)
-                and src.shape[1] == H and _contiguous_int64(index) and index.numel() == src.shape[0]):
-            return super().add_rows(src, index, acc)
-        _native.add_rows_bf16(src.data_ptr(), src.stride(0) * 2, src.shape[0], H, index.data_ptr(), acc.data_ptr(),
-                              acc.shape[0])
-
-    def combine_pair(self, fmt: P.RowFormat, own: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                     own_first: bool = True) -> bool:
-        H = out.shape[1]
-        if not (fmt.sync == "tff" and own.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
-                and out.is_contiguous() and _rowwise(own) and _slots(rows, fmt)
-                and fmt.fields[0][1] == H * 2 and own.shape == out.shape == (rows.shape[0], H)):
-            return super().combine_pair(fmt, own, rows, out, own_first)
-        _native.combine_pair_bf16(own.data_ptr(), own.stride(0) * 2, rows.data_ptr(), rows.shape[0], fmt.blocks,
-                                  fmt.field_offset_blocks(0), H, out.data_ptr(), bool(own_first))
-        return True
+    def reduce_sources(self, fmt: P.RowFormat, sources: Sequence[tuple], out: torch.Tensor) -> None:
+        T, H = out.shape
+        sources = [(rows, tok) for rows, tok in sources if rows.shape[0]]
+        if fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.is_contiguous() and fmt.fields[0][1] == H * 2:
+            toks = [tok if tok is None or _contiguous_int64(tok) else tok.to(torch.int64).contiguous()
+                    for _, tok in sources]
+            spec = [_source_spec(fmt, rows, tok, H) for (rows, _), tok in zip(sources, toks)]
+            if None not in spec:
+                _native.combine_rows_bf16(T, H, tuple(spec), out.data_ptr())
+                return
+        super().reduce_sources(fmt, sources, out)
 
     combines_local_rows = True
 

@@ -38,7 +38,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 15             /* bumped whenever a function's arguments change */
+#define API_VERSION 16             /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -641,122 +641,112 @@ static PyObject *read_ctrl(PyObject *self, PyObject *args) {
 #define HOT
 #endif
 
-HOT static void combine_pair_loop(const uint8_t *own, Py_ssize_t own_stride, const uint8_t *rows, Py_ssize_t n,
-                                  Py_ssize_t nb, Py_ssize_t block, Py_ssize_t H, uint16_t *restrict out,
-                                  int own_first) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const uint16_t *restrict a = (const uint16_t *)(own + i * own_stride);
-        const uint8_t *row = rows + i * nb * BLOCK_BYTES;
-        uint16_t *restrict o = out + i * H;
-        for (Py_ssize_t j0 = 0, b = block; j0 < H; j0 += BF16_PER_BLOCK, b++) {
-            const uint16_t *restrict p = (const uint16_t *)(row + b * BLOCK_BYTES + FLAG_BYTES);
-            const Py_ssize_t m = H - j0 < BF16_PER_BLOCK ? H - j0 : BF16_PER_BLOCK;
-            if (own_first) {
-                for (Py_ssize_t j = 0; j < m; j++)
-                    o[j0 + j] = f32_to_bf16((bf16_to_f32(a[j0 + j]) + bf16_to_f32(p[j])) + 0.0f);
-            } else {
-                for (Py_ssize_t j = 0; j < m; j++)
-                    o[j0 + j] = f32_to_bf16((bf16_to_f32(p[j]) + bf16_to_f32(a[j0 + j])) + 0.0f);
-            }
-        }
-    }
-}
-
-/* combine_pair_bf16(own, own_stride, rows, n, nb, block, H, out, own_first)
- *
- * Two-source normal combine: out[i] = bf16((a + b) + 0) with a the first source in rank order, both
- * widened to float32; own row i is ``own + i * own_stride`` (bf16), the peer's is row i of ``rows``. */
-static PyObject *combine_pair_bf16(PyObject *self, PyObject *args) {
-    unsigned long long own_p, rows_p, out_p;
-    Py_ssize_t own_stride, n, nb, block, H;
-    int own_first;
-    if (!PyArg_ParseTuple(args, "KnKnnnnKp", &own_p, &own_stride, &rows_p, &n, &nb, &block, &H, &out_p,
-                          &own_first))
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    combine_pair_loop((const uint8_t *)(uintptr_t)own_p, own_stride, (const uint8_t *)(uintptr_t)rows_p, n, nb,
-                      block, H, (uint16_t *)(uintptr_t)out_p, own_first);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
-HOT static void accumulate_loop(const uint8_t *rows, Py_ssize_t n, Py_ssize_t nb, Py_ssize_t block, Py_ssize_t H,
-                                const int64_t *index, float *restrict acc, int assign) {
-    for (Py_ssize_t r = 0; r < n; r++) {
-        const uint8_t *row = rows + r * nb * BLOCK_BYTES;
-        float *restrict a = acc + index[r] * H;
-        for (Py_ssize_t j0 = 0, b = block; j0 < H; j0 += BF16_PER_BLOCK, b++) {
-            const uint16_t *restrict p = (const uint16_t *)(row + b * BLOCK_BYTES + FLAG_BYTES);
-            const Py_ssize_t m = H - j0 < BF16_PER_BLOCK ? H - j0 : BF16_PER_BLOCK;
-            if (assign) {
-                for (Py_ssize_t j = 0; j < m; j++) a[j0 + j] = 0.0f + bf16_to_f32(p[j]);
-            } else {
-                for (Py_ssize_t j = 0; j < m; j++) a[j0 + j] = a[j0 + j] + bf16_to_f32(p[j]);
-            }
-        }
-    }
-}
-
-/* accumulate_bf16(rows, n, nb, block, H, index, acc, assign)
- *
- * Normal combine, one source: acc[index[r]] = acc[index[r]] + f32(x_r) for the n bf16 rows in the slots
- * (float32 accumulator [*, H]); ``assign``: acc[index[r]] = 0 + f32(x_r) instead (the first source). */
-static PyObject *accumulate_bf16(PyObject *self, PyObject *args) {
-    unsigned long long rows_p, index_p, acc_p;
-    Py_ssize_t n, nb, block, H;
-    int assign;
-    if (!PyArg_ParseTuple(args, "KnnnnKKp", &rows_p, &n, &nb, &block, &H, &index_p, &acc_p, &assign)) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    accumulate_loop((const uint8_t *)(uintptr_t)rows_p, n, nb, block, H, (const int64_t *)(uintptr_t)index_p,
-                    (float *)(uintptr_t)acc_p, assign);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
-HOT static void add_rows_loop(const uint8_t *src, Py_ssize_t stride, Py_ssize_t n, Py_ssize_t H,
-                              const int64_t *index, float *restrict acc) {
-    for (Py_ssize_t r = 0; r < n; r++) {
-        const uint16_t *restrict p = (const uint16_t *)(src + r * stride);
-        float *restrict a = acc + index[r] * H;
-        for (Py_ssize_t j = 0; j < H; j++) a[j] = a[j] + bf16_to_f32(p[j]);
-    }
-}
-
-/* add_rows_bf16(src, stride, n, H, index, acc, limit)
- *
- * Normal combine, this rank's own rows: acc[index[r]] = acc[index[r]] + f32(src row r) for n plain bf16 rows
- * ``stride`` bytes apart (float32 accumulator [limit, H]); every index is checked first (IndexError). */
-static PyObject *add_rows_bf16(PyObject *self, PyObject *args) {
-    unsigned long long src_p, index_p, acc_p;
-    Py_ssize_t stride, n, H, limit;
-    if (!PyArg_ParseTuple(args, "KnnnKKn", &src_p, &stride, &n, &H, &index_p, &acc_p, &limit)) return NULL;
-    const int64_t *index = (const int64_t *)(uintptr_t)index_p;
-    if (check_index(index, n, limit, "combine row") < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    add_rows_loop((const uint8_t *)(uintptr_t)src_p, stride, n, H, index, (float *)(uintptr_t)acc_p);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
-HOT static void weighted_loop(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
-                              const float *w, uint16_t *restrict out) {
+/* One pass over the tokens: out[t] = bf16(sum over the operands of t, in order), the sum starting at
+ * +0.0 in float32; operand (t, k) is the bf16 row at addr[t * K + k] (0: none, adds nothing), its elements
+ * in pieces of 240 ``step[t * K + k]`` bytes apart (a plain row: 480; a slot row: 512), each multiplied by
+ * w[t * K + k] first when w is given (by 1.0 otherwise, which changes no bit of the bf16 result). Per token
+ * and piece, the first operand is added to +0.0 and the last one is added while rounding into out, so two
+ * operands take one pass and more use a piece-sized accumulator that stays in L1. A missing operand adds
+ * nothing, as adding +0.0 would not either: a sum that starts at +0.0 and only adds never holds -0.0. */
+static inline __attribute__((always_inline)) void
+sum_loop(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step, const float *w,
+         uint16_t *restrict out) {
     float acc[BF16_PER_BLOCK];
     for (Py_ssize_t t = 0; t < T; t++) {
+        const int64_t *a = addr + t * K, *st = step + t * K;
+        Py_ssize_t first = -1, last = -1, count = 0;
+        for (Py_ssize_t k = 0; k < K; k++)
+            if (a[k]) {
+                if (first < 0) first = k;
+                last = k;
+                count++;
+            }
+        const float wf = first >= 0 && w ? w[t * K + first] : 1.0f, wl = last >= 0 && w ? w[t * K + last] : 1.0f;
         uint16_t *restrict o = out + t * H;
         for (Py_ssize_t j0 = 0, b = 0; j0 < H; j0 += BF16_PER_BLOCK, b++) {
             const Py_ssize_t m = H - j0 < BF16_PER_BLOCK ? H - j0 : BF16_PER_BLOCK;
-            for (Py_ssize_t j = 0; j < m; j++) acc[j] = 0.0f;
-            for (Py_ssize_t k = 0; k < K; k++) {
-                /* a masked slot adds +0.0, which changes nothing: an accumulator that starts at +0.0 and
-                 * only adds never holds -0.0 (x + -x and +0 + -0 round to +0) */
-                if (!addr[t * K + k]) continue;
-                const float wk = w[t * K + k];
-                const uint16_t *restrict p = (const uint16_t *)(uintptr_t)(addr[t * K + k] + b * step[t * K + k]);
+            if (count == 0) {
+                for (Py_ssize_t j = 0; j < m; j++) o[j0 + j] = 0;
+                continue;
+            }
+            const uint16_t *restrict pf = (const uint16_t *)(uintptr_t)(a[first] + b * st[first]);
+            if (count == 1) {
+                for (Py_ssize_t j = 0; j < m; j++) o[j0 + j] = f32_to_bf16(0.0f + bf16_to_f32(pf[j]) * wf);
+                continue;
+            }
+            const uint16_t *restrict pl = (const uint16_t *)(uintptr_t)(a[last] + b * st[last]);
+            if (count == 2) {
+                for (Py_ssize_t j = 0; j < m; j++)
+                    o[j0 + j] = f32_to_bf16((0.0f + bf16_to_f32(pf[j]) * wf) + bf16_to_f32(pl[j]) * wl);
+                continue;
+            }
+            for (Py_ssize_t j = 0; j < m; j++) acc[j] = 0.0f + bf16_to_f32(pf[j]) * wf;
+            for (Py_ssize_t k = first + 1; k < last; k++) {
+                if (!a[k]) continue;
+                const float wk = w ? w[t * K + k] : 1.0f;
+                const uint16_t *restrict p = (const uint16_t *)(uintptr_t)(a[k] + b * st[k]);
                 for (Py_ssize_t j = 0; j < m; j++) acc[j] = acc[j] + bf16_to_f32(p[j]) * wk;
             }
-            for (Py_ssize_t j = 0; j < m; j++) o[j0 + j] = f32_to_bf16(acc[j]);
+            for (Py_ssize_t j = 0; j < m; j++) o[j0 + j] = f32_to_bf16(acc[j] + bf16_to_f32(pl[j]) * wl);
         }
     }
+}
+
+/* sum_loop compiled apart for the unweighted sum, where the weights are the constant 1.0 (no multiplies) */
+HOT static void plain_sum(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
+                          uint16_t *restrict out) {
+    sum_loop(T, K, H, addr, step, NULL, out);
+}
+
+HOT static void weighted_sum(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
+                             const float *w, uint16_t *restrict out) {
+    sum_loop(T, K, H, addr, step, w, out);
+}
+
+/* combine_rows_bf16(T, H, sources, out)
+ *
+ * Normal combine of one token range: out[t] = bf16(sum of the rows of token t, sources in order) into the
+ * contiguous bf16 out [T, H]. ``sources``: a tuple of (base, stride, step, tok, n) per source: its row r
+ * starts at base + r * stride (elements in pieces of 240, ``step`` bytes apart: see sum_loop) and belongs
+ * to token tok[r] (an int64 array of n distinct tokens in [0, T); tok 0: row r is token r, n == T). Every
+ * token is checked before anything is read or written (IndexError). */
+static PyObject *combine_rows_bf16(PyObject *self, PyObject *args) {
+    Py_ssize_t T, H;
+    PyObject *sources;
+    unsigned long long out_p;
+    if (!PyArg_ParseTuple(args, "nnO!K", &T, &H, &PyTuple_Type, &sources, &out_p)) return NULL;
+    const Py_ssize_t S = PyTuple_GET_SIZE(sources);
+    int64_t *addr = PyMem_Calloc(2 * (size_t)(T * S > 0 ? T * S : 1), sizeof(int64_t));
+    if (addr == NULL) return PyErr_NoMemory();
+    int64_t *step = addr + T * S;
+    for (Py_ssize_t s = 0; s < S; s++) {
+        unsigned long long base, tok_p;
+        Py_ssize_t stride, stp, n;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(sources, s), "KnnKn", &base, &stride, &stp, &tok_p, &n)) goto fail;
+        const int64_t *tok = (const int64_t *)(uintptr_t)tok_p;
+        if ((tok == NULL && n != T) || n < 0 || n > T) {
+            PyErr_Format(PyExc_ValueError, "source %zd has %zd rows for %zd tokens", s, n, T);
+            goto fail;
+        }
+        for (Py_ssize_t r = 0; r < n; r++) {
+            const int64_t t = tok ? tok[r] : r;
+            if (t < 0 || t >= T || addr[t * S + s]) {
+                PyErr_Format(PyExc_IndexError, "source %zd: combine token %lld out of range [0, %zd) or repeated", s,
+                             (long long)t, T);
+                goto fail;
+            }
+            addr[t * S + s] = (int64_t)(base + (uint64_t)(r * stride));
+            step[t * S + s] = stp;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    plain_sum(T, S, H, addr, step, (uint16_t *)(uintptr_t)out_p);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(addr);
+    Py_RETURN_NONE;
+fail:
+    PyMem_Free(addr);
+    return NULL;
 }
 
 /* weighted_combine_bf16(T, K, H, topk, pos, weights, out, rows, nrows, row_bytes, payload_off,
@@ -777,7 +767,7 @@ static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
         return NULL;
     const int64_t *topk = (const int64_t *)(uintptr_t)topk_p, *pos = (const int64_t *)(uintptr_t)pos_p;
     const int64_t *lrows = (const int64_t *)(uintptr_t)lrows_p;
-    int64_t *addr = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)(T * K ? T * K : 1));
+    int64_t *addr = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)(T * K > 0 ? T * K : 1));
     if (addr == NULL) return PyErr_NoMemory();
     int64_t *step = addr + T * K;
     for (Py_ssize_t i = 0; i < T * K; i++) {
@@ -806,7 +796,7 @@ static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    weighted_loop(T, K, H, addr, step, (const float *)(uintptr_t)w_p, (uint16_t *)(uintptr_t)out_p);
+    weighted_sum(T, K, H, addr, step, (const float *)(uintptr_t)w_p, (uint16_t *)(uintptr_t)out_p);
     Py_END_ALLOW_THREADS
     PyMem_Free(addr);
     Py_RETURN_NONE;
@@ -814,7 +804,6 @@ static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"write_rows", write_rows, METH_VARARGS, "TFF token-group stores into a peer's slots"},
-    {"add_rows_bf16", add_rows_bf16, METH_VARARGS, "normal combine: add plain bf16 rows into a float32 accumulator"},
     {"write_ctrl", write_ctrl, METH_VARARGS, "count-group store of one control message"},
     {"read_ctrl", read_ctrl, METH_VARARGS, "payload words of an arrived control message"},
     {"arrived", arrived, METH_VARARGS, "whether every block of the rows carries the flag"},
@@ -827,8 +816,7 @@ static PyMethodDef methods[] = {
     {"segment_rows", segment_rows, METH_VARARGS, "row indices of segments laid end to end"},
     {"token_rows", token_rows, METH_VARARGS, "rows and meta items of one-row-per-token low-latency dispatch"},
     {"unpack_items", unpack_items, METH_VARARGS, "low-latency Token-Reordering of one-row-per-token rows"},
-    {"accumulate_bf16", accumulate_bf16, METH_VARARGS, "one source of the general bf16 normal combine"},
-    {"combine_pair_bf16", combine_pair_bf16, METH_VARARGS, "two-source bf16 normal combine"},
+    {"combine_rows_bf16", combine_rows_bf16, METH_VARARGS, "bf16 normal combine of any number of sources"},
     {"weighted_combine_bf16", weighted_combine_bf16, METH_VARARGS, "bf16 low-latency weighted combine"},
     {NULL, NULL, 0, NULL},
 };
