@@ -264,6 +264,9 @@ def bad_inputs(ctx, sync):
     x = torch.randn(T, H).bfloat16()
     ll_x, _, ll_handle, _, _ = buf.low_latency_dispatch(x, topk, 16, E, use_fp8=False)
     _, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
+    nbuf = get_buffer(ctx, sync)
+    everywhere = torch.tensor([[0, E - 1]] * T)          # every token to the first and the last rank
+    rx, _, _, _, nh, _ = nbuf.dispatch(x, topk_idx=everywhere, num_experts=E)
     cases = {
         "ll combine fewer columns": (ValueError, lambda: buf.low_latency_combine(
             ll_x, topk[:, :1], w[:, :1], ll_handle)),
@@ -294,6 +297,8 @@ def bad_inputs(ctx, sync):
         "ll duplicate expert": (ValueError, lambda: buf.low_latency_dispatch(
             x, torch.zeros(T, K, dtype=torch.int64), 16, E)),
         "bad handle": (TypeError, lambda: buf.combine(x, ("not", "a", "handle"))),
+        "bias dtype": (TypeError, lambda: nbuf.combine(rx, nh, bias=torch.ones(T, H, dtype=torch.int64))),
+        "bias shape": (ValueError, lambda: nbuf.combine(rx, nh, bias=(None, torch.ones(T, H + 1)))),
         "foreign ll handle": (TypeError, lambda: buf.low_latency_combine(
             ll_x, topk, w, (ll_handle[0].clone().fill_(7),) + tuple(ll_handle[1:]))),
         "expert counts without topk_idx": (ValueError, lambda: buf.dispatch(
@@ -310,7 +315,10 @@ def bad_inputs(ctx, sync):
             seen[name] = str(e)
         else:
             raise AssertionError(f"{name}: no {exc.__name__}")
-    # still usable: the pending low-latency call completes, then a fresh round trip
+    # still usable: the pending low-latency call completes, then a fresh round trip (and a combine of rows
+    # with no columns, which every sync mode takes)
+    assert tuple(nbuf.combine(rx[:, :0], nh)[0].shape) == (T, 0)
+    torch.testing.assert_close(nbuf.combine(rx, nh)[0].float(), x.float() * min(2, ctx.world_size))
     ll_out, _, _ = buf.low_latency_combine(ll_x, topk, w, ll_handle)
     ref = (x.float().unsqueeze(1) * w.unsqueeze(2)).sum(1)      # identity experts: sum_k w_k * x
     torch.testing.assert_close(ll_out.float(), ref, rtol=2e-2, atol=2e-2)

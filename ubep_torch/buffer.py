@@ -1236,6 +1236,8 @@ class Buffer:
                     continue
                 if not isinstance(b, torch.Tensor) or tuple(b.shape) != (T, H):
                     raise ValueError(f"bias must be a [{T}, {H}] tensor (or a pair of them)")
+                if b.dtype not in _FLOAT_DTYPES:
+                    raise TypeError(f"bias must be bfloat16, float32, float16 or float64, got {b.dtype}")
                 biases.append(b)
         R = self.group_size
         wsz = topk_weights.element_size() // 4 if K else 0

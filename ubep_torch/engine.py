@@ -676,6 +676,8 @@ class TorchEngine:
         not re-armed here (the caller does it once the rows are consumed).
         """
         T, H = out.shape
+        if out.numel() == 0:
+            return
         acc_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
         acc = self.scratch("combine_acc", (T, H), acc_dtype)
         first = True   # acc holds nothing yet
