@@ -29,7 +29,7 @@ outputs.
   back out (what moving bytes between two processes costs here at least).
 
 Bandwidth is the bytes one rank receives per dispatch (``recv_x`` rows, its own included, as DeepEP
-counts them) over the dispatch time.
+counts them; the mean over ranks) over the dispatch time.
 """
 from __future__ import annotations
 
@@ -153,7 +153,11 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
     big_src = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
     big_dst = torch.empty_like(big_src)
     nbig = (64 << 20) // recv_bytes
-    heap = SymmetricHeap(ctx.group, 2 * recv_bytes + 4096)
+    # (ranks receive different byte counts beyond two ranks: every rank's heap holds the largest, twice)
+    most = torch.tensor([recv_bytes])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    stride = int(most)
+    heap = SymmetricHeap(ctx.group, 2 * stride + 4096)
     peer = heap.peer((ctx.rank + 1) % R)
     mine = heap.local
     pos = {"i": 0}
@@ -164,10 +168,10 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
 
     def cross_copy():  # store into the peer's memory, then (after the barrier) load own memory back out
         h = pos["i"] = (pos["i"] + 1) % 2
-        peer[h * recv_bytes:(h + 1) * recv_bytes].copy_(src)
+        peer[h * stride:h * stride + recv_bytes].copy_(src)
         dist.barrier()
         t0 = time.perf_counter()
-        dst.copy_(mine[h * recv_bytes:(h + 1) * recv_bytes])
+        dst.copy_(mine[h * stride:h * stride + recv_bytes])
         return time.perf_counter() - t0
 
     keys = [f"{b}:{k}" for b in paths for k in ("disp", "comb", "rt", "lld", "llc", "llrt")]
@@ -220,7 +224,9 @@ def main() -> None:
         per_rank = pool.run(bench_rank, a.tokens, a.hidden, a.topk, a.experts, a.iters, a.rounds, a.sync, backends,
                             a.nvl_tokens,
                             timeout_s=1800)
-    recv_bytes, ll_bytes, names = per_rank[0][1], per_rank[0][2], per_rank[0][3]
+    # bytes a rank receives per dispatch: the mean over ranks (they differ beyond two ranks)
+    recv_bytes, ll_bytes = (statistics.mean(r[i] for r in per_rank) for i in (1, 2))
+    names = per_rank[0][3]
     # slowest rank of every round, then the median over rounds
     t = {k: statistics.median(max(r[0][k][i] for r in per_rank) for i in range(a.rounds)) for k in per_rank[0][0]}
     print(f"ubep_torch benchmark: {a.ranks} ranks, {a.tokens} tokens/rank, hidden {a.hidden}, top-{a.topk}, "
