@@ -1,5 +1,6 @@
 """The examples run at a tiny size: the training loss falls, the expert-parallel curve equals the
-single-process curve, and low-latency decoding agrees with the dense model."""
+single-process curve, and low-latency decoding agrees with the dense model. The Buffer benchmark runs
+to its table on more than two ranks."""
 from __future__ import annotations
 
 import json
@@ -65,3 +66,19 @@ def test_infer_low_latency_agrees_with_dense(tmp_path):
 def test_infer_single_process():
     out = _run([sys.executable, os.path.join(EXAMPLES, "infer_moe.py"), "--tiny", "--single", "--check"])
     assert "max |logit diff| 0.0000" in out
+
+
+@needs_buffer
+def test_buffer_benchmark_prints_its_table_on_three_ranks():
+    """Beyond two ranks every rank receives a different number of bytes (the benchmark once hung there)."""
+    out = _run([sys.executable, "benchmarks/bench_buffer.py", "--ranks", "3", "--tokens", "6", "--hidden", "512",
+                "--experts", "12", "--topk", "4", "--iters", "2", "--rounds", "1", "--backends", "auto,torch"],
+               timeout=240)
+    lines = [line.strip() for line in out.splitlines()]
+    for name in ("ubep normal", "ubep low_latency", "ubep normal (torch)", "ubep low_latency (torch)",
+                 "naive gloo (rank rows)", "naive gloo (expert rows)", "plain copy, in cache",
+                 "plain copy, 64 MiB buffers", "store to peer + load back"):
+        line = next((line for line in lines if line.startswith(name + "  ")), None)
+        assert line is not None, f"no {name!r} row in:\n{out}"
+        numbers = [float(v.rstrip("x")) for v in line[len(name):].split() if v[0].isdigit()]
+        assert numbers and numbers[0] > 0 and all(v >= 0 for v in numbers), line   # (ratios may print 0.00)
