@@ -338,7 +338,8 @@ def repeated(ctx, sync, calls=12):
 
 
 def ll_two_in_flight(ctx, sync):
-    """Two low-latency dispatches in flight (hooks deferred), then combines; a third is refused."""
+    """Two low-latency dispatches in flight (hooks deferred), then combines; a third is refused, and so is a
+    call into the buffer half of an earlier call whose hook has not run."""
     buf = get_buffer(ctx, sync, low_latency=True)
     r = ctx.rank
     T, H, K, E, N = 5, 256, 2, 8, 16
@@ -358,6 +359,19 @@ def ll_two_in_flight(ctx, sync):
     ob, _, _ = buf.low_latency_combine(b[0], t2, w2, b[2])
     assert torch.allclose(oa.float(), x1.float() * w1.sum(1, keepdim=True), atol=0.03, rtol=0.02)
     assert torch.allclose(ob.float(), x2.float() * w2.sum(1, keepdim=True), atol=0.03, rtol=0.02)
+    # one call waits for its hook, the next one completes: the call after that needs the first one's half
+    a = buf.low_latency_dispatch(x1, t1, N, E, use_fp8=False, return_recv_hook=True)
+    b = buf.low_latency_dispatch(x2, t2, N, E, use_fp8=False)
+    try:
+        buf.low_latency_dispatch(x2, t2, N, E, use_fp8=False)
+        raise AssertionError("a call into the half of a call still waiting for its hook was accepted")
+    except ValueError as e:
+        assert "hook" in str(e), e
+    a[4]()
+    c = buf.low_latency_dispatch(x2, t2, N, E, use_fp8=False)
+    for d, x, t, w in ((a, x1, t1, w1), (b, x2, t2, w2), (c, x2, t2, w2)):
+        out, _, _ = buf.low_latency_combine(d[0], t, w, d[2])
+        assert torch.allclose(out.float(), x.float() * w.sum(1, keepdim=True), atol=0.03, rtol=0.02)
     return True
 
 
@@ -391,8 +405,16 @@ def shm_entries(ctx, directory):
     return sorted(n for n in os.listdir(directory) if n.startswith("ubep-"))
 
 
+class InjectedFailure(RuntimeError):
+    pass
+
+
+def _fail_at(phase: str) -> None:
+    raise InjectedFailure(f"injected failure at {phase}")
+
+
 def peer_failure_aborts_waits(ctx):
-    """Rank 0 fails inside a call (worst-case size too small); the others' next waits abort fast, naming
+    """Rank 0 fails inside a call (at its first protocol wait); the others' next waits abort fast, naming
     rank 0 (not the ranks that gave up because of it)."""
     import time
     buf = Buffer(ctx.group, 8 << 20, timeout_s=20.0)
@@ -402,16 +424,38 @@ def peer_failure_aborts_waits(ctx):
     t0 = time.monotonic()
     try:
         if ctx.rank == 0:
-            buf.dispatch(x, topk_idx=topk, num_experts=E, num_worst_tokens=1)
+            buf.delay_hook = _fail_at
+            buf.dispatch(x, topk_idx=topk, num_experts=E)
         else:
             _, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
             buf.combine(torch.zeros(h.num_recv, 64), h)
-    except ubep_torch.UBEPError as e:
+    except (ubep_torch.UBEPError, InjectedFailure) as e:
         elapsed = time.monotonic() - t0
         buf.destroy()
         return type(e).__name__, elapsed, getattr(e, "aborted_ranks", None)
     buf.destroy()
     return None, 0.0, None
+
+
+def worst_tokens_too_small(ctx):
+    """Rank 0 passes a num_worst_tokens below what it receives: the call completes on every rank (rank 0
+    cannot know before the exchange), rank 0 gets ValueError, the others their results, and the Buffer
+    stays usable on every rank."""
+    buf = get_buffer(ctx, "tff")
+    E, T, H = 2 * ctx.world_size, 4, 64
+    topk = torch.arange(T).remainder(E).view(T, 1).to(torch.int64)
+    x = torch.randn(T, H)
+    err = None
+    try:
+        buf.dispatch(x, topk_idx=topk, num_experts=E, num_worst_tokens=1 if ctx.rank == 0 else 0)
+    except ValueError as e:
+        err = str(e)
+    assert (err is not None) == (ctx.rank == 0), err
+    assert err is None or "num_worst_tokens" in err
+    recv_x, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+    out, _, _ = buf.combine(recv_x, h)
+    torch.testing.assert_close(out, x)           # every token went to exactly one rank
+    return True
 
 
 def mismatched_hidden(ctx):

@@ -102,14 +102,18 @@ def test_no_segment_left_in_shm_dir(pool2, shm_dir):
 
 def test_failure_inside_a_call_aborts_peer_waits(pool2):
     (n0, _, _), (n1, t1, a1) = pool2.run(F.peer_failure_aborts_waits)
-    assert n0 == "UBEPError"
+    assert n0 == "InjectedFailure"
     assert n1 == "UBEPPeerAbortedError" and t1 < 5.0 and a1 == [0]
 
 
 def test_failure_on_four_ranks_names_the_rank_that_failed(pool4):
     out = pool4.run(F.peer_failure_aborts_waits)
-    assert out[0][0] == "UBEPError"
+    assert out[0][0] == "InjectedFailure"
     assert all(name == "UBEPPeerAbortedError" and t < 5.0 and aborted == [0] for name, t, aborted in out[1:]), out
+
+
+def test_num_worst_tokens_too_small_raises_and_buffer_stays_usable(pool2):
+    assert pool2.run(F.worst_tokens_too_small) == [True, True]
 
 
 def test_buffer_arguments_must_agree_across_ranks(pool2, shm_dir):

@@ -59,6 +59,11 @@ def bad_case(ctx, sync, kind):
     T, H, K, E = 4, 128, 2, 2 * ctx.world_size
     x = torch.randn(T, H).bfloat16()
     topk = torch.tensor([[0, 1], [1, 2], [-1, -1], [3, 0]])
+
+    def ll_handle():
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, topk, S.N_LL, E, use_fp8=False)
+        bad_case.pending = (recv_x, handle)     # combined below, so the Buffer is in step again
+        return handle
     cases = {
         "id too large": lambda: buf.dispatch(x, topk_idx=topk + E, num_experts=E),
         "id < -1": lambda: buf.dispatch(x, topk_idx=topk.clamp(max=0) - 2, num_experts=E),
@@ -89,6 +94,15 @@ def bad_case(ctx, sync, kind):
         "ll top-k 17": lambda: buf.low_latency_dispatch(x, torch.full((T, 17), -1, dtype=torch.int64),
                                                         S.N_LL, E),
         "combine handle": lambda: buf.combine(x, ("not", "a", "handle")),
+        "counts as lists": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E,
+                                                num_tokens_per_rank=[T] * ctx.world_size),
+        "rank mask as list": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E,
+                                                  is_token_in_rank=[[True] * ctx.world_size] * T),
+        "float rank counts": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E,
+                                                  num_tokens_per_rank=torch.full((ctx.world_size,), 2.5)),
+        "expert counts as list": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E,
+                                                      num_tokens_per_expert=[1] * E),
+        "ll out list": lambda: buf.low_latency_combine(x, topk, torch.rand(T, K), ll_handle(), out=[0]),
         "ll combine handle": lambda: buf.low_latency_combine(x, topk, torch.rand(T, K), ("x",)),
     }
     fn = cases[kind]
@@ -100,6 +114,10 @@ def bad_case(ctx, sync, kind):
         return f"{kind}: accepted"
     if not buf.is_available():
         return f"{kind}: Buffer unusable after a local error"
+    pending = getattr(bad_case, "pending", None)
+    if pending is not None:
+        bad_case.pending = None
+        buf.low_latency_combine(pending[0], topk, torch.rand(T, K), pending[1])
     p = S.call_params(5, 0, ctx.world_size, True)
     p.update(op="normal", buffer="B", H=64, dtype="bfloat16", K=2, T=[3] * ctx.world_size, weights=True,
              layout="rank_major", worst=False, cached=False, wdtype="f32")
@@ -223,7 +241,8 @@ def test_low_latency_property(pool, p, seed):
 BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible", "E zero", "x rows", "x int",
              "x 3-d", "weights int", "alignment 0", "worst < 0", "layout", "ll T > N", "ll N <= 0",
              "ll duplicate", "ll fp8 H", "ll hidden too big", "ll top-k 17", "combine handle",
-             "ll combine handle", "ll wait stats shape", "ll wait stats list", "ll recv stats bool"]
+             "ll combine handle", "ll wait stats shape", "ll wait stats list", "ll recv stats bool",
+             "counts as lists", "rank mask as list", "float rank counts", "expert counts as list", "ll out list"]
 
 
 @pytest.mark.parametrize("sync", ["tff", "sp"])
@@ -295,3 +314,64 @@ def test_wait_statistics_wrap_instead_of_failing(dtype):
     assert stats.dtype == dtype and torch.equal(stats, want)
     if dtype == torch.int32:
         assert int(stats[0]) == 5 + 3_000_000_000 - (1 << 32)
+
+
+def foreign_size_handle(ctx):
+    """A handle made by a Buffer of another group size is refused before sending."""
+    import torch.distributed as dist
+    singles = [dist.new_group([r]) for r in range(ctx.world_size)]
+    small = Buffer(singles[ctx.rank], 8 << 20, timeout_s=20.0)
+    buf = _buffers(ctx, "tff")["B"]
+    x = torch.randn(4, 64).bfloat16()
+    topk = torch.tensor([[0, 1], [1, 2], [-1, -1], [3, 0]])
+    _, _, _, _, h, _ = small.dispatch(x, topk_idx=topk, num_experts=4)
+    small.destroy()
+    try:
+        buf.dispatch(x, handle=h)
+    except ValueError as e:
+        msg = str(e)
+    else:
+        return "accepted"
+    recv_x, _, _, _, h2, _ = buf.dispatch(x, topk_idx=topk, num_experts=4)
+    ranks_per_token = torch.tensor([1, 2, 0, 2]).view(4, 1)    # experts 0-1 live on rank 0, 2-3 on rank 1
+    torch.testing.assert_close(buf.combine(recv_x, h2)[0].float(), x.float() * ranks_per_token)
+    return msg
+
+
+def test_handle_of_another_group_size_is_refused(pool):
+    out = pool.run(foreign_size_handle)
+    assert all("ranks" in o for o in out), out
+
+
+def test_argument_checks_without_a_process_group():
+    """Constructor arguments, size helpers and Config name the bad argument."""
+    import types
+
+    from ubep_torch import Config, functional, nn
+    with pytest.raises(TypeError, match="group"):
+        Buffer(42)
+    with pytest.raises(TypeError, match="num_sms"):
+        Buffer.set_num_sms("x")
+    with pytest.raises(ValueError, match="num_sms"):
+        Config(num_sms=0)
+    with pytest.raises(ValueError, match="num_ranks"):
+        Config().get_nvl_buffer_size_hint(256, -2)
+    with pytest.raises(ValueError, match="num_ranks"):
+        Buffer.get_low_latency_rdma_size_hint(8, 128, 0, 4)
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank"):
+        Buffer.get_low_latency_rdma_size_hint(-1, 128, 2, 4)
+    with pytest.raises(TypeError, match="num_ranks"):
+        Buffer.get_dispatch_config("x")
+    assert Buffer.get_low_latency_rdma_size_hint(8, 128, 2, 4) > 0
+    fake = types.SimpleNamespace(rank=0, group_size=2)
+    x, topk = torch.randn(3, 8), torch.zeros(3, 1, dtype=torch.int64)
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        functional.dispatch(fake, x.tolist(), topk, torch.ones(3, 1), 2)
+    with pytest.raises(TypeError, match="topk_weights must be a float tensor"):
+        functional.dispatch(fake, x, topk, topk, 2)
+    moe = nn.MoE(hidden=8, ffn_hidden=16, num_experts=2, top_k=1)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
+        moe(torch.randn(4, 16))
+    with pytest.raises(TypeError, match="float tensor"):
+        moe(torch.zeros(4, 8, dtype=torch.int64))
+    assert moe(torch.randn(2, 3, 8)).shape == (2, 3, 8)

@@ -64,6 +64,18 @@ def test_created_segment_is_private_with_unguessable_name(tmp_path):
             ugas._PENDING.pop(os.path.join(str(tmp_path), n), None)
 
 
+def test_segment_that_cannot_be_sized_is_removed(tmp_path, monkeypatch):
+    """A failure between creating the file and mapping it leaves no file behind."""
+    h = _bare_heap(tmp_path)
+
+    def no_space(fd, n):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ugas.os, "ftruncate", no_space)
+    with pytest.raises(OSError):
+        h._create_segment(os.urandom(16))
+    assert os.listdir(tmp_path) == [] and not any(p.startswith(str(tmp_path)) for p in ugas._PENDING)
+
+
 def test_map_peer_accepts_a_genuine_segment(tmp_path):
     token = os.urandom(16)
     path = _make_peer(tmp_path, token)

@@ -27,7 +27,7 @@ from . import protocol as P
 from .engine import Destination, SendJob, make_engine
 from .errors import UBEPBrokenError, UBEPError, UBEPPeerAbortedError, UBEPPeerLostError, UBEPTimeoutError
 from .ugas import SymmetricHeap
-from .utils import Config, EventOverlap, TensorCache
+from .utils import Config, EventOverlap, TensorCache, check_count
 
 _AUX_REGIONS = 8          # region ids that have an ack table
 # aux words: acks [region][half][source] | SyncAll counters [rank] | abort flags [rank]
@@ -54,13 +54,17 @@ def _row_bytes_worst(payload_bytes: int, meta_bytes: int = 0) -> int:
 
 def normal_buffer_bytes(num_tokens: int, hidden_bytes: int, num_ranks: int) -> int:
     """``num_nvl_bytes`` that lets every rank send ``num_tokens`` rows of ``hidden_bytes`` to every peer."""
+    num_tokens, hidden_bytes = check_count("num_tokens", num_tokens), check_count("hidden_bytes", hidden_bytes)
+    num_ranks = check_count("num_ranks", num_ranks, 1)
     per_region = num_ranks * (P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES + num_tokens * _row_bytes_worst(hidden_bytes))
     return 2 * _round(per_region, 4096) + 4096     # the Buffer splits it into 4 KiB-aligned regions
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                              num_experts: int, num_topk: int = _LL_MAX_TOPK) -> int:
-    n, h = num_max_dispatch_tokens_per_rank, hidden
+    n = check_count("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+    h, num_ranks = check_count("hidden", hidden), check_count("num_ranks", num_ranks, 1)
+    num_experts, num_topk = check_count("num_experts", num_experts, 1), check_count("num_topk", num_topk, 1)
     e_local = max(1, -(-num_experts // num_ranks))
     ctrl = 2 * num_ranks * P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
     dispatch_rows = 2 * num_ranks * e_local * n * _row_bytes_worst(h * 2, 0)
@@ -271,8 +275,19 @@ class Buffer:
             if not dist.is_initialized():
                 raise ValueError("Buffer needs an initialized torch.distributed process group")
             group = dist.group.WORLD
-        if int(num_nvl_bytes) < 0 or int(num_rdma_bytes) < 0:
-            raise ValueError("num_nvl_bytes and num_rdma_bytes must be >= 0")
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError("this process is not a member of the Buffer's group (new_group returned "
+                             "NON_GROUP_MEMBER here)")
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed process group, got {type(group).__name__}")
+        if dist.get_rank(group) < 0:
+            raise ValueError("this process is not a member of the Buffer's group")
+        num_nvl_bytes = check_count("num_nvl_bytes", num_nvl_bytes)
+        num_rdma_bytes = check_count("num_rdma_bytes", num_rdma_bytes)
+        if num_max_tokens_per_rank is not None:
+            num_max_tokens_per_rank = check_count("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+        if hidden is not None:
+            hidden = check_count("hidden", hidden, 1)
         # held weakly: a Buffer that lives until interpreter exit must not keep the process group alive
         # past destroy_process_group (gloo's threads would then be torn down during finalization)
         self._group_ref = weakref.ref(group)
@@ -362,9 +377,7 @@ class Buffer:
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        if int(new_num_sms) <= 0:
-            raise ValueError("num_sms must be positive")
-        Buffer.num_sms = int(new_num_sms)
+        Buffer.num_sms = check_count("num_sms", new_num_sms, 1)
 
     @staticmethod
     def capture() -> EventOverlap:
@@ -372,10 +385,12 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
+        check_count("num_ranks", num_ranks, 1)
         return Config(Buffer.num_sms, 6, 4096)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
+        check_count("num_ranks", num_ranks, 1)
         return Config(Buffer.num_sms, 6, 4096)
 
     @staticmethod
@@ -500,6 +515,11 @@ class Buffer:
                     self._broken = f"{name} mismatch with rank {s}"
                     raise UBEPError(f"rank {s} called {op} with {name}={ctrl_words[s][word]}, rank {me} with "
                                     f"{ctrl_words[me][word]}: every rank must pass the same")
+
+    def _call_complete(self) -> None:
+        """This rank has sent and consumed everything of the current call: an error in the local work that
+        follows (layout conversion, output checks) is raised without breaking the Buffer or the peers."""
+        self._in_call = False
 
     def _next_epoch(self, rid: int) -> int:
         self._in_call = True          # from here on, peers may be waiting for this rank
@@ -701,6 +721,14 @@ class Buffer:
             return self._cached_dispatch(xd, scales, handle, x)
 
         # ---------------- layout and validation (all before anything reaches a peer)
+        for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                        ("num_tokens_per_expert", num_tokens_per_expert)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor (as get_dispatch_layout returns it), got "
+                                f"{type(t).__name__}")
+            if t is not None and name != "is_token_in_rank" and (t.dtype.is_floating_point or t.dtype.is_complex
+                                                               or t.dtype == torch.bool):
+                raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
         if num_experts is None:
             if num_tokens_per_expert is not None:
                 num_experts = int(num_tokens_per_expert.numel())
@@ -788,9 +816,9 @@ class Buffer:
         def allocate(recv: dict) -> Tuple[List[int], list, torch.Tensor, torch.Tensor]:
             rows_from = self._rows_from(recv, [row[self.rank] for row in recv["ntpr_matrix"]], cap)
             num_recv = sum(rows_from)
-            rows_out = num_worst_tokens if num_worst_tokens else num_recv
-            if num_worst_tokens and num_recv > num_worst_tokens:
-                raise UBEPError(f"rank {self.rank} received {num_recv} tokens > num_worst_tokens={num_worst_tokens}")
+            # more rows than num_worst_tokens: the call completes (the peers' rows must be consumed), then
+            # raises; a rank cannot know what it will receive before the exchange
+            rows_out = max(num_worst_tokens, num_recv) if num_worst_tokens else num_recv
             out["x"] = self._out.zeros((rows_out, H), xd.dtype) if num_worst_tokens else \
                 self._out.empty((num_recv, H), xd.dtype)
             out["scales"] = None
@@ -814,8 +842,12 @@ class Buffer:
             out["src_idx"][o:o + n].copy_(sel)
 
         rows_from = self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, send_idx, exchange, allocate, local_copy)
+        self._call_complete()
         off_l = list(accumulate(rows_from, initial=0))
         num_recv, recv = off_l[-1], out["recv"]
+        if num_worst_tokens and num_recv > num_worst_tokens:
+            raise ValueError(f"rank {self.rank} received {num_recv} tokens, more than num_worst_tokens="
+                             f"{num_worst_tokens} (the call completed on every rank; the Buffer stays usable)")
         recv_x, recv_scales, recv_meta, recv_src_idx = out["x"], out["scales"], out["meta"], out["src_idx"]
 
         recv_topk_idx = recv_topk_weights = None
@@ -905,6 +937,10 @@ class Buffer:
         """The handle itself; for a plain tuple or list, the recent handle it was copied from (all of its
         layout, ``num_worst_tokens`` and expert-major order included), else one rebuilt from the entries."""
         if isinstance(handle, DispatchHandle):
+            base = getattr(handle, "base_handle", None) or handle
+            if len(base.send_idx) != self.group_size:
+                raise ValueError(f"this handle comes from a Buffer of {len(base.send_idx)} ranks; this one has "
+                                 f"{self.group_size}")
             return handle
         if isinstance(handle, (tuple, list)):
             return _recent_copy_of(handle, self._recent_handles, _DISPATCH_LAYOUT_KEYS, ("num_worst_tokens",)) or \
@@ -1303,6 +1339,7 @@ class Buffer:
                                 f"sent {expect} (was the handle from the latest matching dispatch?)")
             self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None,
                                reduce=functools.partial(reduce, x_rows, toks, a, b))
+        self._call_complete()
         self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size())
         return out, wacc, EventOverlap(None)
 
@@ -1621,10 +1658,15 @@ class Buffer:
         return out_x, recv_count, handle, EventOverlap(None), None
 
     def _check_in_flight(self, rid: int) -> None:
-        pend = [p for p in self._pending if not p.done and p.kind == P.REGION_NAMES[rid]]
-        if len(pend) >= 2:
-            raise ValueError(f"two {P.REGION_NAMES[rid]} calls are already waiting for their recv hook; call "
-                             f"hook() of the older one first (the low-latency buffer has two halves)")
+        """Refuse (before anything is sent) a call whose buffer half an earlier call still holds because its
+        recv hook has not run: the halves alternate, so waiting for that half would wait for this rank."""
+        region, name = self._region(rid), P.REGION_NAMES[rid]
+        half = region.half(self._epoch[rid] + 1)
+        pend = [p for p in self._pending if not p.done and p.kind == name]
+        if any(region.half(p.epoch) == half for p in pend):
+            raise ValueError(f"{len(pend)} earlier {name} call(s) still wait for their recv hook, and one holds the "
+                             f"buffer half this call needs (the low-latency buffer has two halves, used in turn); "
+                             f"call hook() of the older one first")
 
     # ================================================================== low-latency combine
     def _as_ll_handle(self, handle) -> "LowLatencyHandle":
@@ -1695,6 +1737,8 @@ class Buffer:
             raise TypeError("topk_weights must be a float32 tensor")
         if tuple(topk_weights.shape) != (T, K):
             raise ValueError(f"topk_weights must have shape {(T, K)}, got {tuple(topk_weights.shape)}")
+        if out is not None and not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a tensor, got {type(out).__name__}")
         if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H)):
             raise ValueError(f"out must be a [{T}, {H}] bfloat16 tensor")
         # Every dispatched (token, expert) pair comes back into slot pos[t, k]: its place in this rank's

@@ -100,8 +100,17 @@ def _rank_and_size(buffer) -> tuple[int, int]:
     return int(buffer.rank), int(buffer.group_size)
 
 
+def _check_tensors(fn: str, **args) -> None:
+    for name, t in args.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"ubep_torch.functional.{fn}: {name} must be a tensor, got {type(t).__name__}")
+
+
 def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                    group_size: int) -> None:
+    _check_tensors("dispatch", x=x, topk_idx=topk_idx, topk_weights=topk_weights)
+    if not topk_weights.dtype.is_floating_point:
+        raise TypeError(f"ubep_torch.functional: topk_weights must be a float tensor, got {topk_weights.dtype}")
     if x.dim() != 2:
         raise ValueError(f"ubep_torch.functional: x must be [T, H], got shape {tuple(x.shape)}")
     if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
@@ -290,6 +299,7 @@ def combine(buffer, y: torch.Tensor, handle: AutogradHandle) -> torch.Tensor:
     if not isinstance(handle, AutogradHandle):
         raise TypeError("ubep_torch.functional.combine: handle must be the AutogradHandle returned by "
                         f"ubep_torch.functional.dispatch, got {type(handle).__name__}")
+    _check_tensors("combine", y=y)
     return _Combine.apply(y, buffer, handle)
 
 
@@ -441,6 +451,7 @@ def low_latency_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, num_ma
     """
     if isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int32:
         topk_idx = topk_idx.to(torch.int64)
+    _check_tensors("low_latency_dispatch", x=x, topk_idx=topk_idx)
     out: list[LowLatencyAutogradHandle] = []
     recv_x, recv_count = _LowLatencyDispatch.apply(x, buffer, topk_idx, int(num_max_dispatch_tokens_per_rank),
                                                    int(num_experts), out)
@@ -466,5 +477,6 @@ def low_latency_combine(buffer, y: torch.Tensor, topk_idx: torch.Tensor, topk_we
     if not (isinstance(topk_idx, torch.Tensor) and topk_idx.shape == handle.topk_idx.shape
             and torch.equal(topk_idx.to(torch.int64), handle.topk_idx)):
         raise ValueError("ubep_torch.functional.low_latency_combine: topk_idx differs from the one dispatched")
+    _check_tensors("low_latency_combine", y=y, topk_weights=topk_weights)
     return _LowLatencyCombine.apply(y, topk_weights, buffer, handle)
 

@@ -197,6 +197,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H] -> [..., H]``; also sets :attr:`aux_loss`. Collective in expert-parallel mode."""
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+            raise TypeError(f"ubep_torch.nn.MoE: x must be a float tensor, got "
+                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden:
+            raise ValueError(f"ubep_torch.nn.MoE: x must be [..., {self.hidden}], got {tuple(x.shape)}")
         shape = x.shape
         x2 = x.reshape(-1, self.hidden)
         topk_idx, topk_weights, balance = self.router(x2)

@@ -140,6 +140,8 @@ class SymmetricHeap:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.directory = directory or shm_dir()
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"ubep_torch: a shared-memory segment needs a byte count >= 0, got {nbytes!r}")
         self.nbytes = int(nbytes)
         self.segment_bytes = HEADER_BYTES + _round_up(self.nbytes, 4096)
         self._maps: List[mmap.mmap] = []
@@ -233,6 +235,10 @@ class SymmetricHeap:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, self.segment_bytes)
             m = mmap.mmap(fd, self.segment_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            _unlink_quietly(path)
+            _PENDING.pop(path, None)
+            raise
         finally:
             os.close(fd)
         header = struct.pack(_HEADER_FMT, _MAGIC, _VERSION, group_token, self.rank, self.world_size,

@@ -1,9 +1,24 @@
-"""DeepEP-compatible helper types: ``Config`` and ``EventOverlap``."""
+"""DeepEP-compatible helper types: ``Config`` and ``EventOverlap``, and argument checks."""
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional, Tuple
 
 import torch
+
+
+def check_count(name: str, value, minimum: int = 0) -> int:
+    """``value`` as an int (a Python or numpy integer, or a one-element integer tensor) of at least
+    ``minimum``; TypeError or ValueError naming ``name`` otherwise."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if v < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {v}")
+    return v
 
 
 class EventOverlap:
@@ -43,12 +58,16 @@ class Config:
     def __init__(self, num_sms: int = 24, num_max_nvl_chunked_send_tokens: int = 6,
                  num_max_nvl_chunked_recv_tokens: int = 4096, num_max_rdma_chunked_send_tokens: int = 6,
                  num_max_rdma_chunked_recv_tokens: int = 256, num_count_aivs: Optional[int] = None):
-        self.num_sms = int(num_sms)
-        self.num_max_nvl_chunked_send_tokens = int(num_max_nvl_chunked_send_tokens)
-        self.num_max_nvl_chunked_recv_tokens = int(num_max_nvl_chunked_recv_tokens)
-        self.num_max_rdma_chunked_send_tokens = int(num_max_rdma_chunked_send_tokens)
-        self.num_max_rdma_chunked_recv_tokens = int(num_max_rdma_chunked_recv_tokens)
-        self.num_count_aivs = num_count_aivs
+        self.num_sms = check_count("num_sms", num_sms, 1)
+        self.num_max_nvl_chunked_send_tokens = check_count("num_max_nvl_chunked_send_tokens",
+                                                           num_max_nvl_chunked_send_tokens, 1)
+        self.num_max_nvl_chunked_recv_tokens = check_count("num_max_nvl_chunked_recv_tokens",
+                                                           num_max_nvl_chunked_recv_tokens, 1)
+        self.num_max_rdma_chunked_send_tokens = check_count("num_max_rdma_chunked_send_tokens",
+                                                            num_max_rdma_chunked_send_tokens, 1)
+        self.num_max_rdma_chunked_recv_tokens = check_count("num_max_rdma_chunked_recv_tokens",
+                                                            num_max_rdma_chunked_recv_tokens, 1)
+        self.num_count_aivs = None if num_count_aivs is None else check_count("num_count_aivs", num_count_aivs, 1)
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of ``num_nvl_bytes`` for normal mode with ``hidden_bytes`` per token (x plus scales)."""
