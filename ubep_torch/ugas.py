@@ -136,13 +136,12 @@ class SymmetricHeap:
     def __init__(self, group, nbytes: int, directory: Optional[str] = None, timeout_s: Optional[float] = None,
                  agree: Optional[Dict[str, object]] = None):
         from .protocol import default_timeout
+        from .utils import check_count
         self.timeout_s = default_timeout(timeout_s)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.directory = directory or shm_dir()
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"ubep_torch: a shared-memory segment needs a byte count >= 0, got {nbytes!r}")
-        self.nbytes = int(nbytes)
+        self.nbytes = check_count("nbytes", nbytes)
         self.segment_bytes = HEADER_BYTES + _round_up(self.nbytes, 4096)
         self._maps: List[mmap.mmap] = []
         self._views: Dict[int, torch.Tensor] = {}
