@@ -192,3 +192,23 @@ def test_cli_combine_preset_and_errors() -> None:
     assert json.loads(p.stdout)["ubep"]["total_us"] > 0
     bad = _cli("dispatch", "--ranks", "16", "--batch", "8", "--hidden", "1024", "--topk", "2")
     assert bad.returncode != 0 and "--experts" in bad.stderr
+
+
+@pytest.mark.parametrize("extra,what", [(("--ranks", "0"), "--ranks"), (("--hidden", "-7"), "--hidden"),
+                                        (("--zipf", "nan"), "--zipf"), (("--hot-experts", "1000"), "hot_experts"),
+                                        (("--ranks", "100000", "--experts", "100000"), "ranks"),
+                                        (("--topk", "x"), "--topk")])
+def test_cli_bad_values_give_one_usage_error(extra, what) -> None:
+    p = _cli("dispatch", "--ranks", "16", "--batch", "8", "--hidden", "1024", "--topk", "2", "--experts", "64",
+             *extra)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert what in p.stderr.strip().splitlines()[-1], p.stderr
+
+
+def test_cli_sweep_json_is_only_json() -> None:
+    p = _cli("sweep", "calibration", "--json")
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout)["calibration"]
+    assert rows and all({"point", "paper", "model", "error"} <= set(r) for r in rows)
+    bad = _cli("sweep", "batch", "--plot", "/nonexistent-dir/x.png")
+    assert bad.returncode == 2 and "no such directory" in bad.stderr

@@ -21,6 +21,22 @@ def check_count(name: str, value, minimum: int = 0) -> int:
     return v
 
 
+def int_at_least(minimum: int):
+    """An ``argparse`` type: an integer of at least ``minimum`` (a one-line usage error otherwise)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
 class EventOverlap:
     """A handle on work that may still be in flight, as in DeepEP.
 

@@ -5,6 +5,7 @@ prints what one dispatch would cost on a CloudMatrix384 under CANN EP and UBEP (
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,6 +15,12 @@ import torch
 from ..cost_model import Report, compare, count_cost_ratio, dispatch_bytes_per_token, simulate
 from ..mapper import default_count_aivs
 from ..topology import CM384, CM384Params, Topology
+from ..utils import check_count
+
+#: bounds of what ``run_case`` models (a CloudMatrix384 has 384 dies; the paper goes to 256 experts)
+MAX_RANKS = 4096
+MAX_EXPERTS = 65536
+MAX_COPIES = 1 << 26
 
 __all__ = [
     "PRESETS",
@@ -113,6 +120,28 @@ def run_case(kind: str, ranks: int, batch: int, hidden: int, topk: int, experts:
 
     Dispatch payload defaults to int8 with fp32 scales (DeepSeek's 7.5 KB at H 7168), combine to bf16.
     """
+    if kind not in ("dispatch", "combine"):
+        raise ValueError(f"kind must be 'dispatch' or 'combine', got {kind!r}")
+    ranks = check_count("ranks", ranks, 1)
+    if ranks > MAX_RANKS:
+        raise ValueError(f"ranks={ranks}: the model covers superpods of up to {MAX_RANKS} dies")
+    batch, hidden = check_count("batch", batch, 1), check_count("hidden", hidden, 1)
+    topk, experts = check_count("topk", topk, 1), check_count("experts", experts, 1)
+    if ranks * batch * topk > MAX_COPIES:
+        raise ValueError(f"ranks x batch x topk = {ranks * batch * topk} token copies: the model replays at most "
+                         f"{MAX_COPIES} per call")
+    if experts > MAX_EXPERTS:
+        raise ValueError(f"experts={experts}: the model covers up to {MAX_EXPERTS} routed experts")
+    if topk > experts:
+        raise ValueError(f"topk={topk} exceeds the number of experts {experts}")
+    ranks_per_node = check_count("ranks_per_node", ranks_per_node, 1)
+    hot_experts = check_count("hot_experts", hot_experts)
+    if hot_experts > experts:
+        raise ValueError(f"hot_experts={hot_experts} exceeds the number of experts {experts}")
+    if zipf is not None and not (math.isfinite(zipf) and zipf >= 0):
+        raise ValueError(f"zipf must be a finite exponent >= 0, got {zipf}")
+    if bytes_per_token is not None:
+        bytes_per_token = check_count("bytes_per_token", bytes_per_token, 1)
     if experts % ranks and ranks % experts:
         raise ValueError(f"experts={experts} must be a multiple (or divisor) of ranks={ranks}")
     if experts < ranks:

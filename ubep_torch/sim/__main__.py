@@ -14,9 +14,14 @@ stop-and-wait flags. ``--model NAME`` fills ``--hidden/--experts/--topk`` from a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import math
+import os
 import sys
 
+from ..utils import int_at_least
 from . import (
     PRESETS,
     calibration_points,
@@ -39,20 +44,31 @@ def _report_json(r) -> dict:
             "sync": r.sync, "mapping": r.mapping, "n_count": r.n_count}
 
 
+def _exponent(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
 def _add_case_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, required=True, help="EP ranks (NPU dies)")
-    p.add_argument("--batch", type=int, required=True, help="tokens per rank")
-    p.add_argument("--hidden", type=int, default=None, help="hidden size H")
-    p.add_argument("--topk", type=int, default=None, help="experts per token K")
-    p.add_argument("--experts", type=int, default=None, help="routed experts E (multiple of ranks)")
+    p.add_argument("--ranks", type=int_at_least(1), required=True, help="EP ranks (NPU dies)")
+    p.add_argument("--batch", type=int_at_least(1), required=True, help="tokens per rank")
+    p.add_argument("--hidden", type=int_at_least(1), default=None, help="hidden size H")
+    p.add_argument("--topk", type=int_at_least(1), default=None, help="experts per token K")
+    p.add_argument("--experts", type=int_at_least(1), default=None, help="routed experts E (multiple of ranks)")
     p.add_argument("--model", choices=sorted(PRESETS), default=None, help="fill H/E/K from a model preset")
-    p.add_argument("--ranks-per-node", type=int, default=16, help="dies per node (CM384: 16)")
-    p.add_argument("--hot-experts", type=int, default=0, help="number of hot experts (0: uniform routing)")
-    p.add_argument("--zipf", type=float, default=None, help="Zipf exponent of expert popularity")
+    p.add_argument("--ranks-per-node", type=int_at_least(1), default=16, help="dies per node (CM384: 16)")
+    p.add_argument("--hot-experts", type=int_at_least(0), default=0, help="number of hot experts (0: uniform routing)")
+    p.add_argument("--zipf", type=_exponent, default=None, help="Zipf exponent of expert popularity")
     p.add_argument("--sync", choices=("tff", "dc", "sp", "sw"), default="tff", help="UBEP Data-as-Flag variant")
     p.add_argument("--no-mapping", action="store_true", help="UBEP without topology-aware mapping")
-    p.add_argument("--count-aivs", type=int, default=None, help="UBEP count-group AIVs (default: Appendix 9)")
-    p.add_argument("--bytes-per-token", type=int, default=None,
+    p.add_argument("--count-aivs", type=int_at_least(1), default=None,
+                   help="UBEP count-group AIVs (default: Appendix 9)")
+    p.add_argument("--bytes-per-token", type=int_at_least(1), default=None,
                    help="payload per token copy (default: int8+scales for dispatch, bf16 for combine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -148,6 +164,17 @@ def _plot(path: str, batch_rows: list[dict], fig10: dict) -> None:
 
 
 def _sweep(args: argparse.Namespace) -> None:
+    """The sweeps as tables, or with ``--json`` as one JSON object and nothing else."""
+    if not args.json:
+        _sweep_tables(args)
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        out = _sweep_tables(args)
+    print(json.dumps(out))
+
+
+def _sweep_tables(args: argparse.Namespace) -> dict:
+    """Print the tables of ``args.what``; returns them as JSON-ready data."""
     what = args.what
     kw = {"seed": args.seed}
     out = {}
@@ -163,9 +190,7 @@ def _sweep(args: argparse.Namespace) -> None:
             print(f"  {r['point']:42s} {paper:>12s} {m:>10s} {100 * r['error']:+7.1f}%")
         print()
         if what == "calibration":
-            if args.json:
-                print(json.dumps({"calibration": rows}))
-            return
+            return out
     if what in ("batch", "all") or args.plot:
         rows = sweep_batch(ranks=64, **kw)
         out["batch"] = rows
@@ -217,10 +242,13 @@ def _sweep(args: argparse.Namespace) -> None:
             f"{k} {v.worst_aiv_us:.1f}" for k, v in f10.items()) + "  (paper 62.2 / 48.1 / 43.5)")
     if args.plot:
         _plot(args.plot, out["batch"], f10)
-    if args.json:
-        def clean(rows):
-            return [{k: v for k, v in r.items() if k not in ("cann_ep", "ubep")} for r in rows]
-        print(json.dumps({k: clean(v) for k, v in out.items()}))
+
+    def clean(rows):
+        return [{k: v for k, v in r.items() if k not in ("cann_ep", "ubep")} for r in rows]
+    data = {k: clean(v) for k, v in out.items()}
+    if what in ("fig10", "all"):
+        data["fig10"] = {k: _report_json(v) for k, v in f10.items()}
+    return data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,9 +263,11 @@ def main(argv: list[str] | None = None) -> int:
                              "ncount", "topk", "aivs", "fig10"))
     sw.add_argument("--plot", default=None, metavar="FILE.png", help="draw the latency breakdown and per-AIV bars")
     sw.add_argument("--seed", type=int, default=0)
-    sw.add_argument("--json", action="store_true")
+    sw.add_argument("--json", action="store_true", help="print one JSON object (no tables)")
     args = parser.parse_args(argv)
     if args.cmd == "sweep":
+        if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+            sw.error(f"--plot {args.plot}: no such directory")
         _sweep(args)
         return 0
     _fill(args, sub.choices[args.cmd])
