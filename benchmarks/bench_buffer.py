@@ -48,6 +48,7 @@ from ubep_torch import Buffer  # noqa: E402
 from ubep_torch.buffer import normal_buffer_bytes  # noqa: E402
 from ubep_torch.testing import RankPool  # noqa: E402
 from ubep_torch.ugas import SymmetricHeap  # noqa: E402
+from ubep_torch.utils import int_at_least  # noqa: E402
 
 
 def _loop(fn, iters: int) -> float:
@@ -204,21 +205,26 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ranks", type=int_at_least(1), default=2)
+    ap.add_argument("--tokens", type=int_at_least(1), default=128)
+    ap.add_argument("--hidden", type=int_at_least(1), default=7168)
+    ap.add_argument("--topk", type=int_at_least(1), default=8)
+    ap.add_argument("--experts", type=int_at_least(1), default=16)
+    ap.add_argument("--iters", type=int_at_least(1), default=20)
+    ap.add_argument("--rounds", type=int_at_least(1), default=5)
     ap.add_argument("--sync", default="tff", choices=["tff", "dc", "sp", "sw"])
-    ap.add_argument("--nvl-tokens", type=int, default=0,
+    ap.add_argument("--nvl-tokens", type=int_at_least(0), default=0,
                     help="size the normal-mode buffer for this many rows per source (default: DeepEP's hint); "
                          "fewer than --tokens makes each normal call run several exchanges")
     ap.add_argument("--backends", default="auto,torch",
                     help="comma-separated Buffer backends to time side by side (auto = the C path where built)")
     a = ap.parse_args()
     backends = [b for b in a.backends.split(",") if b]
+    if not backends:
+        ap.error("--backends names no backend")
+    if a.topk > a.experts or a.experts % a.ranks:
+        ap.error(f"--topk {a.topk} must not exceed --experts {a.experts}, and --experts must be a multiple of "
+                 f"--ranks {a.ranks}")
     here = os.path.dirname(os.path.abspath(__file__))
     with RankPool(a.ranks, env={"PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])}) as pool:
         per_rank = pool.run(bench_rank, a.tokens, a.hidden, a.topk, a.experts, a.iters, a.rounds, a.sync, backends,

@@ -15,24 +15,28 @@ import torch
 import torch.distributed as dist
 
 from ubep_torch import Buffer
+from ubep_torch.utils import int_at_least
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--experts-per-rank", type=int, default=4)
+    ap.add_argument("--tokens", type=int_at_least(1), default=128, help="tokens per rank")
+    ap.add_argument("--hidden", type=int_at_least(1), default=2048)
+    ap.add_argument("--topk", type=int_at_least(1), default=None,
+                    help="experts per token (default: 8, or every expert when there are fewer)")
+    ap.add_argument("--experts-per-rank", type=int_at_least(1), default=4)
     ap.add_argument("--sync", default="tff", choices=["tff", "dc", "sp", "sw"])
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int_at_least(1), default=5)
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    T, H, K = args.tokens, args.hidden, args.topk
+    T, H = args.tokens, args.hidden
     E = args.experts_per_rank * world
-    K = min(K, E)
+    K = min(8, E) if args.topk is None else args.topk
+    if K > E:
+        ap.error(f"--topk {K} exceeds the {E} experts ({args.experts_per_rank} per rank x {world} ranks)")
     try:
         from ubep_torch.cost_model import CostModel, format_report
         cost_model = CostModel()
@@ -87,15 +91,17 @@ def main() -> None:
         best = min(a + b for a, b in times[1:] or times)
         d, c = min(times[1:] or times, key=lambda p: p[0] + p[1])
         lld, llc = min(ll_times[1:] or ll_times, key=lambda p: p[0] + p[1])
-        print(f"ubep_torch demo: {world} ranks, {T} tokens/rank, hidden {H}, top-{K}, {E} experts, sync={args.sync}, "
-              f"engine {buf.backend}")
+        print(f"ubep_torch demo: {world} rank{'s' if world > 1 else ''}, {T} tokens/rank, hidden {H}, top-{K}, "
+              f"{E} experts, sync={args.sync}, engine {buf.backend}")
         print(f"  normal mode : dispatch {d * 1e3:7.3f} ms, combine {c * 1e3:7.3f} ms; rank 0 received "
               f"{moved / 1e6:.2f} MB ({moved / d / 1e9:.2f} GB/s); round trip {best * 1e3:.3f} ms")
         print(f"  low-latency : dispatch {lld * 1e3:7.3f} ms, combine {llc * 1e3:7.3f} ms; rank 0 received "
               f"{ll_moved / 1e6:.2f} MB")
         print(f"  results correct on every rank: normal {all(o[0] for o in oks)}, low-latency {all(o[1] for o in oks)}")
         if disp_report is not None and format_report is not None:
-            print("  modeled CloudMatrix384 latency of rank 0's calls (same routing, UBEP vs CANN EP):")
+            print("  modeled CloudMatrix384 latency of rank 0's calls (same routing, UBEP vs CANN EP; the model "
+                  "moves one row per (token, expert), as the paper's kernels do, where this Buffer's normal mode "
+                  "sends one per (token, rank)):")
             for rep in (disp_report, comb_report):
                 print("   ", format_report(rep).replace("\n", "\n    "))
     buf.destroy()

@@ -33,6 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train_moe as T
 
+from ubep_torch.utils import int_at_least
+
 try:
     from ubep_torch.cost_model import CostModel, format_report
 except ImportError:  # the cost model is optional
@@ -111,9 +113,15 @@ def run(args) -> dict:
     torch.set_num_threads(max(1, args.threads))
     data = T.CharData()
     if args.ckpt:
-        ck = torch.load(args.ckpt, weights_only=False)
-        for k in ("dim", "heads", "layers", "experts", "top_k", "ffn", "shared", "router", "seq"):
-            setattr(args, k, ck["args"][k])
+        try:
+            ck = torch.load(args.ckpt, weights_only=False)
+            shape = {k: ck["args"][k] for k in ("dim", "heads", "layers", "experts", "top_k", "ffn", "shared",
+                                                 "router", "seq")}
+        except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+            raise SystemExit(f"infer_moe.py: --ckpt {args.ckpt} is not a checkpoint of train_moe.py --save "
+                             f"({type(e).__name__}: {e})") from None
+        for k, v in shape.items():
+            setattr(args, k, v)
     targs = argparse.Namespace(**vars(args))
     targs.seq = max(args.seq, len(args.prompt) + args.tokens + 1)
     n_max = (args.batch + 1) // 2          # tokens per micro-batch and rank
@@ -202,21 +210,12 @@ def run(args) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=32, help="tokens to generate per sequence")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank (split in 2 micro-batches)")
+    p.add_argument("--tokens", type=int_at_least(1), default=32, help="tokens to generate per sequence")
+    p.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per rank (split in 2 micro-batches)")
     p.add_argument("--prompt", default="the cat sees")
-    p.add_argument("--ckpt", default="", help="dense checkpoint written by train_moe.py --save")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--ffn", type=int, default=96)
-    p.add_argument("--shared", type=int, default=64)
-    p.add_argument("--router", default="softmax")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ckpt", default="", help="dense checkpoint written by train_moe.py --save (the model's "
+                                              "shape options then come from it)")
+    T.add_model_args(p)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--single", action="store_true", help="dense model in one process (no Buffer)")
     p.add_argument("--check", action="store_true", help="compare every step with the dense model")
@@ -228,6 +227,15 @@ def parse_args(argv=None):
         p.set_defaults(tokens=min(p.get_default("tokens"), 6), batch=4, dim=32, ffn=32, shared=16,
                        experts=max(4, p.get_default("experts") // 2))
         args = p.parse_args(argv)
+    T.check_model_args(p, args)
+    if not args.prompt:
+        p.error("--prompt must not be empty")
+    try:
+        T.CharData().encode(args.prompt)
+    except ValueError as e:
+        p.error(f"--prompt: {e}")
+    if args.ckpt and not os.path.isfile(args.ckpt):
+        p.error(f"--ckpt {args.ckpt}: no such file")
     return args
 
 

@@ -31,6 +31,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ubep_torch import nn as unn
+from ubep_torch.utils import int_at_least
 
 # ----------------------------------------------------------------------------- data
 _SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child", "the teacher"]
@@ -60,6 +61,9 @@ class CharData:
         return len(self.chars)
 
     def encode(self, s: str) -> torch.Tensor:
+        unknown = sorted(set(s) - set(self.stoi))
+        if unknown:
+            raise ValueError(f"characters {''.join(unknown)!r} are not in the vocabulary {''.join(self.chars)!r}")
         return torch.tensor([self.stoi[c] for c in s], dtype=torch.long)
 
     def decode(self, ids) -> str:
@@ -249,25 +253,41 @@ def train(args) -> list:
     return curve
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model's shape options (shared with infer_moe.py)."""
+    p.add_argument("--dim", type=int_at_least(1), default=64)
+    p.add_argument("--heads", type=int_at_least(1), default=4)
+    p.add_argument("--layers", type=int_at_least(1), default=2)
+    p.add_argument("--experts", type=int_at_least(1), default=8)
+    p.add_argument("--top-k", type=int_at_least(1), default=2)
+    p.add_argument("--ffn", type=int_at_least(1), default=96)
+    p.add_argument("--shared", type=int_at_least(0), default=64, help="shared expert width (0 = none)")
+    p.add_argument("--router", choices=unn.ROUTERS, default="softmax")
+    p.add_argument("--seq", type=int_at_least(2), default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int_at_least(1), default=1)
+
+
+def check_model_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.dim % args.heads:
+        p.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
+    if args.top_k > args.experts:
+        p.error(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    for opt in ("save", "loss_file"):
+        path = getattr(args, opt, "")
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            p.error(f"--{opt.replace('_', '-')} {path}: no such directory")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--ffn", type=int, default=96)
-    p.add_argument("--shared", type=int, default=64, help="shared expert width (0 = none)")
-    p.add_argument("--router", choices=unn.ROUTERS, default="softmax")
+    p.add_argument("--steps", type=int_at_least(1), default=40)
+    p.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per rank and step")
+    add_model_args(p)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--single", action="store_true", help="run the same model and global batch in one process")
-    p.add_argument("--world", type=int, default=2, help="with --single: how many ranks to reproduce")
+    p.add_argument("--world", type=int_at_least(1), default=2, help="with --single: how many ranks to reproduce")
     p.add_argument("--tiny", action="store_true", help="a seconds-long run (tests)")
     p.add_argument("--loss-file", default="")
     p.add_argument("--save", default="", help="write a dense checkpoint (for infer_moe.py --ckpt)")
@@ -276,6 +296,10 @@ def parse_args(argv=None):
         p.set_defaults(steps=min(p.get_default("steps"), 8), batch=2, seq=24, dim=32, ffn=32, shared=16,
                        experts=max(4, p.get_default("experts") // 2))
         args = p.parse_args(argv)
+    check_model_args(p, args)
+    if args.single and args.experts % args.world:
+        p.error(f"--experts {args.experts} is not divisible by --world {args.world} (the expert-parallel run "
+                f"it reproduces needs that)")
     return args
 
 

@@ -82,3 +82,18 @@ def test_buffer_benchmark_prints_its_table_on_three_ranks():
         assert line is not None, f"no {name!r} row in:\n{out}"
         numbers = [float(v.rstrip("x")) for v in line[len(name):].split() if v[0].isdigit()]
         assert numbers and numbers[0] > 0 and all(v >= 0 for v in numbers), line   # (ratios may print 0.00)
+
+
+@pytest.mark.parametrize("cmd,what", [
+    (["examples/train_moe.py", "--single", "--steps", "0"], "--steps"),
+    (["examples/train_moe.py", "--single", "--dim", "30", "--heads", "4"], "--heads"),
+    (["examples/infer_moe.py", "--single", "--prompt", "XYZ"], "vocabulary"),
+    (["examples/infer_moe.py", "--single", "--ckpt", "README.md"], "not a checkpoint"),
+    (["benchmarks/bench_buffer.py", "--ranks", "0"], "--ranks"),
+])
+def test_bad_options_give_one_line_errors(cmd, what):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert what in proc.stderr.strip().splitlines()[-1], proc.stderr
