@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..cost_model import Report, compare, count_cost_ratio, dispatch_bytes_per_token, simulate
+from ..cost_model import KINDS, Report, compare, count_cost_ratio, dispatch_bytes_per_token, simulate
 from ..mapper import default_count_aivs
 from ..topology import CM384, CM384Params, Topology
 from ..utils import check_count
@@ -120,8 +120,8 @@ def run_case(kind: str, ranks: int, batch: int, hidden: int, topk: int, experts:
 
     Dispatch payload defaults to int8 with fp32 scales (DeepSeek's 7.5 KB at H 7168), combine to bf16.
     """
-    if kind not in ("dispatch", "combine"):
-        raise ValueError(f"kind must be 'dispatch' or 'combine', got {kind!r}")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     ranks = check_count("ranks", ranks, 1)
     if ranks > MAX_RANKS:
         raise ValueError(f"ranks={ranks}: the model covers superpods of up to {MAX_RANKS} dies")
