@@ -376,7 +376,7 @@ def ll_two_in_flight(ctx, sync):
 
 
 def timeout_names_missing_rank(ctx):
-    """Rank 0 dispatches alone: it must fail within the deadline naming the silent ranks."""
+    """Rank 0 dispatches alone while the others stay silent: it must fail within the deadline naming them."""
     buf = Buffer(ctx.group, 8 << 20, timeout_s=1.0)
     if ctx.rank == 0:
         topk = torch.zeros(2, 1, dtype=torch.int64)
@@ -394,8 +394,10 @@ def timeout_names_missing_rank(ctx):
             else:
                 raise AssertionError("a broken Buffer accepted another call")
             buf.destroy()
+            torch.distributed.barrier(ctx.group)
             return elapsed
         raise AssertionError("no timeout")
+    torch.distributed.barrier(ctx.group)    # silent, not gone: destroying the Buffer would name this rank at once
     buf.destroy()
     return 0.0
 
@@ -435,6 +437,30 @@ def peer_failure_aborts_waits(ctx):
         return type(e).__name__, elapsed, getattr(e, "aborted_ranks", None)
     buf.destroy()
     return None, 0.0, None
+
+
+def peer_destroyed_its_buffer(ctx):
+    """Rank 1 destroys its Buffer; rank 0's next call fails within about 50 ms naming rank 1, not at its
+    deadline."""
+    import time
+    buf = Buffer(ctx.group, 8 << 20, timeout_s=30.0)
+    x, topk = torch.randn(4, 64), torch.zeros(4, 1, dtype=torch.int64)
+    recv_x, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=2)
+    buf.combine(recv_x, h)
+    torch.distributed.barrier(ctx.group)
+    if ctx.rank == 1:
+        buf.destroy()
+    torch.distributed.barrier(ctx.group)
+    if ctx.rank == 1:
+        return None
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(x, topk_idx=topk, num_experts=2)
+    except ubep_torch.UBEPPeerLostError as e:
+        return e.dead_ranks, "destroyed its Buffer" in str(e), time.monotonic() - t0
+    finally:
+        buf.destroy()
+    return "no error"
 
 
 def worst_tokens_too_small(ctx):

@@ -5,6 +5,7 @@ torch over the all-gathered inputs of every rank.
 """
 import os
 import sys
+import time
 
 import pytest
 
@@ -110,6 +111,32 @@ def test_failure_on_four_ranks_names_the_rank_that_failed(pool4):
     out = pool4.run(F.peer_failure_aborts_waits)
     assert out[0][0] == "InjectedFailure"
     assert all(name == "UBEPPeerAbortedError" and t < 5.0 and aborted == [0] for name, t, aborted in out[1:]), out
+
+
+def test_a_peer_that_destroyed_its_buffer_is_named_at_once(pool2):
+    out = pool2.run(F.peer_destroyed_its_buffer)
+    assert out[1] is None and out[0][:2] == ([1], True) and out[0][2] < 5.0, out
+
+
+def test_a_destroyed_peer_counts_only_when_a_wait_needs_it():
+    """A rank may destroy its Buffer once it has done its part of the last call while the others still
+    deliver to each other: a wait that does not need that rank is not failed by it."""
+    from ubep_torch import protocol as P
+    from ubep_torch.errors import UBEPPeerLostError
+
+    codes = {0: P.ABORT_DESTROYED, 1: 0, 2: 0}
+    looked = []
+
+    def code(r):
+        looked.append(r)
+        return codes[r]
+    w = P.Waiter(1, 5.0, lambda r: True, code)
+    w.world_size = 3
+    late = time.monotonic() + 0.3
+    w.wait("test phase", lambda: [2] if time.monotonic() < late else [])   # rank 0's departure is not needed
+    assert 0 in looked                               # (the abort words were consulted meanwhile)
+    with pytest.raises(UBEPPeerLostError, match=r"\[0\] destroyed its Buffer"):
+        P.Waiter(1, 5.0, lambda r: True, lambda r: codes[r]).wait("test phase", lambda: [0, 2])
 
 
 def test_num_worst_tokens_too_small_raises_and_buffer_stays_usable(pool2):

@@ -367,6 +367,8 @@ class Buffer:
         if self._destroyed:
             return
         self._destroyed = True
+        if self._broken is None:     # peers still waiting for this rank fail at once, naming it
+            self._signal_abort(P.ABORT_DESTROYED)
         self._peer_mem, self._peer_words = [], []
         for region in self._regions.values():
             region.forget_views()
@@ -527,7 +529,7 @@ class Buffer:
         return self._epoch[rid]
 
     def _peer_aborted(self, r: int) -> int:
-        """0, or how rank r aborted: 1 = it failed itself, 2 = it gave up on another rank."""
+        """0, or how rank r aborted: ``P.ABORT_FAILED``, ``P.ABORT_GAVE_UP`` or ``P.ABORT_DESTROYED``."""
         return 0 if r == self.rank else int(self._aux_words[(_ACK_WORDS + 1) * self.group_size + r])
 
     def _signal_abort(self, how: int = 1) -> None:
@@ -543,7 +545,8 @@ class Buffer:
     def _fail(self, e: BaseException) -> None:
         if self._broken is None:
             self._broken = f"{type(e).__name__}: {e}"
-        self._signal_abort(2 if isinstance(e, (UBEPTimeoutError, UBEPPeerLostError, UBEPPeerAbortedError)) else 1)
+        gave_up = isinstance(e, (UBEPTimeoutError, UBEPPeerLostError, UBEPPeerAbortedError))
+        self._signal_abort(P.ABORT_GAVE_UP if gave_up else P.ABORT_FAILED)
 
     def _report(self, kind: str, topk_idx: Optional[torch.Tensor], num_experts: int, hidden: int,
                 bytes_per_token: int) -> None:

@@ -25,16 +25,17 @@ class UBEPTimeoutError(UBEPError, TimeoutError):
 
 
 class UBEPPeerLostError(UBEPError):
-    """A peer's process exited while this rank was waiting for it."""
+    """A peer's process exited (or the peer destroyed its Buffer) while this rank was waiting for it."""
 
     def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], dead_ranks: Sequence[int],
-                 consequence: str = "This Buffer is now unusable."):
+                 consequence: str = "This Buffer is now unusable.", cause: str = "exited"):
         self.phase = phase
         self.rank = rank
         self.missing_ranks = list(missing_ranks)
         self.dead_ranks = list(dead_ranks)
+        self.cause = cause
         super().__init__(
-            f"ubep_torch: rank {rank} in phase '{phase}': peer rank(s) {self.dead_ranks} exited while "
+            f"ubep_torch: rank {rank} in phase '{phase}': peer rank(s) {self.dead_ranks} {cause} while "
             f"rank(s) {self.missing_ranks} had not delivered. {consequence}"
         )
 

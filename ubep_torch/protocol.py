@@ -347,6 +347,11 @@ def default_timeout(timeout_s: Optional[float]) -> float:
     return checked("UBEP_TIMEOUT_S", env) if env else given
 
 
+#: what a rank writes into its peers' abort word for it: it failed inside a call, it gave up on another
+#: rank, or it destroyed its Buffer
+ABORT_FAILED, ABORT_GAVE_UP, ABORT_DESTROYED = 1, 2, 3
+
+
 class Waiter:
     """Polls a condition with a deadline, yielding the CPU (ranks may outnumber cores).
 
@@ -390,10 +395,16 @@ class Waiter:
                 next_liveness = now + 0.05
                 # A rank that died without aborting first: peers that lost it abort too, and the error
                 # should name the cause. A rank that aborted (and may have exited since) is an abort.
-                aborted = [] if self.peer_aborted is None else \
-                    [r for r in range(self._world(missing)) if self.peer_aborted(r)]
-                # name the ranks that failed themselves (code 1) rather than those that gave up on them
-                aborted = [r for r in aborted if self.peer_aborted(r) == 1] or aborted
+                codes = {} if self.peer_aborted is None else \
+                    {r: self.peer_aborted(r) for r in range(self._world(missing))}
+                # a rank that destroyed its Buffer counts only when this wait still needs it (it may have
+                # finished its part of this call before destroying, while others still deliver)
+                gone = [r for r in missing if codes.get(r) == ABORT_DESTROYED]
+                if gone:
+                    raise UBEPPeerLostError(phase, self.rank, list(missing), gone, cause="destroyed its Buffer")
+                aborted = [r for r, c in codes.items() if c in (ABORT_FAILED, ABORT_GAVE_UP)]
+                # name the ranks that failed themselves rather than those that gave up on them
+                aborted = [r for r in aborted if codes[r] == ABORT_FAILED] or aborted
                 if self.peer_alive is not None:
                     dead = [r for r in missing if r not in aborted and not self.peer_alive(r)]
                     if dead:
