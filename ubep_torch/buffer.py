@@ -532,7 +532,7 @@ class Buffer:
         """0, or how rank r aborted: ``P.ABORT_FAILED``, ``P.ABORT_GAVE_UP`` or ``P.ABORT_DESTROYED``."""
         return 0 if r == self.rank else int(self._aux_words[(_ACK_WORDS + 1) * self.group_size + r])
 
-    def _signal_abort(self, how: int = 1) -> None:
+    def _signal_abort(self, how: int = P.ABORT_FAILED) -> None:
         """Tell every peer that this rank failed inside a call (``how``: see ``_peer_aborted``), so they fail
         fast instead of timing out, and their errors name the rank that caused it."""
         slot = (_ACK_WORDS + 1) * self.group_size + self.rank

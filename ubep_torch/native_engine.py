@@ -60,11 +60,6 @@ def _slots(rows: torch.Tensor, fmt: P.RowFormat) -> bool:
     return rows.dim() == 3 and tuple(rows.shape[1:]) == (fmt.blocks, P.BLOCK_BYTES) and rows.is_contiguous()
 
 
-def _within(idx: Optional[torch.Tensor], limit: int) -> bool:
-    """Every index in [0, limit): the C loops write where the indices say, so they are checked first."""
-    return idx is None or idx.numel() == 0 or (int(idx.min()) >= 0 and int(idx.max()) < limit)
-
-
 def _source_spec(fmt: P.RowFormat, rows: torch.Tensor, tok: Optional[torch.Tensor], H: int) -> Optional[tuple]:
     """``(base, stride, step, tok, n)`` of one bf16 source of ``combine_rows_bf16`` (see native.c), or None
     when the C loop cannot address it."""
