@@ -204,6 +204,7 @@ def run(args) -> dict:
     if buffer is not None:
         buffer.destroy()
     if distributed:
+        dist.barrier()   # every rank is done with the group (rank 0 may still be saving) before any tears it down
         dist.destroy_process_group()
     return result
 

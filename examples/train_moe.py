@@ -249,6 +249,7 @@ def train(args) -> list:
     if buffer is not None:
         buffer.destroy()
     if distributed:
+        dist.barrier()   # every rank is done with the group (rank 0 may still be saving) before any tears it down
         dist.destroy_process_group()
     return curve
 
