@@ -27,6 +27,13 @@ outputs.
   per dispatch (source and destination stay in cache), the same copy through 64 MiB buffers (memory
   bandwidth), and a store of those bytes into the peer's shared memory followed by the peer loading them
   back out (what moving bytes between two processes costs here at least).
+* The normal round trip with plain copies only (``copies_only``): the rows a normal dispatch and combine
+  move through shared memory (own rows gathered, the peers' rows stored into their memory and copied out,
+  combine's rows stored back and summed), with ``index_select``/``copy_``/``add`` and no flags, control
+  messages or waits. The UBEP data path makes these copies and more. With two ranks and every token
+  reaching both (the default) each step is a single pass of one torch op, and the ratio against the naive
+  EP is about the most a round trip through the slots reaches on this machine; with partial routing the
+  sum is ``index_add_``, one pass per source, which ubep's one-pass C sum can beat.
 
 Bandwidth is the bytes one rank receives per dispatch (``recv_x`` rows, its own included, as DeepEP
 counts them; the mean over ranks) over the dispatch time.
@@ -105,6 +112,62 @@ def naive_expert_rows(x, topk_idx, weights, E, R):
     return recv, out.to(x.dtype)
 
 
+def copies_only(ctx, x, dest_rows, heap, between=None):
+    """The rows a normal round trip moves, with plain torch ops and nothing else: no flags, control
+    messages, waits or checks. Dispatch: each rank stores the rows of its tokens for every peer into that
+    peer's shared memory and gathers its own rows into a new ``recv_x`` (rank-major, as ``dispatch``), then
+    copies the peers' rows out of its own memory after them. Combine (the expert is the identity): each
+    rank stores the rows it got from every peer back into that peer's memory, then sums every token's rows
+    in bf16. The UBEP data path makes these copies and adds the protocol to them, so this is what it costs
+    at least here. Returns ``(dispatch, combine)``, to run on every rank at once (nothing waits for the
+    peers: the rows are not checked). ``heap`` holds every source's rows of ``x``'s shape; ``between()``,
+    when given, runs between the stores into the peers and the loads (a barrier makes the results exact)."""
+    R, me, (T, H) = ctx.world_size, ctx.rank, x.shape
+    sent = torch.tensor([r.numel() for r in dest_rows])
+    counts = [torch.empty_like(sent) for _ in range(R)]
+    dist.all_gather(counts, sent)
+    C = [c.tolist() for c in counts]            # C[s][d]: rows rank s sends rank d
+
+    def slot(r, s, n):                          # source s's first n rows in rank r's memory
+        mem = heap.local if r == me else heap.peer(r)
+        return mem[s * T * H * 2:(s * T + n) * H * 2].view(torch.bfloat16).view(n, H)
+
+    off = [0]
+    for s in range(R):
+        off.append(off[-1] + C[s][me])
+    whole = [d for d in range(R) if torch.equal(dest_rows[d], torch.arange(T))]
+    peers = [r for r in range(R) if r != me]
+
+    def dispatch():
+        recv = torch.empty(off[-1], H, dtype=x.dtype)
+        for d in peers:
+            torch.index_select(x, 0, dest_rows[d], out=slot(d, me, C[me][d]))
+        torch.index_select(x, 0, dest_rows[me], out=recv[off[me]:off[me + 1]])
+        if between is not None:
+            between()
+        for s in peers:
+            recv[off[s]:off[s + 1]].copy_(slot(me, s, C[s][me]))
+        return recv
+
+    def combine(recv):
+        for s in peers:
+            slot(s, me, C[s][me]).copy_(recv[off[s]:off[s + 1]])
+        if between is not None:
+            between()
+        rows = [recv[off[me]:off[me + 1]] if d == me else slot(me, d, C[me][d]) for d in range(R)]
+        first = whole[:2] if len(whole) >= 2 else []
+        out = torch.add(rows[first[0]], rows[first[1]]) if first else torch.zeros(T, H, dtype=x.dtype)
+        for d in range(R):
+            if d in first:
+                continue
+            if d in whole:
+                out.add_(rows[d])
+            else:
+                out.index_add_(0, dest_rows[d], rows[d])
+        return out
+    return dispatch, combine
+
+
 def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
     torch.manual_seed(ctx.rank)
     R = ctx.world_size
@@ -161,6 +224,9 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
     heap = SymmetricHeap(ctx.group, 2 * stride + 4096)
     peer = heap.peer((ctx.rank + 1) % R)
     mine = heap.local
+    floor_heap = SymmetricHeap(ctx.group, R * T * H * 2)
+    floor_disp, floor_comb = copies_only(ctx, x, _rank_rows(topk, R, E // R), floor_heap)
+    floor_comb(floor_disp())
     pos = {"i": 0}
 
     def big_copy():   # walk through 64 MiB so every copy misses the cache
@@ -176,7 +242,8 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
         return time.perf_counter() - t0
 
     keys = [f"{b}:{k}" for b in paths for k in ("disp", "comb", "rt", "lld", "llc", "llrt")]
-    res = {k: [] for k in keys + ["naive_n", "naive_l", "copy", "bigcopy", "cross"]}
+    res = {k: [] for k in keys + ["naive_n", "naive_l", "copy", "bigcopy", "cross", "floor_disp", "floor_comb",
+                                  "floor_rt"]}
     for _ in range(rounds):
         for b, (disp, comb, lld, llc) in paths.items():
             res[f"{b}:disp"].append(_loop(disp, iters))
@@ -189,6 +256,11 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
             res[f"{b}:llc"].append(_loop(lambda c=llc, ll=ll: c(ll), iters))
             del ll
             res[f"{b}:llrt"].append(_loop(lambda d=lld, c=llc: c(d()), iters))
+        res["floor_disp"].append(_loop(floor_disp, iters))
+        recv = floor_disp()
+        res["floor_comb"].append(_loop(lambda r=recv: floor_comb(r), iters))
+        del recv
+        res["floor_rt"].append(_loop(lambda: floor_comb(floor_disp()), iters))
         res["naive_n"].append(_loop(naive_n, max(2, iters // 2)))
         res["naive_l"].append(_loop(naive_l, max(2, iters // 2)))
         res["copy"].append(_loop(lambda: dst.copy_(src), iters * 4))
@@ -198,6 +270,7 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
         loads = [cross_copy() for _ in range(iters)]
         res["cross"].append(t_store + statistics.median(loads))
     heap.close()
+    floor_heap.close()
     for buf in bufs:
         buf.destroy()
     return res, recv_bytes, ll_bytes, list(paths)
@@ -264,6 +337,12 @@ def main() -> None:
                       ("store to peer + load back", "cross")):
         bw = recv_bytes / t[key] / 1e9
         print(f"  {name:<40}{t[key] * 1e3:>8.3f}{bw:>10.2f}{disp_bw / bw:>12.2f}")
+    print("\nnormal round trip with plain copies only (the same rows through shared memory and summed, with torch "
+          "ops;\n  no flags, control messages or waits)")
+    rt = t[f"{first}:rt"]
+    print(f"  dispatch {t['floor_disp'] * 1e3:.3f} ms, combine {t['floor_comb'] * 1e3:.3f} ms, round trip "
+          f"{t['floor_rt'] * 1e3:.3f} ms ({t['naive_n'] / t['floor_rt']:.1f}x naive gloo, rank rows); ubep normal "
+          f"takes {rt / t['floor_rt']:.2f}x as long")
 
 
 if __name__ == "__main__":

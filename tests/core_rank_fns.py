@@ -733,3 +733,42 @@ def normal_rounds(ctx, sync, backend="auto"):
     ref = x * torch.where(topk >= 0, w, torch.zeros_like(w)).sum(1, keepdim=True)
     torch.testing.assert_close(want[-1], ref, rtol=1e-5, atol=1e-5)
     return T
+
+
+def bench_copies_only(ctx, T=12, H=64, E=8):
+    """The benchmark's plain-copies round trip, with barriers between its stores and loads, on partial
+    routing (some tokens reach only some ranks) and on routing that reaches every rank: what it moves
+    against the rows each rank should receive and the per-token sums."""
+    import os
+    import sys
+
+    from ubep_torch.ugas import SymmetricHeap
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from bench_buffer import _rank_rows, copies_only
+
+    R, me = ctx.world_size, ctx.rank
+    out = []
+    for everywhere in (False, True):
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(me + 10)).bfloat16()
+        if everywhere:   # one expert on every rank
+            topk = torch.arange(R).mul(E // R).expand(T, R).clone()
+        else:
+            topk = make_routing(7, me, T, 2, E, drop=0.3)[0]
+        heap = SymmetricHeap(ctx.group, R * T * H * 2)
+        disp, comb = copies_only(ctx, x, _rank_rows(topk, R, E // R), heap, between=dist.barrier)
+        recv = disp()
+        dist.barrier()   # (dispatch and combine share the slots)
+        summed = comb(recv)
+        heap.close()
+        xs, tks = [torch.empty_like(x) for _ in range(R)], [torch.empty_like(topk) for _ in range(R)]
+        dist.all_gather(xs, x)
+        dist.all_gather(tks, topk)
+        want = torch.cat([xs[s][_rank_rows(tks[s], R, E // R)[me]] for s in range(R)])
+        ref, mag = torch.zeros(T, H), torch.zeros(T, H)
+        for rows in _rank_rows(topk, R, E // R):
+            ref.index_add_(0, rows, x[rows].float())
+            mag.index_add_(0, rows, x[rows].float().abs())
+        # every bf16 add rounds once: at most 2^-8 of the partial sum's magnitude, R - 1 times
+        bound = float(((summed.float() - ref).abs() - (R * 2.0 ** -8) * mag).max())
+        out.append((torch.equal(recv, want), bound))
+    return out

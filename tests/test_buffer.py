@@ -356,3 +356,11 @@ def test_size_hints_hold_what_they_promise():
                             for meta_words in (1, 1 + 2 * K):
                                 assert dispatch.capacity(P.row_format("tff", f, meta_words)) >= E_local * N
                         assert combine.capacity(P.row_format("tff", (("x", H * 2),), 0)) >= N * K
+
+
+def test_benchmark_copies_only_round_trip_moves_the_rows(pool4):
+    """The benchmark's floor (plain copies through shared memory) must move what a round trip moves."""
+    for rank_result in pool4.run(F.bench_copies_only):
+        for rows_equal, excess in rank_result:
+            assert rows_equal
+            assert excess <= 0, excess
