@@ -411,3 +411,61 @@ def test_combine_reduction_checks_tokens_first(H):
         with pytest.raises(err):
             native_engine.NativeEngine().reduce_sources(fmt, [(rows, peer_tok), (own, bad)], untouched)
         assert bool((untouched == 7.0).all())
+
+
+def _awkward_bf16(n: int, H: int, g: torch.Generator) -> torch.Tensor:
+    """bf16 rows with NaN, infinities, subnormals, signed zeros and sums that round either way."""
+    x = torch.randn(n, H, generator=g) * torch.tensor([1e-3, 1.0, 3e4]).repeat(H)[:H]
+    pick = torch.randint(0, 12, (n, H), generator=g)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, -0.0, 0.0, 3.0e38])
+    x = torch.where(pick < special.numel(), special[pick.clamp(max=special.numel() - 1)], x)
+    return x.bfloat16()
+
+
+@needs_native
+@pytest.mark.parametrize("H", [7168, 250, 17, 1])
+def test_simd_sums_have_the_portable_loops_bits(H):
+    """The AVX-512 sums (where the CPU has them) and the portable loops give the torch path's bits for the
+    normal combine (0 to 3 operands per token, strided and slot rows) and the weighted low-latency combine
+    (masked slots, local rows), with NaN, infinities, subnormals and signed zeros in the operands."""
+    from ubep_torch import _native
+    g = torch.Generator().manual_seed(H)
+    T, n = 11, 7
+    fmt = P.row_format("tff", (("x", H * 2),), 0)
+    own = _awkward_bf16(n, H + 3, g)[:, :H]                                 # strided rows
+    slot_rows = []
+    for _ in range(2):
+        x = _awkward_bf16(n, H, g)
+        staging, checked, _ = TorchEngine().pack_rows(fmt, [P.as_bytes(x)], None, torch.arange(n), 1)
+        rows = torch.zeros_like(staging)
+        TorchEngine().write_rows(fmt, staging, checked, None, rows, P.flag_word(1, P.REGION_COMBINE))
+        slot_rows.append(rows)
+    sources = [(own, torch.tensor([0, 2, 3, 7, 8, 9, 10])), (slot_rows[0], torch.tensor([1, 2, 4, 5, 8, 9, 10])),
+               (slot_rows[1], torch.tensor([2, 3, 5, 6, 8, 9, 4]))]
+    want = torch.zeros(T, H, dtype=torch.bfloat16)
+    TorchEngine().reduce_sources(fmt, sources, want)
+    K = 4
+    topk = torch.randint(-1, 3, (T, K), generator=g)
+    w = torch.randn(T, K, generator=g)
+    w[0, 0] = float("nan")
+    pos = torch.randint(0, n, (T, K), generator=g)
+    wfmt = P.row_format("tff", (("x", H * 2),), 0)
+    local = (own, 0, 2, torch.tensor([4, 6]))                               # slots 0 and 1: local rows
+    wwant = torch.zeros(T, H, dtype=torch.bfloat16)
+    torch_slots = slot_rows[0].clone()
+    for p, r in zip(range(local[1], local[2]), local[3].tolist()):          # the torch path reads slots only
+        staged, chk, _ = TorchEngine().pack_rows(wfmt, [P.as_bytes(own[r:r + 1].contiguous())], None,
+                                                 torch.arange(1), 1)
+        TorchEngine().write_rows(wfmt, staged, chk, None, torch_slots[p:p + 1], P.flag_word(1, P.REGION_COMBINE))
+    TorchEngine().weighted_combine(wfmt, torch_slots, topk, w, wwant, pos)
+    try:
+        for simd in (True, False):
+            _native.set_simd(simd)
+            got = torch.full((T, H), 5.0, dtype=torch.bfloat16)
+            native_engine.NativeEngine().reduce_sources(fmt, sources, got)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), simd
+            wgot = torch.full((T, H), 5.0, dtype=torch.bfloat16)
+            native_engine.NativeEngine().weighted_combine(wfmt, slot_rows[0], topk, w, wgot, pos, local=local)
+            assert torch.equal(wgot.view(torch.int16), wwant.view(torch.int16)), simd
+    finally:
+        _native.set_simd(True)

@@ -33,7 +33,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 16
+API_VERSION = 17
 
 
 def _matches() -> bool:

