@@ -30,10 +30,10 @@ outputs.
 * The normal round trip with plain copies only (``copies_only``): the rows a normal dispatch and combine
   move through shared memory (own rows gathered, the peers' rows stored into their memory and copied out,
   combine's rows stored back and summed), with ``index_select``/``copy_``/``add`` and no flags, control
-  messages or waits. The UBEP data path makes these copies and more. With two ranks and every token
-  reaching both (the default) each step is a single pass of one torch op, and the ratio against the naive
-  EP is about the most a round trip through the slots reaches on this machine; with partial routing the
-  sum is ``index_add_``, one pass per source, which ubep's one-pass C sum can beat.
+  messages or waits. The UBEP data path makes these copies and more, so this shows what the protocol and
+  the per-call work add; it is not a lower bound, since faster copy and sum kernels than torch's move the
+  same rows in less time. With two ranks and every token reaching both (the default) each step is one
+  torch operator; with partial routing the sum is ``index_add_``, one pass per source.
 
 Bandwidth is the bytes one rank receives per dispatch (``recv_x`` rows, its own included, as DeepEP
 counts them; the mean over ranks) over the dispatch time.
@@ -118,10 +118,11 @@ def copies_only(ctx, x, dest_rows, heap, between=None):
     peer's shared memory and gathers its own rows into a new ``recv_x`` (rank-major, as ``dispatch``), then
     copies the peers' rows out of its own memory after them. Combine (the expert is the identity): each
     rank stores the rows it got from every peer back into that peer's memory, then sums every token's rows
-    in bf16. The UBEP data path makes these copies and adds the protocol to them, so this is what it costs
-    at least here. Returns ``(dispatch, combine)``, to run on every rank at once (nothing waits for the
-    peers: the rows are not checked). ``heap`` holds every source's rows of ``x``'s shape; ``between()``,
-    when given, runs between the stores into the peers and the loads (a barrier makes the results exact)."""
+    in bf16. The UBEP data path makes these copies and adds the protocol to them (the timing shows what
+    the protocol adds; faster copy and sum kernels than torch's would move the same rows sooner). Returns
+    ``(dispatch, combine)``, to run on every rank at once (nothing waits for the peers: the rows are not
+    checked). ``heap`` holds every source's rows of ``x``'s shape; ``between()``, when given, runs between
+    the stores into the peers and the loads (a barrier makes the results exact)."""
     R, me, (T, H) = ctx.world_size, ctx.rank, x.shape
     sent = torch.tensor([r.numel() for r in dest_rows])
     counts = [torch.empty_like(sent) for _ in range(R)]
