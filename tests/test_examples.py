@@ -87,12 +87,28 @@ def test_buffer_benchmark_prints_its_table_on_three_ranks():
     assert float(floor.split("round trip ")[1].split()[0]) > 0, floor
 
 
+def test_sums_benchmark_prints_every_path():
+    """The sum benchmark checks every path's bits against the torch path before it times them."""
+    out = _run([sys.executable, "benchmarks/bench_sums.py", "--tokens", "5", "--hidden", "300", "--iters", "2"],
+               timeout=120)
+    lines = [line.strip() for line in out.splitlines()]
+    names = ["torch.add (plain tensors)", "torch path (slots)"]
+    if "C path not built" not in out:
+        names.append("C path, portable loops")
+    for name in names:
+        line = next((line for line in lines if line.startswith(name + "  ")), None)
+        assert line is not None, f"no {name!r} row in:\n{out}"
+        numbers = [float(v.rstrip("x")) for v in line[len(name):].split()]
+        assert len(numbers) == 6 and all(v > 0 for v in numbers), line
+
+
 @pytest.mark.parametrize("cmd,what", [
     (["examples/train_moe.py", "--single", "--steps", "0"], "--steps"),
     (["examples/train_moe.py", "--single", "--dim", "30", "--heads", "4"], "--heads"),
     (["examples/infer_moe.py", "--single", "--prompt", "XYZ"], "vocabulary"),
     (["examples/infer_moe.py", "--single", "--ckpt", "README.md"], "not a checkpoint"),
     (["benchmarks/bench_buffer.py", "--ranks", "0"], "--ranks"),
+    (["benchmarks/bench_sums.py", "--hidden", "0"], "--hidden"),
 ])
 def test_bad_options_give_one_line_errors(cmd, what):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
