@@ -684,8 +684,9 @@ HOT static void weighted_sum_c(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const i
 /* sum_loop written out for AVX-512 (F, BW, VL): 16 elements at a time, every operand of the token added
  * into one register (+0.0, then the operands in order, each multiplied by its weight first when w is
  * given), then rounded to bf16 with the same integer steps as f32_to_bf16. The operations and their
- * order are sum_loop's, so the bits are too; it runs about 1.2x as fast here because the float32
- * accumulator never leaves a register and the piece's tail is one masked load and store. */
+ * order are sum_loop's, so the bits are too. The float32 accumulator never leaves a register and the
+ * piece's tail is one masked load and store: about 1.1x as fast as the portable loops on rows in cache
+ * (benchmarks/bench_sums.py). */
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static void
 sum_avx512(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step, const float *w,
            uint16_t *restrict out) {
