@@ -253,6 +253,69 @@ def test_segment_rows_same_on_both_engines():
         native_engine.NativeEngine().segment_rows(first, counts, 10)
 
 
+def _ll_ctrl(counts, N, nctrl, g):
+    """[R, MAX_CTRL_BLOCKS, 512] control blocks, as the senders write them, holding ``counts`` ([R, E_local])
+    after random header words; the unused blocks hold stale bytes."""
+    R, E_local = counts.shape
+    ctrl = torch.randint(0, 256, (R, P.MAX_CTRL_BLOCKS, P.BLOCK_BYTES), dtype=torch.uint8, generator=g)
+    for s in range(R):
+        head = torch.randint(0, 1 << 20, (P.CTRL_COUNTS,), generator=g)
+        TorchEngine().write_ctrl(ctrl[s, :nctrl], torch.cat([head, counts[s]]), 5)
+    return ctrl
+
+
+@needs_native
+@pytest.mark.parametrize("R,E_local,N", [(1, 1, 1), (2, 8, 8), (3, 5, 4), (2, 128, 16), (4, 64, 3), (2, 474, 2)])
+def test_ll_calcumsum_same_on_both_engines(R, E_local, N):
+    """Low-latency CalCumSum from the arrived control messages: counts, segment begins (lower sources
+    first), flat rows, layout_range, recv_count and rows per source, C against the torch path and against
+    a reference loop; the counts may span several control blocks."""
+    g = torch.Generator().manual_seed(R * 1000 + E_local)
+    counts = torch.randint(0, N + 1, (R, E_local), generator=g)
+    counts[0, 0] = N                                           # both ends of the range
+    counts[-1, -1] = 0
+    nctrl = P.ctrl_blocks(E_local)
+    ctrl = _ll_ctrl(counts, N, nctrl, g)
+    begin = torch.zeros(R, E_local, dtype=torch.int64)
+    for s in range(1, R):
+        begin[s] = begin[s - 1] + counts[s - 1]
+    flat = begin + torch.arange(E_local) * R * N
+    for eng in (TorchEngine(), native_engine.NativeEngine()):
+        lr = torch.full((E_local, R), -5, dtype=torch.int64)
+        rc = torch.full((E_local,), -5, dtype=torch.int32)
+        cnt, b, f, rows = eng.ll_calcumsum(ctrl, nctrl, P.CTRL_COUNTS, E_local, N, lr, rc)
+        assert torch.equal(cnt, counts) and torch.equal(b, begin) and torch.equal(f, flat), type(eng).__name__
+        assert torch.equal(lr, ((begin << 32) | counts).t()) and torch.equal(rc, counts.sum(0).to(torch.int32))
+        assert rows == counts.sum(1).tolist()
+        # the combine side reads the same layout back: rows per source, segment by segment
+        n = int(counts.sum())
+        got, per_source = eng.layout_rows(lr, N, n)
+        want = [e * R * N + int(begin[s, e]) + i for s in range(R) for e in range(E_local)
+                for i in range(int(counts[s, e]))]
+        assert got.tolist() == want and per_source == rows
+        with pytest.raises(ValueError, match="sum to"):
+            eng.layout_rows(lr, N, n + 1)
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [-1, 9, 1 << 40])
+def test_ll_calcumsum_refuses_bad_counts_before_writing(bad):
+    """A count outside [0, N] (a corrupted control message) raises ValueError naming the source and the
+    expert, and layout_range and recv_count are left as they were."""
+    g = torch.Generator().manual_seed(3)
+    R, E_local, N = 3, 70, 8
+    counts = torch.randint(0, N + 1, (R, E_local), generator=g)
+    counts[2, 65] = bad
+    nctrl = P.ctrl_blocks(E_local)
+    ctrl = _ll_ctrl(counts, N, nctrl, g)
+    for eng in (TorchEngine(), native_engine.NativeEngine()):
+        lr = torch.full((E_local, R), -5, dtype=torch.int64)
+        rc = torch.full((E_local,), -5, dtype=torch.int32)
+        with pytest.raises(ValueError, match=f"rank 2 announced {bad} rows for local expert 65"):
+            eng.ll_calcumsum(ctrl, nctrl, P.CTRL_COUNTS, E_local, N, lr, rc)
+        assert bool((lr == -5).all()) and bool((rc == -5).all())
+
+
 @needs_native
 @pytest.mark.parametrize("T,K,E,R", [(0, 2, 4, 2), (1, 1, 2, 2), (9, 3, 8, 2), (40, 8, 16, 2), (33, 6, 12, 3),
                                      (17, 4, 4, 4), (25, 16, 32, 1)])

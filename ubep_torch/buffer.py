@@ -111,6 +111,17 @@ class _Region:
             view = self._views[key] = mem[off:off + nb].view(P.MAX_CTRL_BLOCKS, P.BLOCK_BYTES)[:nctrl]
         return view
 
+    def ctrl_sources(self, mem: torch.Tensor, half: int) -> torch.Tensor:
+        """Every source's control blocks in ``mem``, as [world, max blocks, 512] uint8."""
+        key = (mem.data_ptr(), half, "ctrl")
+        view = self._views.get(key)
+        if view is None:
+            nb = P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
+            off = self.ctrl_base + half * self.world * nb
+            view = self._views[key] = mem[off:off + self.world * nb].view(self.world, P.MAX_CTRL_BLOCKS,
+                                                                           P.BLOCK_BYTES)
+        return view
+
     def capacity(self, fmt: P.RowFormat) -> int:
         return self.part_bytes // fmt.row_bytes
 
@@ -1440,8 +1451,8 @@ class Buffer:
         nctrl = P.ctrl_blocks(E_local)
         sig = fmt.signature()
 
-        def ctrl_payload(d, cs=0):
-            return torch.tensor([nrows_l[d], sig, cs, bounds[d], E, N] + counts_l[d], dtype=torch.int64)
+        def ctrl_payload(d):
+            return torch.tensor([nrows_l[d], sig, 0, bounds[d], E, N] + counts_l[d], dtype=torch.int64)
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending"))
         # torch and C paths: this rank's own rows skip the slots (the receive side copies them straight from
@@ -1471,7 +1482,7 @@ class Buffer:
         return_slot = torch.zeros(R, dtype=torch.int64)   # where each source wants its rows back (combine)
         handle = LowLatencyHandle((src_info, layout_range, N, H, E), src_k=src_k, K=K, epoch=epoch,
                                   num_tokens=T, recv_count=recv_count, return_slot=return_slot,
-                                  sent_counts=counts, pos=pos, n_pairs=int(t_idx.numel()),
+                                  sent_counts=counts, pos=pos, n_pairs=int(t_idx.numel()), recv_rows=0,
                                   topk_snapshot=topk_idx.clone())
         self._recent_ll_handles.append(handle)
         pending = handle.pending = _Pending("low_latency_dispatch", epoch)
@@ -1492,13 +1503,17 @@ class Buffer:
                     self._broken = "layout mismatch"
                     raise UBEPError(f"rank {s} sent low-latency rows of a different layout than rank {me} expects")
             self._check_call_words(ctrl_words, "low_latency_dispatch")
-            cnt_l = [ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + E_local] for s in range(R)]     # [R][E_l]
             slots_l = [ctrl_words[s][P.CTRL_RETURN_SLOT] for s in range(R)]
-            if any(c > N or c < 0 for row in cnt_l for c in row):
+            # CalCumSum: per-expert counts of every source ([R, E_local]), the packed begin of every (source,
+            # expert) segment in recv_x[expert] and its flat row in recv_x; fills layout_range and recv_count
+            try:
+                cnt, begin, seg_first, pairs = eng.ll_calcumsum(region.ctrl_sources(local, half), nctrl,
+                                                                P.CTRL_COUNTS, E_local, N, layout_range, recv_count)
+            except ValueError as e:
                 self._broken = "bad counts"
-                raise UBEPError(f"a peer announced per-expert counts outside [0, {N}] (corrupted control message)")
+                raise UBEPError(f"low_latency_dispatch on rank {me}: {e} (corrupted control message)") from None
             nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
-            pairs = [sum(row) for row in cnt_l]
+            handle.recv_rows = sum(pairs)
             for s in range(R):     # one row per token, holding 1..K of its pairs (dedup), or one per pair
                 if dedup:
                     ok = nrows[s] == pairs[s] == 0 or 0 < nrows[s] <= min(N, pairs[s]) <= pairs[s] <= nrows[s] * K
@@ -1513,17 +1528,6 @@ class Buffer:
                 raise UBEPError("a peer announced return slots outside its low-latency combine slots "
                                 "(corrupted control message, or top-k widths differ between ranks)")
             return_slot.copy_(torch.tensor(slots_l, dtype=torch.int64))
-            # CalCumSum: packed begin of every (expert, source) in recv_x, and the row offset of expert e in
-            # source s's part (a handful of ints: Python lists, then one tensor each)
-            begin_l, run = [], [0] * E_local
-            for row in cnt_l:
-                begin_l.append(run)
-                run = [a + b for a, b in zip(run, row)]
-            off_l = [list(accumulate(row, initial=0))[:-1] for row in cnt_l]
-            cnt, begin = torch.tensor(cnt_l, dtype=torch.int64), torch.tensor(begin_l, dtype=torch.int64)
-            layout_range.copy_(torch.tensor([[(begin_l[s][e] << 32) | cnt_l[s][e] for s in range(R)]
-                                             for e in range(E_local)], dtype=torch.int64))
-            recv_count.copy_(torch.tensor(run, dtype=torch.int32))
             done = set()
             # Kernel engines run CalCumSum + Token-Reordering as one launch (count AIVs publish each source's
             # offsets, reorder AIVs start on that point-to-point signal); the wait for arrival stays here,
@@ -1533,9 +1537,12 @@ class Buffer:
             flat_info, flat_k = src_info.view(-1), src_k.view(-1)
             flat_outs = [P.as_bytes(recv_x.view(E_local * R * N, -1))] + (
                 [P.as_bytes(recv_sc.view(E_local * R * N, -1))] if recv_sc is not None else [])
-            # flat recv_x row where each (source, local expert) segment begins
-            seg_first = [torch.tensor([e * (R * N) + begin_l[s][e] for e in range(E_local)], dtype=torch.int64)
-                         for s in range(R)]
+            def segments(s: int) -> list:
+                """(expert, first row in source s's part, first row in recv_x[expert], count) of each
+                non-empty segment of source s (for the per-segment fallbacks)."""
+                c, b = cnt[s].tolist(), begin[s].tolist()
+                off = list(accumulate(c, initial=0))
+                return [(e, off[e], b[e], c[e]) for e in range(E_local) if c[e]]
 
             def place(s: int, n: int) -> torch.Tensor:
                 """Flat recv_x row of each of source s's n rows (expert-major segments, dispatch order)."""
@@ -1564,8 +1571,7 @@ class Buffer:
                 for s in range(R):
                     if s in done:
                         continue
-                    n = sum(cnt_l[s])
-                    segs = [(e, off_l[s][e], begin_l[s][e], cnt_l[s][e]) for e in range(E_local) if cnt_l[s][e]]
+                    n = pairs[s]
                     if s == me and local_direct:
                         wait_ns[s] += time.perf_counter_ns() - t0
                         idx = send_idx[me]
@@ -1573,7 +1579,7 @@ class Buffer:
                         flat = E_local * R * N
                         if not (n and eng.copy_rows(local_x[0], idx, recv_x.view(flat, H), at) and (
                                 recv_sc is None or eng.copy_rows(local_x[1], idx, recv_sc.view(flat, -1), at))):
-                            for e, r0, b0, c in segs:
+                            for e, r0, b0, c in segments(s):
                                 torch.index_select(local_x[0], 0, idx[r0:r0 + c], out=recv_x[e, b0:b0 + c])
                                 if recv_sc is not None:
                                     torch.index_select(local_x[1], 0, idx[r0:r0 + c], out=recv_sc[e, b0:b0 + c])
@@ -1611,7 +1617,7 @@ class Buffer:
                         continue
                     # kernel engines outside their fused receive: per (source, expert) segment, through
                     # unpack_rows (which restores SP's escaped words / runs the kernel)
-                    for e, r0, b0, c in segs:
+                    for e, r0, b0, c in segments(s):
                         outs = [P.as_bytes(recv_x[e, b0:b0 + c])]
                         if recv_sc is not None:
                             outs.append(P.as_bytes(recv_sc[e, b0:b0 + c]))
@@ -1770,13 +1776,9 @@ class Buffer:
             xs = xs.contiguous()
         epoch = self._next_epoch(rid)
         half, flag = region.half(epoch), P.flag_word(epoch, rid)
-        # (source, expert) segments, source-major: first row in xs and length (layout_range: begin << 32 | count)
-        ranges = layout_range.t().tolist()
-        first = [e * (R * N) + (v >> 32) for row in ranges for e, v in enumerate(row)]
-        lengths = [v & 0xFFFFFFFF for row in ranges for v in row]
-        per_host = [sum(lengths[s * E_local:(s + 1) * E_local]) for s in range(R)]   # rows back to each source
-        all_rows = eng.segment_rows(torch.tensor(first, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64),
-                                    sum(per_host))
+        # (source, expert) segments of xs, source-major (layout_range: begin << 32 | count); per_host: the
+        # rows going back to each source
+        all_rows, per_host = eng.layout_rows(layout_range, N, handle.recv_rows)
         per_src = list(all_rows.split(per_host))
         direct = eng.direct_rows
         # engines that read this rank's own rows straight from x in the reduction: they skip the slots

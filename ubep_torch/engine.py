@@ -535,6 +535,44 @@ class TorchEngine:
             w = P.fresh(meta[:, K:K + K * (torch.finfo(wdtype).bits // 32)]).view(wdtype).masked_fill_(g < 0, 0.0)
         return g, w
 
+    def ll_calcumsum(self, ctrl: torch.Tensor, nctrl: int, first: int, E_local: int, N: int,
+                     layout_range: torch.Tensor, recv_count: torch.Tensor) -> tuple:
+        """CalCumSum of low-latency dispatch from the arrived control messages of every source.
+
+        ``ctrl`` is [R, max blocks, 512] uint8 (source s's message in ``ctrl[s]``, ``nctrl`` blocks used);
+        the per-expert counts are payload words [first, first + E_local). Fills ``layout_range`` ([E_local,
+        R] int64: begin << 32 | count) and ``recv_count`` ([E_local] int32: rows per expert) and returns
+        ``(cnt, begin, seg_first, rows)``: [R, E_local] int64 counts, begin of every (source, expert)
+        segment in recv_x[expert], its flat row in recv_x (expert * R * N + begin), and the list of each
+        source's count sum. A count outside [0, N] raises ValueError before anything is written."""
+        R = ctrl.shape[0]
+        if first + E_local > nctrl * P.CTRL_WORDS_PER_BLOCK:
+            raise ValueError(f"{E_local} counts from word {first} do not fit {nctrl} control blocks")
+        words = ctrl.view(torch.int64).view(R, ctrl.shape[1], P.BLOCK_WORDS)[:, :nctrl, P.HEAD_WORDS:]
+        cnt = words.reshape(R, nctrl * P.CTRL_WORDS_PER_BLOCK)[:, first:first + E_local].clone()
+        bad = ((cnt < 0) | (cnt > N)).nonzero()
+        if bad.numel():
+            s, e = bad[0].tolist()
+            raise ValueError(f"rank {s} announced {int(cnt[s, e])} rows for local expert {e}, outside [0, {N}]")
+        begin = cnt.cumsum(0) - cnt
+        layout_range.copy_(((begin << 32) | cnt).t())
+        recv_count.copy_(cnt.sum(0))
+        seg_first = begin + torch.arange(0, E_local * R * N, R * N, dtype=torch.int64)
+        return cnt, begin, seg_first, cnt.sum(1).tolist()
+
+    def layout_rows(self, layout_range: torch.Tensor, N: int, n: int) -> tuple:
+        """The ``n`` rows of a low-latency combine's flat x that go back to each source, from the dispatch's
+        ``layout_range`` ([E_local, R] int64: begin << 32 | count): source by source, expert by expert,
+        segment (expert, source) from flat row expert * R * N + begin. Returns ``(rows, rows per source)``."""
+        E_local, R = layout_range.shape
+        ranges = layout_range.t()
+        first = (ranges >> 32) + torch.arange(0, E_local * R * N, R * N, dtype=torch.int64)
+        lengths = ranges & 0xFFFFFFFF
+        per_source = lengths.sum(1).tolist()
+        if sum(per_source) != n:
+            raise ValueError(f"layout_range counts sum to {sum(per_source)} rows, not {n}")
+        return self.segment_rows(first.reshape(-1), lengths.reshape(-1), n), per_source
+
     def segment_rows(self, first: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
         """Rows of consecutive segments laid end to end: segment ``s`` holds ``counts[s]`` rows starting at row
         ``first[s]`` (int64); returns their ``n = counts.sum()`` row indices in segment order."""

@@ -33,7 +33,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 17
+API_VERSION = 18
 
 
 def _matches() -> bool:
@@ -230,6 +230,30 @@ class NativeEngine(TorchEngine):
         _native.local_topk(meta.data_ptr(), rows, meta.shape[1], K, wsz, lo, E_local, valid_rows, idx.data_ptr(),
                            0 if w is None else w.data_ptr())
         return idx, w
+
+    def ll_calcumsum(self, ctrl: torch.Tensor, nctrl: int, first: int, E_local: int, N: int,
+                     layout_range: torch.Tensor, recv_count: torch.Tensor) -> tuple:
+        R = ctrl.shape[0]
+        if first + E_local > nctrl * P.CTRL_WORDS_PER_BLOCK:
+            raise ValueError(f"{E_local} counts from word {first} do not fit {nctrl} control blocks")
+        if not (ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and ctrl.stride(2) == 1 and ctrl.stride(1) ==
+                P.BLOCK_BYTES and nctrl <= ctrl.shape[1] and _contiguous_int64(layout_range) and
+                tuple(layout_range.shape) == (E_local, R) and recv_count.dtype == torch.int32 and
+                recv_count.is_contiguous() and recv_count.numel() == E_local):
+            return super().ll_calcumsum(ctrl, nctrl, first, E_local, N, layout_range, recv_count)
+        out = torch.empty(3, R, E_local, dtype=torch.int64)
+        rows = _native.ll_calcumsum(ctrl.data_ptr(), R, ctrl.stride(0), first, E_local, N, out.data_ptr(),
+                                    layout_range.data_ptr(), recv_count.data_ptr())
+        cnt, begin, seg_first = out.unbind(0)
+        return cnt, begin, seg_first, rows
+
+    def layout_rows(self, layout_range: torch.Tensor, N: int, n: int) -> tuple:
+        if not (_contiguous_int64(layout_range) and layout_range.dim() == 2):
+            return super().layout_rows(layout_range, N, n)
+        E_local, R = layout_range.shape
+        rows = torch.empty(n, dtype=torch.int64)
+        per_source = _native.layout_rows(layout_range.data_ptr(), E_local, R, N, rows.data_ptr(), n)
+        return rows, per_source
 
     def segment_rows(self, first: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
         first, counts = first.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()

@@ -36,7 +36,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 17             /* bumped whenever a function's arguments change */
+#define API_VERSION 18             /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -606,6 +606,98 @@ static PyObject *read_ctrl(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* ll_calcumsum(ctrl, R, stride, first, E_local, N, out, layout_range, recv_count) -> [rows per source]
+ *
+ * CalCumSum of low-latency dispatch, from the arrived control messages of all R sources: source s's
+ * message starts at ctrl + s * stride, its per-expert counts are payload words [first, first + E_local).
+ * Writes out (int64 [3][R][E_local]): the counts, each (source, expert) segment's begin in recv_x[expert]
+ * (the counts of lower sources summed) and its flat row in recv_x (expert * R * N + begin); layout_range
+ * (int64 [E_local][R]: begin << 32 | count) and recv_count (int32 [E_local]: rows per expert). Returns
+ * each source's count sum. A count outside [0, N] raises ValueError before anything is written. */
+static PyObject *ll_calcumsum(PyObject *self, PyObject *args) {
+    unsigned long long ctrl_p, out_p, lr_p, rc_p;
+    Py_ssize_t R, stride, first, E, N;
+    if (!PyArg_ParseTuple(args, "KnnnnnKKK", &ctrl_p, &R, &stride, &first, &E, &N, &out_p, &lr_p, &rc_p))
+        return NULL;
+    const uint8_t *ctrl = (const uint8_t *)(uintptr_t)ctrl_p;
+    int64_t *cnt = (int64_t *)(uintptr_t)out_p, *begin = cnt + R * E, *flat = begin + R * E;
+    int64_t *lr = (int64_t *)(uintptr_t)lr_p;
+    int32_t *rc = (int32_t *)(uintptr_t)rc_p;
+    for (Py_ssize_t s = 0; s < R; s++)
+        for (Py_ssize_t e = 0; e < E; e++) {
+            const Py_ssize_t i = first + e;
+            int64_t v;
+            memcpy(&v, ctrl + s * stride + (i / CTRL_WORDS) * BLOCK_BYTES + FLAG_BYTES + (i % CTRL_WORDS) * 8, 8);
+            if (v < 0 || v > N) {
+                PyErr_Format(PyExc_ValueError, "rank %zd announced %lld rows for local expert %zd, outside [0, %zd]",
+                             s, (long long)v, e, N);
+                return NULL;
+            }
+            cnt[s * E + e] = v;
+        }
+    PyObject *sums = PyList_New(R);
+    if (sums == NULL) return NULL;
+    for (Py_ssize_t s = 0; s < R; s++) {
+        int64_t total = 0;
+        for (Py_ssize_t e = 0; e < E; e++) total += cnt[s * E + e];
+        PyObject *o = PyLong_FromLongLong(total);
+        if (o == NULL) {
+            Py_DECREF(sums);
+            return NULL;
+        }
+        PyList_SET_ITEM(sums, s, o);
+    }
+    for (Py_ssize_t e = 0; e < E; e++) {
+        int64_t run = 0;     /* at most R * N rows: fits the 32 bits layout_range gives it */
+        for (Py_ssize_t s = 0; s < R; s++) {
+            const int64_t c = cnt[s * E + e];
+            begin[s * E + e] = run;
+            flat[s * E + e] = (int64_t)e * R * N + run;
+            lr[e * R + s] = (run << 32) | c;
+            run += c;
+        }
+        rc[e] = (int32_t)run;
+    }
+    return sums;
+}
+
+/* layout_rows(layout_range, E_local, R, N, out, n) -> [rows per source]
+ *
+ * The rows of low-latency combine's x that go back to each source, from a dispatch's layout_range
+ * (int64 [E_local][R]: begin << 32 | count): source by source, expert by expert, the count rows of
+ * segment (expert, source) starting at flat row expert * R * N + begin, into out (int64, n rows). Returns
+ * each source's row count. Counts that do not sum to n raise ValueError before anything is written. */
+static PyObject *layout_rows(PyObject *self, PyObject *args) {
+    unsigned long long lr_p, out_p;
+    Py_ssize_t E, R, N, n;
+    if (!PyArg_ParseTuple(args, "KnnnKn", &lr_p, &E, &R, &N, &out_p, &n)) return NULL;
+    const int64_t *lr = (const int64_t *)(uintptr_t)lr_p;
+    int64_t *out = (int64_t *)(uintptr_t)out_p;
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < E * R; i++) total += lr[i] & 0xFFFFFFFF;
+    if (total != n) {
+        PyErr_Format(PyExc_ValueError, "layout_range counts sum to %lld rows, not %zd", (long long)total, n);
+        return NULL;
+    }
+    PyObject *per = PyList_New(R);
+    if (per == NULL) return NULL;
+    for (Py_ssize_t s = 0; s < R; s++) {
+        int64_t rows = 0;
+        for (Py_ssize_t e = 0; e < E; e++) {
+            const int64_t v = lr[e * R + s], first = (int64_t)e * R * N + (v >> 32), c = v & 0xFFFFFFFF;
+            for (int64_t i = 0; i < c; i++) *out++ = first + i;
+            rows += c;
+        }
+        PyObject *o = PyLong_FromLongLong(rows);
+        if (o == NULL) {
+            Py_DECREF(per);
+            return NULL;
+        }
+        PyList_SET_ITEM(per, s, o);
+    }
+    return per;
+}
+
 /* ---------------------------------------------------------------- bf16 reductions
  * Plain scalar loops that GCC vectorizes; they are compiled twice, for AVX2 and for the baseline ISA,
  * and the loader picks the one this CPU runs. Where the CPU has AVX-512, a hand-written version of the
@@ -879,6 +971,8 @@ static PyMethodDef methods[] = {
     {"meta_items", meta_items, METH_VARARGS, "normal dispatch's meta items: expert ids and weight bits"},
     {"local_topk", local_topk, METH_VARARGS, "received global expert ids and weights to this rank's"},
     {"segment_rows", segment_rows, METH_VARARGS, "row indices of segments laid end to end"},
+    {"layout_rows", layout_rows, METH_VARARGS, "rows of low-latency combine's x that go back to each source"},
+    {"ll_calcumsum", ll_calcumsum, METH_VARARGS, "low-latency CalCumSum from the arrived control messages"},
     {"token_rows", token_rows, METH_VARARGS, "rows and meta items of one-row-per-token low-latency dispatch"},
     {"unpack_items", unpack_items, METH_VARARGS, "low-latency Token-Reordering of one-row-per-token rows"},
     {"combine_rows_bf16", combine_rows_bf16, METH_VARARGS, "bf16 normal combine of any number of sources"},
