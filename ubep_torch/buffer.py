@@ -871,8 +871,11 @@ class Buffer:
         if num_worst_tokens:
             count_list: List[int] = []
         else:
-            per_expert = [sum(col) for col in zip(*recv["counts"])]
-            count_list = [-(-c // expert_alignment) * expert_alignment for c in per_expert]
+            per_expert = list(recv["counts"][0])
+            for row in recv["counts"][1:]:
+                per_expert = [a + b for a, b in zip(per_expert, row)]
+            count_list = per_expert if expert_alignment == 1 else \
+                [-(-c // expert_alignment) * expert_alignment for c in per_expert]
 
         # DeepEP-shaped handle
         prefix, run = [], [0] * R           # rank_prefix_matrix: column-wise prefix sums of [src, dst] counts
