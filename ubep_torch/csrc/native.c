@@ -584,6 +584,17 @@ static PyObject *write_ctrl(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* out[i] = v in a list just made with PyList_New: 0, or -1 with the list released and the error set */
+static int set_int(PyObject *out, Py_ssize_t i, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL) {
+        Py_DECREF(out);
+        return -1;
+    }
+    PyList_SET_ITEM(out, i, o);
+    return 0;
+}
+
 /* read_ctrl(src, nctrl, n) -> the first n payload words as a list of ints */
 static PyObject *read_ctrl(PyObject *self, PyObject *args) {
     unsigned long long src_p;
@@ -596,12 +607,7 @@ static PyObject *read_ctrl(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t v;
         memcpy(&v, src + (i / CTRL_WORDS) * BLOCK_BYTES + FLAG_BYTES + (i % CTRL_WORDS) * 8, 8);
-        PyObject *o = PyLong_FromLongLong(v);
-        if (o == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i, o);
+        if (set_int(out, i, v) < 0) return NULL;
     }
     return out;
 }
@@ -640,12 +646,7 @@ static PyObject *ll_calcumsum(PyObject *self, PyObject *args) {
     for (Py_ssize_t s = 0; s < R; s++) {
         int64_t total = 0;
         for (Py_ssize_t e = 0; e < E; e++) total += cnt[s * E + e];
-        PyObject *o = PyLong_FromLongLong(total);
-        if (o == NULL) {
-            Py_DECREF(sums);
-            return NULL;
-        }
-        PyList_SET_ITEM(sums, s, o);
+        if (set_int(sums, s, total) < 0) return NULL;
     }
     for (Py_ssize_t e = 0; e < E; e++) {
         int64_t run = 0;     /* at most R * N rows: fits the 32 bits layout_range gives it */
@@ -688,12 +689,7 @@ static PyObject *layout_rows(PyObject *self, PyObject *args) {
             for (int64_t i = 0; i < c; i++) *out++ = first + i;
             rows += c;
         }
-        PyObject *o = PyLong_FromLongLong(rows);
-        if (o == NULL) {
-            Py_DECREF(per);
-            return NULL;
-        }
-        PyList_SET_ITEM(per, s, o);
+        if (set_int(per, s, rows) < 0) return NULL;
     }
     return per;
 }
