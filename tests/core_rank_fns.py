@@ -267,7 +267,16 @@ def bad_inputs(ctx, sync):
     nbuf = get_buffer(ctx, sync)
     everywhere = torch.tensor([[0, E - 1]] * T)          # every token to the first and the last rank
     rx, _, _, _, nh, _ = nbuf.dispatch(x, topk_idx=everywhere, num_experts=E)
+    def changed_layout():
+        """The handle's layout_range changed in place after its dispatch (then restored)."""
+        ll_handle[1][0, 0] += 1
+        try:
+            buf.low_latency_combine(ll_x, topk, w, ll_handle)
+        finally:
+            ll_handle[1][0, 0] -= 1
+
     cases = {
+        "ll combine layout changed": (ValueError, changed_layout),
         "ll combine fewer columns": (ValueError, lambda: buf.low_latency_combine(
             ll_x, topk[:, :1], w[:, :1], ll_handle)),
         "ll combine topk differs": (ValueError, lambda: buf.low_latency_combine(

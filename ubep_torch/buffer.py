@@ -1509,6 +1509,8 @@ class Buffer:
             slots_l = [ctrl_words[s][P.CTRL_RETURN_SLOT] for s in range(R)]
             # CalCumSum: per-expert counts of every source ([R, E_local]), the packed begin of every (source,
             # expert) segment in recv_x[expert] and its flat row in recv_x; fills layout_range and recv_count
+            # (a message the checks below reject leaves them filled: the Buffer is broken then, and the call
+            # returns nothing)
             try:
                 cnt, begin, seg_first, pairs = eng.ll_calcumsum(region.ctrl_sources(local, half), nctrl,
                                                                 P.CTRL_COUNTS, E_local, N, layout_range, recv_count)
@@ -1777,12 +1779,16 @@ class Buffer:
         xs = x.reshape(E_local * R * N, H)      # a strided x is copied once, like every other input
         if H > 1 and xs.stride(1) != 1:
             xs = xs.contiguous()
-        epoch = self._next_epoch(rid)
-        half, flag = region.half(epoch), P.flag_word(epoch, rid)
         # (source, expert) segments of xs, source-major (layout_range: begin << 32 | count); per_host: the
         # rows going back to each source
-        all_rows, per_host = eng.layout_rows(layout_range, N, handle.recv_rows)
+        try:
+            all_rows, per_host = eng.layout_rows(layout_range, N, handle.recv_rows)
+        except ValueError as e:
+            raise ValueError(f"low_latency_combine: the handle's layout_range no longer matches its dispatch "
+                             f"({e})") from None
         per_src = list(all_rows.split(per_host))
+        epoch = self._next_epoch(rid)
+        half, flag = region.half(epoch), P.flag_word(epoch, rid)
         direct = eng.direct_rows
         # engines that read this rank's own rows straight from x in the reduction: they skip the slots
         # (not with a recv hook: x may change before the hook runs, and the rows must be those of the call)

@@ -546,7 +546,7 @@ class TorchEngine:
         segment in recv_x[expert], its flat row in recv_x (expert * R * N + begin), and the list of each
         source's count sum. A count outside [0, N] raises ValueError before anything is written."""
         R = ctrl.shape[0]
-        if first + E_local > nctrl * P.CTRL_WORDS_PER_BLOCK:
+        if first < 0 or E_local < 0 or first + E_local > nctrl * P.CTRL_WORDS_PER_BLOCK:
             raise ValueError(f"{E_local} counts from word {first} do not fit {nctrl} control blocks")
         words = ctrl.view(torch.int64).view(R, ctrl.shape[1], P.BLOCK_WORDS)[:, :nctrl, P.HEAD_WORDS:]
         cnt = words.reshape(R, nctrl * P.CTRL_WORDS_PER_BLOCK)[:, first:first + E_local].clone()

@@ -234,12 +234,14 @@ class NativeEngine(TorchEngine):
     def ll_calcumsum(self, ctrl: torch.Tensor, nctrl: int, first: int, E_local: int, N: int,
                      layout_range: torch.Tensor, recv_count: torch.Tensor) -> tuple:
         R = ctrl.shape[0]
-        if first + E_local > nctrl * P.CTRL_WORDS_PER_BLOCK:
+        if first < 0 or E_local < 0 or first + E_local > nctrl * P.CTRL_WORDS_PER_BLOCK:
             raise ValueError(f"{E_local} counts from word {first} do not fit {nctrl} control blocks")
-        if not (ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and ctrl.stride(2) == 1 and ctrl.stride(1) ==
-                P.BLOCK_BYTES and nctrl <= ctrl.shape[1] and _contiguous_int64(layout_range) and
-                tuple(layout_range.shape) == (E_local, R) and recv_count.dtype == torch.int32 and
-                recv_count.is_contiguous() and recv_count.numel() == E_local):
+        # (the C loop reads whole 512 B blocks of every source: the view must be exactly that, in host memory)
+        if not (ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and tuple(ctrl.stride()[1:]) == (P.BLOCK_BYTES, 1)
+                and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1] and _contiguous_int64(layout_range)
+                and tuple(layout_range.shape) == (E_local, R) and recv_count.dtype == torch.int32
+                and recv_count.is_contiguous() and recv_count.numel() == E_local
+                and ctrl.device.type == layout_range.device.type == recv_count.device.type == "cpu"):
             return super().ll_calcumsum(ctrl, nctrl, first, E_local, N, layout_range, recv_count)
         out = torch.empty(3, R, E_local, dtype=torch.int64)
         rows = _native.ll_calcumsum(ctrl.data_ptr(), R, ctrl.stride(0), first, E_local, N, out.data_ptr(),
@@ -248,7 +250,7 @@ class NativeEngine(TorchEngine):
         return cnt, begin, seg_first, rows
 
     def layout_rows(self, layout_range: torch.Tensor, N: int, n: int) -> tuple:
-        if not (_contiguous_int64(layout_range) and layout_range.dim() == 2):
+        if not (_contiguous_int64(layout_range) and layout_range.dim() == 2 and layout_range.device.type == "cpu"):
             return super().layout_rows(layout_range, N, n)
         E_local, R = layout_range.shape
         rows = torch.empty(n, dtype=torch.int64)
