@@ -50,7 +50,6 @@ def main() -> None:
     if native:
         from ubep_torch import _native
         simd = _native.set_simd(True)
-        _native.set_simd(False)
 
         def c_path(on):
             def run():

@@ -106,9 +106,7 @@ class _Region:
         key = (mem.data_ptr(), half, src, -nctrl)
         view = self._views.get(key)
         if view is None:
-            nb = P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
-            off = self.ctrl_base + (half * self.world + src) * nb
-            view = self._views[key] = mem[off:off + nb].view(P.MAX_CTRL_BLOCKS, P.BLOCK_BYTES)[:nctrl]
+            view = self._views[key] = self.ctrl_sources(mem, half)[src, :nctrl]
         return view
 
     def ctrl_sources(self, mem: torch.Tensor, half: int) -> torch.Tensor:

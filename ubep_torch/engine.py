@@ -85,6 +85,12 @@ def _pair_targets(meta: torch.Tensor, K: int, base: torch.Tensor, cnt: torch.Ten
     return row, target, k
 
 
+def check_ctrl_words(first: int, n: int, nctrl: int) -> None:
+    """ValueError unless payload words [first, first + n) lie in ``nctrl`` control blocks."""
+    if first < 0 or n < 0 or first + n > nctrl * P.CTRL_WORDS_PER_BLOCK:
+        raise ValueError(f"{n} counts from word {first} do not fit {nctrl} control blocks")
+
+
 class TorchEngine:
     name = "torch"
     #: the Buffer may hand this engine DirectRows, skip the slots for a rank's own rows and read payload
@@ -546,8 +552,7 @@ class TorchEngine:
         segment in recv_x[expert], its flat row in recv_x (expert * R * N + begin), and the list of each
         source's count sum. A count outside [0, N] raises ValueError before anything is written."""
         R = ctrl.shape[0]
-        if first < 0 or E_local < 0 or first + E_local > nctrl * P.CTRL_WORDS_PER_BLOCK:
-            raise ValueError(f"{E_local} counts from word {first} do not fit {nctrl} control blocks")
+        check_ctrl_words(first, E_local, nctrl)
         words = ctrl.view(torch.int64).view(R, ctrl.shape[1], P.BLOCK_WORDS)[:, :nctrl, P.HEAD_WORDS:]
         cnt = words.reshape(R, nctrl * P.CTRL_WORDS_PER_BLOCK)[:, first:first + E_local].clone()
         bad = ((cnt < 0) | (cnt > N)).nonzero()
@@ -569,8 +574,9 @@ class TorchEngine:
         first = (ranges >> 32) + torch.arange(0, E_local * R * N, R * N, dtype=torch.int64)
         lengths = ranges & 0xFFFFFFFF
         per_source = lengths.sum(1).tolist()
-        if sum(per_source) != n:
-            raise ValueError(f"layout_range counts sum to {sum(per_source)} rows, not {n}")
+        total = sum(per_source)
+        if total != n:
+            raise ValueError(f"layout_range counts sum to {total} rows, not {n}")
         return self.segment_rows(first.reshape(-1), lengths.reshape(-1), n), per_source
 
     def segment_rows(self, first: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:

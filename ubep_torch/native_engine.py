@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import protocol as P
-from .engine import DirectRows, TorchEngine
+from .engine import DirectRows, TorchEngine, check_ctrl_words
 
 try:
     from . import _native
@@ -234,8 +234,7 @@ class NativeEngine(TorchEngine):
     def ll_calcumsum(self, ctrl: torch.Tensor, nctrl: int, first: int, E_local: int, N: int,
                      layout_range: torch.Tensor, recv_count: torch.Tensor) -> tuple:
         R = ctrl.shape[0]
-        if first < 0 or E_local < 0 or first + E_local > nctrl * P.CTRL_WORDS_PER_BLOCK:
-            raise ValueError(f"{E_local} counts from word {first} do not fit {nctrl} control blocks")
+        check_ctrl_words(first, E_local, nctrl)
         # (the C loop reads whole 512 B blocks of every source: the view must be exactly that, in host memory)
         if not (ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and tuple(ctrl.stride()[1:]) == (P.BLOCK_BYTES, 1)
                 and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1] and _contiguous_int64(layout_range)
