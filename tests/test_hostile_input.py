@@ -264,10 +264,10 @@ def test_payload_words_equal_to_protocol_constants(pool, sync):
 
 
 # ----------------------------------------------------------------------------- known library bugs
-def known_bug(ctx, kind):
+def known_bug(ctx, kind, backend):
     """Reproducers of bugs in ubep_torch (every rank hits the same condition, so nobody hangs)."""
     buf = Buffer(ctx.group, 1 << 20, Buffer.get_low_latency_rdma_size_hint(8, 128, ctx.world_size, 2 * ctx.world_size),
-                 low_latency_mode=True, timeout_s=3.0)
+                 low_latency_mode=True, timeout_s=3.0, backend=backend)
     E = 2 * ctx.world_size
     try:
         if kind == "f64-weights-odd-k":       # one received row, K = 1, float64 weights
@@ -298,8 +298,9 @@ def known_bug(ctx, kind):
 
 @pytest.mark.parametrize("kind", ["f64-weights-odd-k", "empty-nonunit-stride", "ll-fp8-zero-tokens-h128",
                                   "expert-major-without-weights", "empty-outputs-view"])
-def test_former_bug_stays_fixed(pool, kind):
-    assert pool.run(known_bug, kind) == [None, None]
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_former_bug_stays_fixed(pool, kind, backend):
+    assert pool.run(known_bug, kind, backend) == [None, None]
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

@@ -533,7 +533,7 @@ class TorchEngine:
         K weights' bits when ``wdtype`` is given). Returns ``([rows, K] int64 local ids, [rows, K] weights
         or None)``: the id minus ``lo`` where that lies in [0, E_local) and the row is below ``valid_rows``,
         else -1, and the weight there (0 where the id is -1)."""
-        g = meta[:, :K].to(torch.int64) - lo
+        g = P.fresh(meta[:, :K].to(torch.int64)).sub_(lo)   # standard strides even with no rows
         g.masked_fill_((g < 0) | (g >= E_local), -1)
         g[valid_rows:] = -1
         w = None
