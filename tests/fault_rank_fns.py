@@ -178,11 +178,11 @@ def _rank_main(rank: int, world: int, port: int, shm_dir: str, sc: Scenario, q) 
         ugas._all_gather = gather_then_die
     low_latency = sc.op != "normal"
     buf = None
+    state = {"call": -1, "fired": False}
     try:
         rdma = Buffer.get_low_latency_rdma_size_hint(N, H, world, E) if low_latency else 0
         buf = Buffer(dist.group.WORLD, 4 << 20, rdma, low_latency_mode=low_latency, sync=sc.sync,
                      timeout_s=sc.timeout_s)
-        state = {"call": 0, "fired": False}
 
         def hook(phase: str) -> None:
             if not victim or state["fired"] or state["call"] < sc.fault_call or sc.phase not in phase:
@@ -208,7 +208,8 @@ def _rank_main(rank: int, world: int, port: int, shm_dir: str, sc: Scenario, q) 
         own = sorted(n for n in os.listdir(shm_dir) if n.startswith(f"ubep-{os.getpid()}-")) if buf is None else None
         report(kind="error" if known else "other_ubep", type=type(e).__name__, phase=getattr(e, "phase", ""),
                missing=list(getattr(e, "missing_ranks", [])), dead=list(getattr(e, "dead_ranks", [])),
-               aborted=list(getattr(e, "aborted_ranks", [])), message=str(e), own_segments_after_error=own)
+               aborted=list(getattr(e, "aborted_ranks", [])), message=str(e), own_segments_after_error=own,
+               call=state["call"])
     except Exception as e:  # noqa: BLE001 - the bootstrap (gloo) fails for set-up faults
         own = sorted(n for n in os.listdir(shm_dir) if n.startswith(f"ubep-{os.getpid()}-"))
         report(kind="error" if sc.fault == "setup_kill" else "crash", type=type(e).__name__, phase="setup",

@@ -199,6 +199,8 @@ def _collective(fn):
     def wrapper(self, *args, **kwargs):
         self._in_call = False
         try:
+            if not self._destroyed and self._broken is None:
+                self._check_peers(f"{fn.__name__}: start of the call", self._calls + 1)
             with torch.no_grad():
                 out = fn(self, *args, **kwargs)
         except BaseException as e:
@@ -233,6 +235,7 @@ class _Pending:
     epoch: int
     done: bool = False
     extra: dict = field(default_factory=dict)
+    call: int = 0          # the Buffer's call number (``Buffer._calls``) that issued it
 
 
 class Buffer:
@@ -259,6 +262,9 @@ class Buffer:
         shm_dir: shared-memory directory (default ``$UBEP_SHM_DIR`` or ``/dev/shm``).
         num_count_aivs: AIVs of the count group for ``backend="triton"`` (None = the Appendix-9 model;
             ``Config(num_count_aivs=...)`` overrides it per call).
+
+    Attributes: ``backend`` (the engine the Buffer got: ``"native"``, ``"torch"`` or ``"triton"``),
+    ``rank``, ``group_size``, ``sync``, ``timeout_s``, ``last_report`` (with a cost model).
     """
 
     num_sms: int = 24
@@ -360,6 +366,7 @@ class Buffer:
         self._waiter = P.Waiter(self.rank, self.timeout_s, self._heap.peer_alive, self._peer_aborted)
         self._waiter.world_size = R
         self._in_call = False
+        self._calls = 0              # calls that reached their peers (the same count on every rank)
         self._destroyed = False
         self._out = TensorCache()   # output tensors are reused once the caller has dropped them
         self._layout_cache = None   # (key, layout, watched tensors and their versions) of the last routing
@@ -384,23 +391,29 @@ class Buffer:
         self._heap.close()
 
     def is_available(self) -> bool:
+        """Whether the Buffer can take calls: not destroyed, and no earlier failure (timeout, lost or aborted
+        peer, corrupted control message) has made it unusable."""
         return not self._destroyed and self._broken is None
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
+        """DeepEP's SM count for the configs below; recorded (and checked) only, as no SMs exist here."""
         Buffer.num_sms = check_count("num_sms", new_num_sms, 1)
 
     @staticmethod
     def capture() -> EventOverlap:
+        """An event for ``previous_event=`` arguments; calls complete before they return, so it holds none."""
         return EventOverlap(None)
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
+        """A ``Config`` for dispatch (``get_nvl_buffer_size_hint`` sizes ``num_nvl_bytes``)."""
         check_count("num_ranks", num_ranks, 1)
         return Config(Buffer.num_sms, 6, 4096)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
+        """A ``Config`` for combine, as ``get_dispatch_config``."""
         check_count("num_ranks", num_ranks, 1)
         return Config(Buffer.num_sms, 6, 4096)
 
@@ -527,19 +540,42 @@ class Buffer:
                     raise UBEPError(f"rank {s} called {op} with {name}={ctrl_words[s][word]}, rank {me} with "
                                     f"{ctrl_words[me][word]}: every rank must pass the same")
 
-    def _call_complete(self) -> None:
+    def _call_complete(self, op: str) -> None:
         """This rank has sent and consumed everything of the current call: an error in the local work that
         follows (layout conversion, output checks) is raised without breaking the Buffer or the peers."""
+        self._check_peers(f"{op}: end of the call", self._calls)
         self._in_call = False
 
+    def _check_peers(self, phase: str, call: int) -> None:
+        """Raise ``UBEPPeerAbortedError`` if a peer has failed or given up in call number ``call`` of this
+        Buffer (see ``_next_epoch``) or an earlier one. Waits see that while they wait; this is for a rank
+        too slow for its peers' deadline that still finds everything it needs there: it fails at the end of
+        that call or at the start of its next one instead of returning results its peers have abandoned."""
+        R = self.group_size
+        base = (_ACK_WORDS + 1) * R
+        words = self._aux_words[base:base + R].tolist()
+        aborted = [r for r in range(R) if r != self.rank and words[r] & 0xFF in (P.ABORT_FAILED, P.ABORT_GAVE_UP)
+                   and words[r] >> 8 <= call]
+        if aborted:
+            # name the ranks that failed themselves rather than those that gave up on them
+            aborted = [r for r in aborted if words[r] & 0xFF == P.ABORT_FAILED] or aborted
+            m = words[aborted[0]] >> 8
+            when = "this call" if m == call else f"an earlier call (call {m} of this Buffer; this is call {call})"
+            self._broken = f"peer rank(s) {aborted} aborted {when}"
+            raise UBEPPeerAbortedError(phase, self.rank, [], aborted, when=when)
+
     def _next_epoch(self, rid: int) -> int:
+        """The next epoch of region ``rid``. The first of a call also numbers the call in ``_calls`` (only calls
+        that reach their peers count; every rank makes the same ones, so the numbers agree)."""
+        if not self._in_call:
+            self._calls += 1
         self._in_call = True          # from here on, peers may be waiting for this rank
         self._epoch[rid] += 1
         return self._epoch[rid]
 
     def _peer_aborted(self, r: int) -> int:
         """0, or how rank r aborted: ``P.ABORT_FAILED``, ``P.ABORT_GAVE_UP`` or ``P.ABORT_DESTROYED``."""
-        return 0 if r == self.rank else int(self._aux_words[(_ACK_WORDS + 1) * self.group_size + r])
+        return 0 if r == self.rank else int(self._aux_words[(_ACK_WORDS + 1) * self.group_size + r]) & 0xFF
 
     def _signal_abort(self, how: int = P.ABORT_FAILED) -> None:
         """Tell every peer that this rank failed inside a call (``how``: see ``_peer_aborted``), so they fail
@@ -547,7 +583,7 @@ class Buffer:
         slot = (_ACK_WORDS + 1) * self.group_size + self.rank
         for r in range(self.group_size):
             try:
-                self._peer_words[r][slot] = how
+                self._peer_words[r][slot] = how | self._calls << 8     # and in which call
             except Exception:
                 pass
 
@@ -854,7 +890,7 @@ class Buffer:
             out["src_idx"][o:o + n].copy_(sel)
 
         rows_from = self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, send_idx, exchange, allocate, local_copy)
-        self._call_complete()
+        self._call_complete("dispatch")
         off_l = list(accumulate(rows_from, initial=0))
         num_recv, recv = off_l[-1], out["recv"]
         if num_worst_tokens and num_recv > num_worst_tokens:
@@ -999,6 +1035,7 @@ class Buffer:
                 self._gather_own_rows(scales, sel, recv_scales, o)
 
         self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, base.send_idx, exchange, allocate, local_copy)
+        self._call_complete("cached dispatch")
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         if handle.layout == "expert_major":
             row_index = handle.row_index
@@ -1354,7 +1391,7 @@ class Buffer:
                                 f"sent {expect} (was the handle from the latest matching dispatch?)")
             self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None,
                                reduce=functools.partial(reduce, x_rows, toks, a, b))
-        self._call_complete()
+        self._call_complete("combine")
         self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size())
         return out, wacc, EventOverlap(None)
 
@@ -1486,7 +1523,7 @@ class Buffer:
                                   sent_counts=counts, pos=pos, n_pairs=int(t_idx.numel()), recv_rows=0,
                                   topk_snapshot=topk_idx.clone())
         self._recent_ll_handles.append(handle)
-        pending = handle.pending = _Pending("low_latency_dispatch", epoch)
+        pending = handle.pending = _Pending("low_latency_dispatch", epoch, call=self._calls)
         wait_ns = [0] * R            # per source: ns from the start of the receive until its rows were in
 
         def receive():
@@ -1643,6 +1680,7 @@ class Buffer:
                     place_source_info(s, rows)
                     eng.rearm(fmt, rows)
                     self._send_ack(rid, s, epoch)
+            self._check_peers("low_latency_dispatch: end of the call", pending.call)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count.to(cumulative_local_expert_recv_stats.dtype))
             if dispatch_wait_recv_cost_stats is not None:
@@ -1716,10 +1754,13 @@ class Buffer:
                 dispatch's routing; it may mask more slots (-1) or list a token's experts in another order,
                 but naming an expert the token was not dispatched to raises ValueError before sending.
             handle: from ``low_latency_dispatch``.
+            use_logfmt: accepted for DeepEP compatibility; rows always travel as bf16 (no LogFMT).
             zero_copy: x was already written into ``get_next_low_latency_combine_buffer(handle)``.
+            async_finish: accepted (the call has completed when it returns; the event holds nothing).
+            return_recv_hook: issue the sends only; ``combined_x`` is valid after ``hook()``.
             out: optional [T, H] bf16 output tensor.
         Returns:
-            ``(combined_x [T, H] bf16, event, hook)``.
+            ``(combined_x [T, H] bf16, event, hook)`` (hook None without ``return_recv_hook``).
         """
         self._check_usable()
         if async_finish and return_recv_hook:
@@ -1820,7 +1861,7 @@ class Buffer:
         eng.send_phase(job)
 
         result = out if out is not None else self._out.empty((T, H), torch.bfloat16)
-        pending = _Pending("low_latency_combine", epoch)
+        pending = _Pending("low_latency_combine", epoch, call=self._calls)
         weights = topk_weights.contiguous()
 
         def receive():
@@ -1869,6 +1910,7 @@ class Buffer:
             eng.rearm(fmt, rows)
             for s in range(R):
                 self._send_ack(rid, s, epoch)
+            self._check_peers("low_latency_combine: end of the call", pending.call)
             pending.done = True
             self._pending = [p for p in self._pending if not p.done]
             self._report("low_latency_combine", topk_idx, E, H, H * 2)

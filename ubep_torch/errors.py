@@ -41,17 +41,21 @@ class UBEPPeerLostError(UBEPError):
 
 
 class UBEPPeerAbortedError(UBEPError):
-    """A peer failed inside the same collective call and told the group so (instead of going silent)."""
+    """A peer failed in a collective call (or gave up waiting in it) and told the group so, instead of going
+    silent. ``when`` is ``"this call"`` or ``"an earlier call"``: a rank too slow for its peers' deadline may
+    still find all its data there, and learns of the abort when its part is done or at its next call."""
 
-    def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], aborted_ranks: Sequence[int]):
+    def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], aborted_ranks: Sequence[int],
+                 when: str = "this call"):
         self.phase = phase
         self.rank = rank
         self.missing_ranks = list(missing_ranks)
         self.aborted_ranks = list(aborted_ranks)
+        self.when = when
+        missing = f"; rank(s) {self.missing_ranks} had not delivered" if self.missing_ranks else ""
         super().__init__(
-            f"ubep_torch: rank {rank} in phase '{phase}': peer rank(s) {self.aborted_ranks} failed inside this "
-            f"call and aborted it (see their error); rank(s) {self.missing_ranks} had not delivered. This "
-            f"Buffer is now unusable."
+            f"ubep_torch: rank {rank} in phase '{phase}': peer rank(s) {self.aborted_ranks} failed or gave up "
+            f"in {when} and aborted it (see their error){missing}. This Buffer is now unusable."
         )
 
 
