@@ -31,6 +31,22 @@ def test_interpreter_is_scoped_to_our_kernels():
         assert isinstance(std.sum, JITFunction), "triton's own library must keep the process's configuration"
 
 
+@pytest.mark.parametrize("first", ["ubep_torch.kernels.mapper", "ubep_torch.kernels", "ubep_torch.triton_engine"])
+def test_kernels_are_interpreted_whatever_is_imported_first(first):
+    """In a fresh process, with the interpreter switched off for the process: importing a kernel module first
+    still defines every kernel under the interpreter, restores the variable, and the engine loads."""
+    import subprocess
+    import sys
+    code = (f"import os, {first}; import ubep_torch.triton_engine as TE\n"
+            "from triton.runtime.interpreter import InterpretedFunction as I\n"
+            "assert isinstance(TE.kmapper.quaternary_search_kernel, I), 'mapper kernel compiled'\n"
+            "assert isinstance(TE.kdispatch.send_phase_kernel, I), 'dispatch kernel compiled'\n"
+            "assert os.environ['TRITON_INTERPRET'] == '0', os.environ['TRITON_INTERPRET']\n")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 # ----------------------------------------------------------------------------- mapper
 def test_quaternary_search_matches_searchsorted_and_reference():
     g = torch.Generator().manual_seed(0)

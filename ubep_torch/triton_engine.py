@@ -20,12 +20,12 @@ Interpreter policy
 ------------------
 The UGAS heap is host shared memory, which compiled GPU kernels cannot address, so the kernels always
 run under the Triton interpreter. ``TRITON_INTERPRET`` is consulted by ``triton.jit`` when a kernel
-is *defined*, so this module sets ``TRITON_INTERPRET=1`` only while it imports ``kernels/`` and then
-restores the previous value: kernels a user defines elsewhere (for a GPU) keep compiling normally,
-whether triton was imported before or after ubep_torch, and whether or not a CUDA device exists. If
-the kernel modules were already imported without the interpreter (e.g. ``import ubep_torch.kernels``
-in a process that sets ``TRITON_INTERPRET=0`` for good), the engine raises a ``RuntimeError`` that says
-so instead of launching a compiled kernel on CPU memory.
+is *defined*, so the ``kernels/`` package sets ``TRITON_INTERPRET=1`` only while its modules are
+imported and then restores the previous value: kernels a user defines elsewhere (for a GPU) keep
+compiling normally, whether triton or ``ubep_torch.kernels`` was imported before or after this module,
+and whether or not a CUDA device exists. Kernels defined without the interpreter all the same (modules
+loaded by path, outside the package) make the engine raise a ``RuntimeError`` that says so instead of
+launching a compiled kernel on CPU memory.
 
 Under the interpreter the programs of a launch run one after another in program-id order, so an
 in-kernel wait only ever waits for other ranks or for lower-numbered programs, and every wait is
@@ -38,7 +38,6 @@ order) for engines the Buffer creates. ``n_count=None`` uses the Appendix-9 mode
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 from collections.abc import Sequence
@@ -53,33 +52,18 @@ from .topology import Topology
 
 
 def _load_kernels() -> tuple[object, object, object, object]:
-    """Import ``kernels/`` (installed as ``ubep_torch.kernels``) with the interpreter scoped to it."""
-    # Triton's own library (``triton.language.standard``, gluon) is defined as the process configured
-    # it; only our kernel modules are defined under the interpreter.
-    import triton
-    import triton.language
-    with contextlib.suppress(ImportError):
-        import triton.experimental.gluon  # noqa: F401
-    prev = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+    """``kernels/`` (installed as ``ubep_torch.kernels``), whose package defines them under the interpreter."""
     try:
-        try:
-            pkg = importlib.import_module("ubep_torch.kernels")
-        except ImportError:
-            pkg = importlib.import_module("kernels")
-        name = pkg.__name__
-        mods = tuple(importlib.import_module(f"{name}.{m}") for m in ("data_as_flag", "dispatch", "combine", "mapper"))
-    finally:
-        if prev is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = prev
+        pkg = importlib.import_module("ubep_torch.kernels")
+    except ImportError:
+        pkg = importlib.import_module("kernels")
+    mods = (pkg.data_as_flag, pkg.dispatch, pkg.combine, pkg.mapper)
     from triton.runtime.interpreter import InterpretedFunction
     if not isinstance(mods[1].send_phase_kernel, InterpretedFunction):
         raise RuntimeError(  # noqa: TRY004 - a configuration error, not a bad argument
-            "ubep_torch's Triton kernels were imported without the Triton interpreter, but they address the "
-            "host shared-memory UGAS heap and must run under it. Import ubep_torch.triton_engine (or create the "
-            "Buffer with backend='triton') before importing ubep_torch.kernels yourself.")
+            "ubep_torch's Triton kernels were defined without the Triton interpreter, but they address the "
+            "host shared-memory UGAS heap and must run under it (were their modules loaded by path, outside "
+            "the ubep_torch.kernels package?).")
     return mods
 
 
