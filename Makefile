@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml setup.py ubep_torch/csrc/native.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[test]"
+	@$(PY) -c "from ubep_torch import native_engine as n; print('ubep_torch: C data path built' if n.available() \
+	else 'ubep_torch: C data path NOT built (no C compiler?); backend=\"auto\" uses the torch path')"
 	touch $(STAMP)
 
 demo: install
