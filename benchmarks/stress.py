@@ -92,7 +92,7 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=1.5, help="timeout_s of the fault scenarios")
     ap.add_argument("--parallel", type=int, default=4, help="fault scenarios run at once")
-    ap.add_argument("--quick", action="store_true", help="kill faults only at the TokenCnt phases")
+    ap.add_argument("--quick", action="store_true", help="kill and stall faults only at the TokenCnt phases")
     a = ap.parse_args()
     base = tempfile.mkdtemp(prefix="ubep-stress-")
     try:
@@ -103,20 +103,23 @@ def main():
 
 def _run(a, base) -> int:
     rows = []
+    print(_header(), flush=True)     # each row as its scenario ends
     share = [("2", ("tff", "sp"), 0.5), ("2", ("dc", "sw"), 0.3), ("3", ("sp", "tff"), 0.2)]
     for world, syncs, frac in share:
         rows.append(load(int(world), syncs, int(a.calls * frac), a.seed, base))
         print(_fmt(rows[-1]), flush=True)
     kill = FR.all_phase_scenarios("kill", a.timeout)
     stall = FR.all_phase_scenarios("stall", a.timeout)
+    where = "every phase"
     if a.quick:
         kill = [s for s in kill if "TokenCnt" in s.phase]
         stall = [s for s in stall if "TokenCnt" in s.phase]
+        where = "every TokenCnt phase"
     for s in stall:
         s.stall_extra_s = 0.5
     fault_sets = [
-        (2, kill, "SIGKILL at every phase"),
-        (2, stall, "stall past timeout at every phase"),
+        (2, kill, f"SIGKILL at {where}"),
+        (2, stall, f"stall past timeout at {where}"),
         (3, [FR.Scenario("normal", "tff", "kill", "dispatch: Token-Reordering", victim=0, timeout_s=a.timeout),
              FR.Scenario("ll", "sp", "kill", "low_latency_combine: waiting for expert outputs", victim=2,
                          timeout_s=a.timeout),
@@ -130,10 +133,6 @@ def _run(a, base) -> int:
     for world, scs, label in fault_sets:
         rows.append(faults(world, scs, label, base, a.parallel))
         print(_fmt(rows[-1]), flush=True)
-    print()
-    print(_header())
-    for r in rows:
-        print(_fmt(r))
     tot_calls = sum(r["calls"] for r in rows if r["scenario"].startswith("load"))
     wrong = sum(r["wrong"] for r in rows)
     leaked = sum(r["leaked"] for r in rows)
@@ -142,12 +141,12 @@ def _run(a, base) -> int:
 
 
 def _header():
-    return (f"{'scenario':<40} {'calls':>7} {'ranks':>5} {'injected faults':>16} {'detected in timeout':>24} "
+    return (f"{'scenario':<44} {'calls':>7} {'ranks':>5} {'injected faults':>16} {'detected in timeout':>24} "
             f"{'wrong':>5} {'leaked':>6} {'s':>6}")
 
 
 def _fmt(r):
-    return (f"{r['scenario']:<40} {r['calls']:>7} {r['ranks']:>5} {str(r['faults']):>16} {str(r['detected']):>24} "
+    return (f"{r['scenario']:<44} {r['calls']:>7} {r['ranks']:>5} {str(r['faults']):>16} {str(r['detected']):>24} "
             f"{r['wrong']:>5} {r['leaked']:>6} {r['seconds']:>6.1f}")
 
 

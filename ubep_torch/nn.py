@@ -193,6 +193,7 @@ class MoE(nn.Module):
 
     @property
     def expert_parallel(self) -> bool:
+        """Whether the layer runs its experts across ranks through a ``Buffer`` (else densely, locally)."""
         return self.buffer is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

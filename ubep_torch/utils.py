@@ -50,6 +50,7 @@ class EventOverlap:
         self.extra_tensors = extra_tensors
 
     def current_stream_wait(self) -> None:
+        """Wait for the work behind the event (none on the CPU data path: calls have completed)."""
         if self.event is not None and hasattr(self.event, "synchronize"):
             self.event.synchronize()
 
