@@ -42,8 +42,9 @@ class UBEPPeerLostError(UBEPError):
 
 class UBEPPeerAbortedError(UBEPError):
     """A peer failed in a collective call (or gave up waiting in it) and told the group so, instead of going
-    silent. ``when`` is ``"this call"`` or ``"an earlier call"``: a rank too slow for its peers' deadline may
-    still find all its data there, and learns of the abort when its part is done or at its next call."""
+    silent. ``when`` says which call: ``"this call"``, or an earlier one by its number. A rank too slow for
+    its peers' deadline may still find all its data there; it learns of the abort when its part is done or
+    at its next call."""
 
     def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], aborted_ranks: Sequence[int],
                  when: str = "this call"):
