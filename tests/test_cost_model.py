@@ -212,3 +212,18 @@ def test_cli_sweep_json_is_only_json() -> None:
     assert rows and all({"point", "paper", "model", "error"} <= set(r) for r in rows)
     bad = _cli("sweep", "batch", "--plot", "/nonexistent-dir/x.png")
     assert bad.returncode == 2 and "no such directory" in bad.stderr
+
+
+@pytest.mark.parametrize("sync", ["dc", "sw"])
+def test_single_node_streams_pay_no_two_hop_latency(sync):
+    """DC and SW consume a stream once its checksum or flag has landed; within one node (16 ranks) no
+    source is two hops away, so the two-hop latency cannot change the result (it did once)."""
+    from dataclasses import replace
+
+    from ubep_torch.topology import CM384
+    slow = replace(CM384, hop_latency_us={**CM384.hop_latency_us, TWO_HOP: 100.0})
+    a = run_case("combine", 16, 16, 1024, 8, 16, sync=sync)
+    b = run_case("combine", 16, 16, 1024, 8, 16, sync=sync, params=slow)
+    assert a["ubep"].total_us == pytest.approx(b["ubep"].total_us)
+    c = run_case("combine", 64, 16, 1024, 8, 64, sync=sync, params=slow)    # four nodes: it does count
+    assert c["ubep"].total_us > run_case("combine", 64, 16, 1024, 8, 64, sync=sync)["ubep"].total_us + 50

@@ -358,7 +358,9 @@ def _ubep(kind: str, c: _Copies, B: int, K: int, world: int, num_experts: int, b
     start = np.maximum(free, t_off[:, None])
     if sync in ("dc", "sw"):
         # a stream is consumed only once it is complete (DC: after its checksum landed)
-        tail = p.flag_issue_us + p.hop_latency_us[TWO_HOP] + sr.stream_bytes[ranks] / (p.aiv_copy_gbs * 1e3)
+        # (its last flag or checksum comes from the farthest source: two hops only beyond one node)
+        far_src = _lat_vec(p)[topo.hop_matrix(R)[ranks].max(1)]
+        tail = p.flag_issue_us + far_src + sr.stream_bytes[ranks] / (p.aiv_copy_gbs * 1e3)
         end = np.maximum(_waterfill(start, work), arrive + tail)
     else:
         tail = bytes_per_token / (p.aiv_copy_gbs * 1e3) + nb * check
