@@ -369,6 +369,51 @@ def skip_buffer(ctx, timeout_s):
 
 
 
+def late_rank(ctx, case):
+    """Rank 1 gives up waiting for rank 0, which is 2.5 s late. ``"hook"``: both ranks issue two low-latency
+    dispatches with recv hooks, then run the first hook; rank 0 starts late and rank 1 times out in that
+    hook (call 1). ``"clean"``: one low-latency round trip, then ``clean_low_latency_buffer`` (call 3),
+    which rank 0 enters late. Returns what each step raised on this rank (None: it returned), in order."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    E, N, H = 4, 4, 128
+    buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(N, H, 2, E), low_latency_mode=True,
+                 timeout_s=1.0)
+    x = torch.randn(N, H).bfloat16()
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    w = torch.rand(N, 2)
+
+    def late():
+        if ctx.rank == 0:
+            time.sleep(2.5)
+    if case == "hook":
+        held = []
+        steps = [late,
+                 lambda: held.append(buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=True)),
+                 lambda: held.append(buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=True)),
+                 lambda: held[0][-1]()]
+    else:
+        def round_trip():
+            d = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+            buf.low_latency_combine(d[0], topk, w, d[2])
+        steps = [round_trip, late, lambda: buf.clean_low_latency_buffer(N, H, E)]
+    out = []
+    for step in steps:
+        try:
+            step()
+            out.append(None)
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, getattr(e, "phase", ""), str(e)))
+            break
+    time.sleep(0.5)      # (the peer reads the abort word before this Buffer goes)
+    buf.destroy()
+    return out
+
+
 def die_before_own_unlink(ctx):
     """Rank 0 SIGKILLs itself when it is about to unlink its own segment (after the last set-up exchange);
     rank 1 builds its Buffer and checks that it works alone on its side."""

@@ -190,3 +190,20 @@ def test_rank_killed_before_unlinking_its_segment_leaves_nothing(tmp_path):
             pool.run(FR.die_before_own_unlink, timeout_s=8)
     assert "rank 0" in str(info.value) and "--- rank 1 ---" not in str(info.value), str(info.value)
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
+
+
+def test_late_rank_learns_which_call_was_aborted():
+    """An abort names the call it happened in, also from a recv hook that runs after later calls were
+    issued and from clean_low_latency_buffer: the late rank fails in that very call and says so, and
+    completes the calls its peer completed."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        late, gave_up = pool.run(FR.late_rank, "hook", timeout_s=60)
+        assert gave_up[:3] == [None, None, None] and gave_up[3][0] == "UBEPTimeoutError", gave_up
+        # rank 1 gave up in call 1 (its first hook) after issuing call 2: rank 0 fails as call 1 starts
+        assert len(late) == 2 and late[1][0] == "UBEPPeerAbortedError", late
+        assert "low_latency_dispatch: start of the call" in late[1][1] and "in this call" in late[1][2], late
+        late, gave_up = pool.run(FR.late_rank, "clean", timeout_s=60)
+        assert gave_up[:2] == [None, None] and "clean_low_latency_buffer" in gave_up[2][1], gave_up
+        assert late[:2] == [None, None], late           # the round trip completed on both ranks
+        assert late[2][0] == "UBEPPeerAbortedError" and "in this call" in late[2][2], late

@@ -212,9 +212,11 @@ def _collective(fn):
         hook = out[-1] if isinstance(out, tuple) and out and callable(out[-1]) else None
         if hook is None:
             return out
+        issued = self._calls      # the hook completes this call, whenever it runs
 
         @functools.wraps(hook)
         def guarded_hook():
+            outer, self._active_call = self._active_call, issued   # an abort it signals names its own call
             try:
                 # The hook fills tensors the call created, in the caller's mode then: under inference mode
                 # they may be inference tensors, which only inference mode may write (it records no grad).
@@ -224,6 +226,8 @@ def _collective(fn):
                 if not isinstance(e, UBEPBrokenError):
                     self._fail(e)
                 raise
+            finally:
+                self._active_call = outer
         return out[:-1] + (guarded_hook,)
     return wrapper
 
@@ -367,6 +371,7 @@ class Buffer:
         self._waiter.world_size = R
         self._in_call = False
         self._calls = 0              # calls that reached their peers (the same count on every rank)
+        self._active_call = 0        # the call whose work runs now (a recv hook's own), named by aborts
         self._destroyed = False
         self._out = TensorCache()   # output tensors are reused once the caller has dropped them
         self._layout_cache = None   # (key, layout, watched tensors and their versions) of the last routing
@@ -564,12 +569,18 @@ class Buffer:
             self._broken = f"peer rank(s) {aborted} aborted {when}"
             raise UBEPPeerAbortedError(phase, self.rank, [], aborted, when=when)
 
-    def _next_epoch(self, rid: int) -> int:
-        """The next epoch of region ``rid``. The first of a call also numbers the call in ``_calls`` (only calls
-        that reach their peers count; every rank makes the same ones, so the numbers agree)."""
+    def _begin_call(self) -> None:
+        """From here on, peers may be waiting for this rank. The first time in a call this numbers the call in
+        ``_calls`` (only calls that reach their peers count; every rank makes the same ones, so the numbers
+        agree)."""
         if not self._in_call:
             self._calls += 1
-        self._in_call = True          # from here on, peers may be waiting for this rank
+            self._active_call = self._calls
+        self._in_call = True
+
+    def _next_epoch(self, rid: int) -> int:
+        """The next epoch of region ``rid`` (see ``_begin_call``)."""
+        self._begin_call()
         self._epoch[rid] += 1
         return self._epoch[rid]
 
@@ -583,7 +594,7 @@ class Buffer:
         slot = (_ACK_WORDS + 1) * self.group_size + self.rank
         for r in range(self.group_size):
             try:
-                self._peer_words[r][slot] = how | self._calls << 8     # and in which call
+                self._peer_words[r][slot] = how | self._active_call << 8     # and in which call
             except Exception:
                 pass
 
@@ -1930,7 +1941,9 @@ class Buffer:
         self._check_usable()
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
+        self._begin_call()
         self._sync_all("clean_low_latency_buffer: SyncAll")
+        self._call_complete("clean_low_latency_buffer")
 
 
 def _add_stats(stats: torch.Tensor, values: List[int]) -> None:
