@@ -35,7 +35,9 @@ def combine_accumulate_kernel(rows_addr_ptr, index_ptr, acc_ptr, wacc_ptr, nbloc
                               W_DTYPE: tl.constexpr, W_BYTES: tl.constexpr, HAS_W: tl.constexpr,
                               ACC_DTYPE: tl.constexpr,
                               H_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
-    """``acc[index[r], :] += float(x_r)``; ``wacc[index[r], :] += w_r`` (program ``r`` = row ``r``)."""
+    """``acc[index[r], :] += float(x_r)``; ``wacc[index[r], :] += w_r`` (program ``r`` = row ``r``). The
+    indices of one launch must differ (compiled for a GPU the programs run at once and would race; the
+    Buffer's rows from one source name each token once)."""
     r = tl.program_id(0)
     row = tl.load(rows_addr_ptr) + r.to(tl.int64) * nblocks * daf.BLOCK_BYTES
     t = tl.load(index_ptr + r)

@@ -18,7 +18,7 @@ block in two ordered steps (``protocol`` module docstring):
 2. ``publish_checked_words``: the checked words, each with ``tl.atomic_xchg(..., sem="release")``.
 
 A release store orders every earlier store of the same program before it. A poller reads the checked
-word with ``tl.atomic_load(..., sem="acquire")`` (``poll_tff_row``/``poll_sp_row``); an acquire load
+word with an acquire load (``load_acquire``, in ``poll_tff_row``/``poll_sp_row``); an acquire load
 that observes the released value orders every later load after it, so once a poller sees the flag of
 a block (or a non-sentinel word) every byte of that block's step 1 is visible to it. Under the CPU
 interpreter the atomics are the C++ ``std::atomic`` operations with the same memory orders, so the
@@ -85,6 +85,19 @@ def vcumsum(x, axis):
     return tl.associative_scan(x, axis, _add)
 
 
+# ----------------------------------------------------------------------------- acquire loads
+if hasattr(tl, "atomic_load"):
+    @triton.jit
+    def load_acquire(ptr, mask):
+        """``*ptr`` (where ``mask``; None: every lane) with acquire semantics."""
+        return tl.atomic_load(ptr, mask=mask, sem="acquire")
+else:   # Triton releases before tl.atomic_load: the same acquire as a read-modify-write that adds 0
+    @triton.jit
+    def load_acquire(ptr, mask):
+        """``*ptr`` (where ``mask``; None: every lane) with acquire semantics."""
+        return tl.atomic_add(ptr, 0, mask=mask, sem="acquire")
+
+
 # ----------------------------------------------------------------------------- addressing
 @triton.jit
 def as_i64_ptr(addr):
@@ -136,7 +149,7 @@ def poll_tff_row(row, nblocks, flag, NB_BLOCK: tl.constexpr):
     """1 if every block of the row at ``row`` carries ``flag`` in ``w0`` (acquire loads), else 0."""
     b = tl.arange(0, NB_BLOCK)
     m = b < nblocks
-    w0 = tl.atomic_load(row + b * BLOCK_WORDS, mask=m, sem="acquire")
+    w0 = load_acquire(row + b * BLOCK_WORDS, m)
     bad = vsum(tl.where(m & (w0 != flag), 1, 0), 0)
     return (bad == 0).to(tl.int32)
 
@@ -146,7 +159,7 @@ def poll_sp_row(row, nblocks, NB_BLOCK: tl.constexpr):
     """1 if no block of the row at ``row`` still holds the sentinel in ``w0`` (acquire loads), else 0."""
     b = tl.arange(0, NB_BLOCK)
     m = b < nblocks
-    w0 = tl.atomic_load(row + b * BLOCK_WORDS, mask=m, sem="acquire")
+    w0 = load_acquire(row + b * BLOCK_WORDS, m)
     bad = vsum(tl.where(m & (w0 == SP_SENTINEL), 1, 0), 0)
     return (bad == 0).to(tl.int32)
 

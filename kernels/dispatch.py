@@ -89,7 +89,7 @@ def send_phase_kernel(
             spins = 0
             seen = tl.full([], 0, tl.int32)
             while (seen < n_token) & (spins < max_spins):
-                sig = tl.atomic_load(done_ptr + j, mask=j < n_token, sem="acquire")
+                sig = daf.load_acquire(done_ptr + j, j < n_token)
                 seen = daf.vsum(tl.where(j < n_token, sig, 0).to(tl.int32), 0)
                 spins += 1
             ready = (seen >= n_token).to(tl.int32)
@@ -157,7 +157,7 @@ def cal_cumsum_reorder_kernel(
         while (arrived < n_src) & (spins < max_spins):
             arrived = tl.full([], 0, tl.int32)
             for s in range(n_src):
-                w0 = tl.atomic_load(daf.as_i64_ptr(tl.load(ctrl_addr_ptr + s)), sem="acquire")
+                w0 = daf.load_acquire(daf.as_i64_ptr(tl.load(ctrl_addr_ptr + s)), None)
                 arrived += (w0 == flag).to(tl.int32)
             spins += 1
         if arrived < n_src:
@@ -176,9 +176,9 @@ def cal_cumsum_reorder_kernel(
         # ------------------------------------------------------------ Token-Reordering of source s
         s = pid - n_count
         spins = 0
-        sig = tl.atomic_load(offsets_ptr + s * sig_words + 2 * n_exp, sem="acquire")
+        sig = daf.load_acquire(offsets_ptr + s * sig_words + 2 * n_exp, None)
         while (sig != flag) & (spins < max_spins):
-            sig = tl.atomic_load(offsets_ptr + s * sig_words + 2 * n_exp, sem="acquire")
+            sig = daf.load_acquire(offsets_ptr + s * sig_words + 2 * n_exp, None)
             spins += 1
         if sig != flag:
             tl.store(status_ptr + pid, 1)

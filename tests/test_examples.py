@@ -121,3 +121,14 @@ def test_bad_options_give_one_line_errors(cmd, what):
                           check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert what in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+@pytest.mark.parametrize("extra", [[], ["--rmw-acquire"]])
+def test_triton_gpu_checks_run_interpreted(extra):
+    """The GPU script's checks, under the interpreter on the CPU (small sizes); ``--rmw-acquire`` defines
+    the kernels as with a Triton release without ``tl.atomic_load``."""
+    out = _run([sys.executable, "benchmarks/triton_gpu.py", "--device", "cpu", "--small", "--iters", "0", *extra],
+               timeout=300)
+    lines = [line for line in out.splitlines() if line.rstrip().endswith(("pass", "FAIL")) or " FAIL " in line]
+    assert len(lines) >= 15 and all(line.rstrip().endswith("pass") for line in lines), out
+    assert "every check passed" in out
