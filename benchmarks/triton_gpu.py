@@ -37,10 +37,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# the kernel unit tests' cases: the same inputs, run compiled here
+from tests.test_triton_kernels import ll_receive_case, send_job_case  # noqa: E402
 from ubep_torch import mapper as M  # noqa: E402
 from ubep_torch import protocol as P  # noqa: E402
 from ubep_torch import triton_engine as TE  # noqa: E402
-from ubep_torch.engine import Destination, SendJob, TorchEngine  # noqa: E402
+from ubep_torch.engine import TorchEngine  # noqa: E402
 
 
 def load_kernels(interpret: bool, rmw_acquire: bool = False) -> None:
@@ -151,37 +153,10 @@ def check_mapper(c: Checks, mapping: bool):
 
 
 # ----------------------------------------------------------------------------- send phase, pollers
-def _job(sync: str, T: int, H: int, R: int, seed: int = 0):
-    """Inputs of one rank's send phase to R destinations, every destination a random subset of the rows;
-    row 0 all zeros, so every SP data block starts with the sentinel and must be escaped."""
-    g = torch.Generator().manual_seed(seed)
-    fmt = P.RowFormat(sync, (("x", H * 2), ("scales", 12)), 2)
-    x = torch.randn(T, H, generator=g).bfloat16()
-    x[0] = 0
-    sc = torch.randn(T, 3, generator=g)
-    meta = torch.randint(-5, 5, (T, 2), generator=g, dtype=torch.int32)
-    staging, checked, row_sums = TorchEngine().pack_rows(fmt, [P.as_bytes(x), P.as_bytes(sc)], meta,
-                                                         torch.arange(T, dtype=torch.int64) + 100, 0)
-    sels = [torch.randperm(T, generator=g)[: int(torch.randint(1, T + 1, (), generator=g))] for _ in range(R)]
-    flag = P.flag_word(3, P.REGION_DISPATCH)
-    shape = (R, (T * fmt.blocks + 1) * P.BLOCK_BYTES)
-
-    def build(mem: torch.Tensor, to) -> SendJob:
-        job = SendJob(fmt, to(staging), to(checked), to(row_sums), flag, sync_all=lambda: None)
-        for d in range(R):
-            rows = mem[d, : T * fmt.blocks * P.BLOCK_BYTES].view(T, fmt.blocks, P.BLOCK_BYTES)
-            ctrl = mem[d, T * fmt.blocks * P.BLOCK_BYTES:].view(1, P.BLOCK_BYTES)
-            pay = torch.tensor([sels[d].numel(), fmt.signature(), 0, 0, 0, 0, 7 * d], dtype=torch.int64)
-            job.dests.append(Destination(d, to(sels[d]), rows, ctrl, to(pay),
-                                         meta_patch=to(torch.arange(sels[d].numel(), dtype=torch.int32) + 40)))
-        return job
-    return fmt, build, shape, (x, sc, meta, sels, flag)
-
-
 def check_send(c: Checks, sync: str, T: int, H: int, R: int, n_aivs: int):
-    fmt, build, shape, _ = _job(sync, T, H, R)
+    build, shape, fmt, _ = send_job_case(sync, T, H, R)
     ref = torch.zeros(shape, dtype=torch.uint8)
-    TorchEngine().send_phase(build(ref, lambda t: t))
+    TorchEngine().send_phase(build(ref))
     mem = torch.zeros(shape, dtype=torch.uint8, device=c.dev)
     job = build(mem, c.d)
     eng = TE.TritonEngine(n_aivs=n_aivs)
@@ -190,14 +165,14 @@ def check_send(c: Checks, sync: str, T: int, H: int, R: int, n_aivs: int):
 
 
 def check_poll_unpack(c: Checks, sync: str, T: int, H: int):
-    fmt, build, shape, (x, sc, meta, sels, flag) = _job(sync, T, H, 2, seed=4)
+    build, shape, fmt, (x, sc, meta, sels, flag) = send_job_case(sync, T, H, seed=4)
     mem = torch.zeros(shape, dtype=torch.uint8, device=c.dev)
     job = build(mem, c.d)
     eng = TE.TritonEngine(n_aivs=4)
-    dst = job.dests[0]
-    n = int(sels[0].numel())
+    d = next(i for i in range(len(sels)) if sels[i].numel())
+    dst, n = job.dests[d], int(sels[d].numel())
     rows = dst.rows[:n]
-    expected = int(P.wrapping_sum(job.row_sums.cpu().index_select(0, sels[0]))) if sync == "dc" else 0
+    expected = int(P.wrapping_sum(job.row_sums.cpu().index_select(0, sels[d]))) if sync == "dc" else 0
     before = c.on_device(lambda: (eng.ctrl_arrived(dst.ctrl, flag), eng.rows_arrived(fmt, rows, flag, expected)))
     if before[0] or (before[1] and (sync != "dc" or expected != 0)):
         return f"arrival seen before anything was sent: {before}", float("nan")
@@ -209,9 +184,9 @@ def check_poll_unpack(c: Checks, sync: str, T: int, H: int):
     ox = torch.empty(n, H, dtype=torch.bfloat16, device=c.dev)
     osc = torch.empty(n, 3, device=c.dev)
     got_meta = c.on_device(lambda: eng.unpack_rows(fmt, rows, [P.as_bytes(ox), P.as_bytes(osc)]))
-    problem = _diff("x", ox, x[sels[0]]) or _diff("scales", osc, sc[sels[0]]) or \
+    problem = _diff("x", ox, x[sels[d]]) or _diff("scales", osc, sc[sels[d]]) or \
         _diff("meta 0", got_meta[:, 0], torch.arange(n, dtype=torch.int32) + 40) or \
-        _diff("meta 1", got_meta[:, 1], meta[sels[0], 1])
+        _diff("meta 1", got_meta[:, 1], meta[sels[d], 1])
     return problem, t_poll
 
 
@@ -265,31 +240,11 @@ def check_weighted_combine(c: Checks, T: int, H: int, K: int):
 
 
 # ----------------------------------------------------------------------------- low-latency receive
-def check_ll_receive(c: Checks, sync: str, R: int, El: int, N: int, H: int):
-    g = torch.Generator().manual_seed(7)
-    fmt = P.RowFormat(sync, (("x", H * 2),), 1)
-    flag = P.flag_word(2, P.REGION_LL_DISPATCH)
-    cnt = torch.randint(0, N + 1, (R, El), generator=g)
-    ctrls, rowsv, xs = [], [], []
-    for s in range(R):
-        n = int(cnt[s].sum())
-        x = torch.randn(n, H, generator=g).bfloat16()
-        xs.append(x)
-        ctrl = torch.zeros(1, P.BLOCK_BYTES, dtype=torch.uint8)
-        TorchEngine().write_ctrl(ctrl, torch.cat([torch.tensor([n, 0, 0, 0, 0, 0]), cnt[s]]), flag)
-        rows = _arrived_rows(fmt, x, torch.zeros(n, 1, dtype=torch.int32), flag) if n else \
-            torch.zeros(1, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
-        ctrls.append(c.d(ctrl))
-        rowsv.append(c.d(rows))
-    begin = torch.cumsum(cnt, 0) - cnt
-    ref = torch.zeros(El, R * N, H, dtype=torch.bfloat16)
-    for s in range(R):
-        off = 0
-        for e in range(El):
-            k = int(cnt[s, e])
-            ref[e, int(begin[s, e]):int(begin[s, e]) + k] = xs[s][off:off + k]
-            off += k
-    out = torch.zeros(El, R * N, H, dtype=torch.bfloat16, device=c.dev)
+def check_ll_receive(c: Checks, sync: str):
+    fmt, flag, ctrls, rowsv, cnt, begin, ref = ll_receive_case(sync)
+    El = cnt.shape[1]
+    ctrls, rowsv = [c.d(t) for t in ctrls], [c.d(t) for t in rowsv]
+    out = torch.zeros_like(ref, device=c.dev)
     eng = TE.TritonEngine(n_aivs=8)
     sig = c.on_device(lambda: eng.ll_receive(fmt, ctrls, rowsv, flag, El, out, n_count=2))
     problem = _diff("begin", sig[:, :El], begin) or _diff("counts", sig[:, El:2 * El], cnt) or \
@@ -342,7 +297,7 @@ def main() -> int:
         c.run("weighted combine, 128 tokens x 8 x 7168", lambda: check_weighted_combine(c, 128, 7168, 8))
     for sync in ("tff", "sp"):
         c.run(f"low-latency receive {sync} (CalCumSum + reorder)",
-              lambda s=sync: check_ll_receive(c, s, 3, 4, 4, 256))
+              lambda s=sync: check_ll_receive(c, s))
     print(f"{c.failed} check(s) failed" if c.failed else "every check passed")
     return 1 if c.failed else 0
 

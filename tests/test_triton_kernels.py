@@ -96,8 +96,10 @@ def test_transposition_mixes_hop_classes():
 
 
 # ----------------------------------------------------------------------------- block writers / pollers
-def _job(sync: str, T: int = 5, H: int = 300, R: int = 3, seed: int = 0, collide: bool = True):
-    """A send job of T rows to R fake destinations; returns (job builder, memory, fmt)."""
+def send_job_case(sync: str, T: int = 5, H: int = 300, R: int = 3, seed: int = 0, collide: bool = True):
+    """A send job of T rows to R fake destinations: ``(build, mem_shape, fmt, (x, scales, meta, sels,
+    flag))``, where ``build(mem, to)`` makes the job whose destinations are views of ``mem`` (``to`` moves
+    the job's other tensors, e.g. to a device)."""
     g = torch.Generator().manual_seed(seed)
     fmt = P.RowFormat(sync, (("x", H * 2), ("scales", 12)), 2)
     x = torch.randn(T, H, generator=g).bfloat16()
@@ -110,14 +112,14 @@ def _job(sync: str, T: int = 5, H: int = 300, R: int = 3, seed: int = 0, collide
     sels = [torch.randperm(T, generator=g)[: int(torch.randint(0, T + 1, (), generator=g))] for _ in range(R)]
     flag = P.flag_word(3, P.REGION_DISPATCH)
 
-    def build(mem: torch.Tensor) -> SendJob:
-        job = SendJob(fmt, staging, checked, row_sums, flag, sync_all=lambda: None)
+    def build(mem: torch.Tensor, to=lambda t: t) -> SendJob:
+        job = SendJob(fmt, to(staging), to(checked), to(row_sums), flag, sync_all=lambda: None)
         for d in range(R):
             rows = mem[d, : T * fmt.row_bytes].view(T, fmt.blocks, P.BLOCK_BYTES)
             ctrl = mem[d, T * fmt.row_bytes:].view(-1, P.BLOCK_BYTES)[:1]
             pay = torch.tensor([sels[d].numel(), fmt.signature(), 0, 0, 0, 0, 7 * d], dtype=torch.int64)
-            job.dests.append(Destination(d, sels[d], rows, ctrl, pay,
-                                         meta_patch=torch.arange(sels[d].numel(), dtype=torch.int32) + 40))
+            job.dests.append(Destination(d, to(sels[d]), rows, ctrl, to(pay),
+                                         meta_patch=to(torch.arange(sels[d].numel(), dtype=torch.int32) + 40)))
         return job
 
     mem_shape = (R, (T * fmt.blocks + 1) * P.BLOCK_BYTES)
@@ -126,7 +128,7 @@ def _job(sync: str, T: int = 5, H: int = 300, R: int = 3, seed: int = 0, collide
 
 @pytest.mark.parametrize("sync", SYNCS)
 def test_send_phase_memory_is_byte_identical(sync):
-    build, shape, fmt, _ = _job(sync)
+    build, shape, fmt, _ = send_job_case(sync)
     mem_t = torch.zeros(shape, dtype=torch.uint8)
     mem_k = torch.zeros(shape, dtype=torch.uint8)
     TorchEngine().send_phase(build(mem_t))
@@ -137,7 +139,7 @@ def test_send_phase_memory_is_byte_identical(sync):
 @pytest.mark.parametrize("mapping", (True, False))
 @pytest.mark.parametrize("n_count", (1, 3))
 def test_send_phase_independent_of_aiv_split(mapping, n_count):
-    build, shape, fmt, _ = _job("dc", T=7, R=4, seed=3)
+    build, shape, fmt, _ = send_job_case("dc", T=7, R=4, seed=3)
     mem_t = torch.zeros(shape, dtype=torch.uint8)
     mem_k = torch.zeros(shape, dtype=torch.uint8)
     TorchEngine().send_phase(build(mem_t))
@@ -149,7 +151,7 @@ def test_send_phase_independent_of_aiv_split(mapping, n_count):
 
 @pytest.mark.parametrize("sync", ("tff", "dc", "sp"))
 def test_pollers_and_token_reorder(sync):
-    build, shape, fmt, (x, sc, meta, sels, flag) = _job(sync, seed=4)
+    build, shape, fmt, (x, sc, meta, sels, flag) = send_job_case(sync, seed=4)
     mem = torch.zeros(shape, dtype=torch.uint8)
     eng = TE.TritonEngine(n_aivs=4)
     job = build(mem)
@@ -219,40 +221,46 @@ def test_weighted_combine_equals_torch_formula():
 
 
 # ----------------------------------------------------------------------------- decomposed LL receive
-@pytest.mark.parametrize("sync", ("tff", "sp"))
-def test_cal_cumsum_reorder_point_to_point(sync):
-    """CalCumSum AIVs publish offsets with a release store; reorder AIVs poll them and copy rows."""
-    g = torch.Generator().manual_seed(7)
-    R, El, N, H = 3, 4, 4, 256
+def ll_receive_case(sync: str, R: int = 3, El: int = 4, N: int = 4, H: int = 256, seed: int = 7):
+    """Arrived low-latency dispatch data of R sources (control blocks and rows, written by the torch path)
+    and what the receive must produce: ``(fmt, flag, ctrls, rows, cnt, begin, recv_x)``."""
+    g = torch.Generator().manual_seed(seed)
     fmt = P.RowFormat(sync, (("x", H * 2),), 1)
     flag = P.flag_word(2, P.REGION_LL_DISPATCH)
     cnt = torch.randint(0, N + 1, (R, El), generator=g)
-    eng = TE.TritonEngine()
     ctrls, rowsv, xs = [], [], []
     for s in range(R):
         n = int(cnt[s].sum())
         x = torch.randn(n, H, generator=g).bfloat16()
         xs.append(x)
         ctrl = torch.zeros(1, P.BLOCK_BYTES, dtype=torch.uint8)
-        eng.write_ctrl(ctrl, torch.cat([torch.tensor([n, 0, 0, 0, 0, 0]), cnt[s]]), flag)
+        TorchEngine().write_ctrl(ctrl, torch.cat([torch.tensor([n, 0, 0, 0, 0, 0]), cnt[s]]), flag)
         st, ck, _ = TorchEngine().pack_rows(fmt, [P.as_bytes(x)], torch.zeros(n, 1, dtype=torch.int32),
                                             torch.arange(n), s)
         rows = torch.zeros(max(n, 1), fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
         TorchEngine().write_rows(fmt, st, ck, None, rows, flag)
         ctrls.append(ctrl)
         rowsv.append(rows)
-    out = torch.zeros(El, R * N, H, dtype=torch.bfloat16)
-    sig = eng.ll_receive(fmt, ctrls, rowsv, flag, El, out, n_count=2)
     begin = torch.cumsum(cnt, 0) - cnt
-    assert torch.equal(sig[:, :El], begin) and torch.equal(sig[:, El:2 * El], cnt)
-    assert bool((sig[:, 2 * El] == flag).all())
-    ref = torch.zeros_like(out)
+    ref = torch.zeros(El, R * N, H, dtype=torch.bfloat16)
     for s in range(R):
         off = 0
         for e in range(El):
             c = int(cnt[s, e])
             ref[e, int(begin[s, e]):int(begin[s, e]) + c] = xs[s][off:off + c]
             off += c
+    return fmt, flag, ctrls, rowsv, cnt, begin, ref
+
+
+@pytest.mark.parametrize("sync", ("tff", "sp"))
+def test_cal_cumsum_reorder_point_to_point(sync):
+    """CalCumSum AIVs publish offsets with a release store; reorder AIVs poll them and copy rows."""
+    fmt, flag, ctrls, rowsv, cnt, begin, ref = ll_receive_case(sync)
+    El = cnt.shape[1]
+    out = torch.zeros_like(ref)
+    sig = TE.TritonEngine().ll_receive(fmt, ctrls, rowsv, flag, El, out, n_count=2)
+    assert torch.equal(sig[:, :El], begin) and torch.equal(sig[:, El:2 * El], cnt)
+    assert bool((sig[:, 2 * El] == flag).all())
     assert torch.equal(out, ref)
 
 
