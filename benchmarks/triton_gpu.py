@@ -17,9 +17,9 @@ device, and compares every output and every byte written, bit for bit:
 * the combine reductions (``index_add`` of arrived rows, the weighted low-latency sum);
 * the decomposed low-latency receive: CalCumSum programs publish offsets, reorder programs wait for them.
 
-It prints one line per check: pass or the first difference, and the median wall time of ``--iters``
-launches after the first (launcher included, synchronised after each; the first launch compiles). Exit
-status 1 if any check fails.
+It prints one line per check: pass or the first difference, the median wall time of ``--iters`` launches
+after the first (launcher included, synchronised after each; the first launch compiles), and on a GPU the
+device time of the Triton kernels of one more launch (CUDA profiler). Exit status 1 if any check fails.
 """
 from __future__ import annotations
 
@@ -88,14 +88,31 @@ class Checks:
         self.sync()
         return out
 
-    def time(self, fn) -> float:
-        """Median microseconds of ``iters`` more runs of ``fn`` on the device."""
+    def time(self, fn) -> tuple:
+        """``(wall, kernels)``: the median wall microseconds of ``iters`` more runs of ``fn`` (launchers
+        included, synchronised), and on a GPU the device microseconds of the Triton kernels of one more run
+        (CUDA profiler: every kernel named ``*_kernel``, summed)."""
         ts = []
         for _ in range(self.iters):
             t0 = time.perf_counter()
             self.on_device(fn)
             ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e6 if ts else float("nan")
+        wall = statistics.median(ts) * 1e6 if ts else float("nan")
+        if self.dev.type != "cuda" or not self.iters:
+            return wall, float("nan")
+        import warnings
+
+        from torch.profiler import ProfilerActivity, profile
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")      # (the profiler's notes on its own event cycles)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    self.on_device(fn)
+                ours = [e for e in prof.key_averages() if e.key.endswith("_kernel")]
+        except Exception:  # noqa: BLE001 - no profiler here: the wall time stands alone
+            return wall, float("nan")
+        return wall, sum(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0) for e in ours) \
+            if ours else float("nan")
 
     def run(self, name: str, check) -> None:
         try:
@@ -104,8 +121,9 @@ class Checks:
             problem, us = "raised:\n" + traceback.format_exc(limit=4), float("nan")
         if problem:
             self.failed += 1
+        wall, kern = us if isinstance(us, tuple) else (us, float("nan"))
         status = "FAIL " + problem if problem else "pass"
-        print(f"{name:<48} {us:>10.1f} us   {status}", flush=True)
+        print(f"{name:<48} {wall:>10.1f} {kern:>10.1f}   {status}", flush=True)
 
     def d(self, t):
         return None if t is None else t.to(self.dev)
@@ -272,7 +290,7 @@ def main() -> int:
     where = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     print(f"ubep_torch Triton kernels on {where} ({'compiled' if a.device == 'cuda' else 'interpreted'}), "
           f"triton {triton.__version__}, torch {torch.__version__}")
-    print(f"{'check':<48} {'median':>10}      result")
+    print(f"{'check':<48} {'wall us':>10} {'kernel us':>10}   result")
     c = Checks(a.device, a.iters)
     big = not a.small
     m = 4096 if big else 64
@@ -280,10 +298,10 @@ def main() -> int:
     for mapping in (True, False):
         c.run(f"remap + AIV slices (mapping={mapping})", lambda m=mapping: check_mapper(c, m))
     for sync in ("tff", "dc", "sp", "sw"):
-        c.run(f"send phase {sync}, 6 rows x 300 to 3 peers", lambda s=sync: check_send(c, s, 6, 300, 3, 4))
+        c.run(f"send phase {sync}, <=6 rows x 300 to 3 peers", lambda s=sync: check_send(c, s, 6, 300, 3, 4))
     if big:
         for sync in ("tff", "sp"):
-            c.run(f"send phase {sync}, 128 rows x 7168 to 2 peers, 48 AIVs",
+            c.run(f"send phase {sync}, <=128 rows x 7168 to 2 peers, 48 AIVs",
                   lambda s=sync: check_send(c, s, 128, 7168, 2, 48))
     for sync in ("tff", "dc", "sp"):
         c.run(f"poll + Token-Reordering {sync}", lambda s=sync: check_poll_unpack(c, s, 6, 300))
