@@ -91,7 +91,10 @@ if hasattr(tl, "atomic_load"):
     def load_acquire(ptr, mask):
         """``*ptr`` (where ``mask``; None: every lane) with acquire semantics."""
         return tl.atomic_load(ptr, mask=mask, sem="acquire")
-else:   # Triton releases before tl.atomic_load: the same acquire as a read-modify-write that adds 0
+else:
+    # Triton releases before tl.atomic_load: the same acquire as a read-modify-write that adds 0. Its write
+    # back cannot lose a value: every word read this way is written atomically (flags, done signals,
+    # offsets) or, in step 1, with the withheld value that step 2 then replaces atomically.
     @triton.jit
     def load_acquire(ptr, mask):
         """``*ptr`` (where ``mask``; None: every lane) with acquire semantics."""
