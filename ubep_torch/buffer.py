@@ -559,12 +559,10 @@ class Buffer:
         R = self.group_size
         base = (_ACK_WORDS + 1) * R
         words = self._aux_words[base:base + R].tolist()
-        aborted = [r for r in range(R) if r != self.rank and words[r] & 0xFF in (P.ABORT_FAILED, P.ABORT_GAVE_UP)
-                   and words[r] >> 8 <= call]
+        aborted = P.blamed({r: P.abort_how(w) for r, w in enumerate(words)
+                            if r != self.rank and P.abort_call(w) <= call})
         if aborted:
-            # name the ranks that failed themselves rather than those that gave up on them
-            aborted = [r for r in aborted if words[r] & 0xFF == P.ABORT_FAILED] or aborted
-            m = words[aborted[0]] >> 8
+            m = P.abort_call(words[aborted[0]])
             when = "this call" if m == call else f"an earlier call (call {m} of this Buffer; this is call {call})"
             self._broken = f"peer rank(s) {aborted} aborted {when}"
             raise UBEPPeerAbortedError(phase, self.rank, [], aborted, when=when)
@@ -586,7 +584,7 @@ class Buffer:
 
     def _peer_aborted(self, r: int) -> int:
         """0, or how rank r aborted: ``P.ABORT_FAILED``, ``P.ABORT_GAVE_UP`` or ``P.ABORT_DESTROYED``."""
-        return 0 if r == self.rank else int(self._aux_words[(_ACK_WORDS + 1) * self.group_size + r]) & 0xFF
+        return 0 if r == self.rank else P.abort_how(int(self._aux_words[(_ACK_WORDS + 1) * self.group_size + r]))
 
     def _signal_abort(self, how: int = P.ABORT_FAILED) -> None:
         """Tell every peer that this rank failed inside a call (``how``: see ``_peer_aborted``), so they fail
@@ -594,7 +592,7 @@ class Buffer:
         slot = (_ACK_WORDS + 1) * self.group_size + self.rank
         for r in range(self.group_size):
             try:
-                self._peer_words[r][slot] = how | self._active_call << 8     # and in which call
+                self._peer_words[r][slot] = P.abort_word(how, self._active_call)
             except Exception:
                 pass
 

@@ -352,6 +352,26 @@ def default_timeout(timeout_s: Optional[float]) -> float:
 ABORT_FAILED, ABORT_GAVE_UP, ABORT_DESTROYED = 1, 2, 3
 
 
+def abort_word(how: int, call: int) -> int:
+    """The abort word: ``how`` (``ABORT_*``) in the low byte, the number of the call it happened in above."""
+    return how | call << 8
+
+
+def abort_how(word: int) -> int:
+    return word & 0xFF
+
+
+def abort_call(word: int) -> int:
+    return word >> 8
+
+
+def blamed(hows: dict) -> list:
+    """Of ``{rank: how}``, the ranks an abort error names: those that failed themselves, else those that
+    gave up waiting (on a rank that failed or stalled)."""
+    aborted = [r for r, h in hows.items() if h in (ABORT_FAILED, ABORT_GAVE_UP)]
+    return [r for r in aborted if hows[r] == ABORT_FAILED] or aborted
+
+
 class Waiter:
     """Polls a condition with a deadline, yielding the CPU (ranks may outnumber cores).
 
@@ -402,9 +422,7 @@ class Waiter:
                 gone = [r for r in missing if codes.get(r) == ABORT_DESTROYED]
                 if gone:
                     raise UBEPPeerLostError(phase, self.rank, list(missing), gone, cause="destroyed its Buffer")
-                aborted = [r for r, c in codes.items() if c in (ABORT_FAILED, ABORT_GAVE_UP)]
-                # name the ranks that failed themselves rather than those that gave up on them
-                aborted = [r for r in aborted if codes[r] == ABORT_FAILED] or aborted
+                aborted = blamed(codes)
                 if self.peer_alive is not None:
                     dead = [r for r in missing if r not in aborted and not self.peer_alive(r)]
                     if dead:
