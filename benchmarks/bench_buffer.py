@@ -31,9 +31,11 @@ outputs.
   move through shared memory (own rows gathered, the peers' rows stored into their memory and copied out,
   combine's rows stored back and summed), with ``index_select``/``copy_``/``add`` and no flags, control
   messages or waits. The UBEP data path makes these copies and more, so this shows what the protocol and
-  the per-call work add; it is not a lower bound, since faster copy and sum kernels than torch's move the
-  same rows in less time. With two ranks and every token reaching both (the default) each step is one
-  torch operator; with partial routing the sum is ``index_add_``, one pass per source.
+  the per-call work add. With two ranks and every token reaching both (the default) each step is one
+  torch operator; with partial routing the sum is ``index_add_``, one pass per source. Where the C data
+  path was built, the same steps run a second time through its own row-copy and bf16-sum loops (the
+  loops a ``Buffer`` moves its rows with), which are at least as fast: the round trip no implementation
+  that makes these copies with these loops can beat on this machine.
 
 Bandwidth is the bytes one rank receives per dispatch (``recv_x`` rows, its own included, as DeepEP
 counts them; the mean over ranks) over the dispatch time.
@@ -52,7 +54,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ubep_torch import Buffer  # noqa: E402
+from ubep_torch import protocol as P  # noqa: E402
 from ubep_torch.buffer import normal_buffer_bytes  # noqa: E402
+from ubep_torch.native_engine import NativeEngine  # noqa: E402
+from ubep_torch.native_engine import available as native_available  # noqa: E402
 from ubep_torch.testing import RankPool  # noqa: E402
 from ubep_torch.ugas import SymmetricHeap  # noqa: E402
 from ubep_torch.utils import int_at_least  # noqa: E402
@@ -112,8 +117,8 @@ def naive_expert_rows(x, topk_idx, weights, E, R):
     return recv, out.to(x.dtype)
 
 
-def copies_only(ctx, x, dest_rows, heap, between=None):
-    """The rows a normal round trip moves, with plain torch ops and nothing else: no flags, control
+def copies_only(ctx, x, dest_rows, heap, between=None, loops="torch"):
+    """The rows a normal round trip moves, with plain copies and sums and nothing else: no flags, control
     messages, waits or checks. Dispatch: each rank stores the rows of its tokens for every peer into that
     peer's shared memory and gathers its own rows into a new ``recv_x`` (rank-major, as ``dispatch``), then
     copies the peers' rows out of its own memory after them. Combine (the expert is the identity): each
@@ -122,7 +127,11 @@ def copies_only(ctx, x, dest_rows, heap, between=None):
     the protocol adds; faster copy and sum kernels than torch's would move the same rows sooner). Returns
     ``(dispatch, combine)``, to run on every rank at once (nothing waits for the peers: the rows are not
     checked). ``heap`` holds every source's rows of ``x``'s shape; ``between()``, when given, runs between
-    the stores into the peers and the loads (a barrier makes the results exact)."""
+    the stores into the peers and the loads (a barrier makes the results exact).
+
+    ``loops="torch"`` makes the copies and the sum with torch operators; ``loops="native"`` with the C data
+    path's own row copy and bf16 sum (``NativeEngine.copy_rows``/``reduce_sources``, the loops that move a
+    ``Buffer``'s rows), so the gap to a ``Buffer`` round trip is what the protocol and the per-call work add."""
     R, me, (T, H) = ctx.world_size, ctx.rank, x.shape
     sent = torch.tensor([r.numel() for r in dest_rows])
     counts = [torch.empty_like(sent) for _ in range(R)]
@@ -138,6 +147,8 @@ def copies_only(ctx, x, dest_rows, heap, between=None):
         off.append(off[-1] + C[s][me])
     whole = [d for d in range(R) if torch.equal(dest_rows[d], torch.arange(T))]
     peers = [r for r in range(R) if r != me]
+    if loops == "native":
+        return _native_copies(x, dest_rows, C, off, slot, between, me, peers)
 
     def dispatch():
         recv = torch.empty(off[-1], H, dtype=x.dtype)
@@ -165,6 +176,38 @@ def copies_only(ctx, x, dest_rows, heap, between=None):
                 out.add_(rows[d])
             else:
                 out.index_add_(0, dest_rows[d], rows[d])
+        return out
+    return dispatch, combine
+
+
+def _native_copies(x, dest_rows, C, off, slot, between, me, peers):
+    """``copies_only``'s steps with the C data path's loops (see there)."""
+    eng = NativeEngine()
+    R, (T, H) = len(C), x.shape
+    fmt = P.row_format("tff", (("x", H * 2),), 0)
+    span = [torch.arange(n, dtype=torch.int64) for n in range(max(off[-1], T) + 1)]
+    at = [torch.arange(off[s], off[s + 1], dtype=torch.int64) for s in range(R)]
+    rows = [r.to(torch.int64).contiguous() for r in dest_rows]
+
+    def dispatch():
+        recv = torch.empty(off[-1], H, dtype=x.dtype)
+        for d in peers:
+            eng.copy_rows(x, rows[d], slot(d, me, C[me][d]), span[C[me][d]])
+        eng.copy_rows(x, rows[me], recv, at[me])
+        if between is not None:
+            between()
+        for s in peers:
+            eng.copy_rows(slot(me, s, C[s][me]), span[C[s][me]], recv, at[s])
+        return recv
+
+    def combine(recv):
+        for s in peers:
+            eng.copy_rows(recv, at[s], slot(s, me, C[s][me]), span[C[s][me]])
+        if between is not None:
+            between()
+        out = torch.empty(T, H, dtype=x.dtype)
+        sources = [(recv[off[me]:off[me + 1]] if d == me else slot(me, d, C[me][d]), rows[d]) for d in range(R)]
+        eng.reduce_sources(fmt, sources, out)
         return out
     return dispatch, combine
 
@@ -226,8 +269,10 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
     peer = heap.peer((ctx.rank + 1) % R)
     mine = heap.local
     floor_heap = SymmetricHeap(ctx.group, R * T * H * 2)
-    floor_disp, floor_comb = copies_only(ctx, x, _rank_rows(topk, R, E // R), floor_heap)
-    floor_comb(floor_disp())
+    floors = {v: copies_only(ctx, x, _rank_rows(topk, R, E // R), floor_heap, loops=v)
+              for v in (("torch", "native") if native_available() else ("torch",))}
+    for floor_disp, floor_comb in floors.values():
+        floor_comb(floor_disp())
     pos = {"i": 0}
 
     def big_copy():   # walk through 64 MiB so every copy misses the cache
@@ -243,8 +288,8 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
         return time.perf_counter() - t0
 
     keys = [f"{b}:{k}" for b in paths for k in ("disp", "comb", "rt", "lld", "llc", "llrt")]
-    res = {k: [] for k in keys + ["naive_n", "naive_l", "copy", "bigcopy", "cross", "floor_disp", "floor_comb",
-                                  "floor_rt"]}
+    keys += [f"floor_{v}_{k}" for v in floors for k in ("disp", "comb", "rt")]
+    res = {k: [] for k in keys + ["naive_n", "naive_l", "copy", "bigcopy", "cross"]}
     for _ in range(rounds):
         for b, (disp, comb, lld, llc) in paths.items():
             res[f"{b}:disp"].append(_loop(disp, iters))
@@ -257,11 +302,12 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
             res[f"{b}:llc"].append(_loop(lambda c=llc, ll=ll: c(ll), iters))
             del ll
             res[f"{b}:llrt"].append(_loop(lambda d=lld, c=llc: c(d()), iters))
-        res["floor_disp"].append(_loop(floor_disp, iters))
-        recv = floor_disp()
-        res["floor_comb"].append(_loop(lambda r=recv: floor_comb(r), iters))
-        del recv
-        res["floor_rt"].append(_loop(lambda: floor_comb(floor_disp()), iters))
+        for v, (floor_disp, floor_comb) in floors.items():
+            res[f"floor_{v}_disp"].append(_loop(floor_disp, iters))
+            recv = floor_disp()
+            res[f"floor_{v}_comb"].append(_loop(lambda r=recv, c=floor_comb: c(r), iters))
+            del recv
+            res[f"floor_{v}_rt"].append(_loop(lambda d=floor_disp, c=floor_comb: c(d()), iters))
         res["naive_n"].append(_loop(naive_n, max(2, iters // 2)))
         res["naive_l"].append(_loop(naive_l, max(2, iters // 2)))
         res["copy"].append(_loop(lambda: dst.copy_(src), iters * 4))
@@ -338,13 +384,15 @@ def main() -> None:
                       ("store to peer + load back", "cross")):
         bw = recv_bytes / t[key] / 1e9
         print(f"  {name:<40}{t[key] * 1e3:>8.3f}{bw:>10.2f}{disp_bw / bw:>12.2f}")
-    print("\nnormal round trip with plain copies only (the same rows through shared memory and summed, with torch "
-          "ops;\n  no flags, control messages or waits)")
+    print("\nnormal round trip with plain copies only: the same rows through shared memory and summed, with no "
+          "flags,\n  control messages or waits")
     rt = t[f"{first}:rt"]
-    print(f"  dispatch {t['floor_disp'] * 1e3:.3f} ms, combine {t['floor_comb'] * 1e3:.3f} ms, round trip "
-          f"{t['floor_rt'] * 1e3:.3f} ms ({t['naive_n'] / t['floor_rt']:.1f}x naive gloo, rank rows); ubep normal "
-          f"takes {rt / t['floor_rt']:.2f}x as long")
-
+    for v, how in (("torch", "torch operators"), ("native", "the C data path's copy and sum loops")):
+        if f"floor_{v}_rt" in t:
+            f = {k: t[f"floor_{v}_{k}"] for k in ("disp", "comb", "rt")}
+            print(f"  {how}: dispatch {f['disp'] * 1e3:.3f} ms, combine {f['comb'] * 1e3:.3f} ms, round trip "
+                  f"{f['rt'] * 1e3:.3f} ms ({t['naive_n'] / f['rt']:.1f}x naive gloo, rank rows); ubep normal "
+                  f"takes {rt / f['rt']:.2f}x as long")
 
 if __name__ == "__main__":
     main()

@@ -5,6 +5,8 @@ torch reference from the all-gathered inputs and returns what the test asserts o
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -167,6 +169,28 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     copied = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in handle)   # entries copied
     assert torch.equal(buf.low_latency_combine(y, topk, w, copied)[0], out), "copied plain-tuple handle"
     return recv_count.tolist()
+
+
+def ll_zero_copy_shapes(ctx, T=4, H=128, K=2, E=8, N=16):
+    """Zero-copy buffers of handles of different shapes (N and N // 2) are views of one memory, as in
+    DeepEP: rows written into one handle's buffer are what its zero-copy combine reads, whichever other
+    handle's buffer was fetched in between (smaller first, then larger, and the other way round)."""
+    buf = get_buffer(ctx, "tff", low_latency=True, N=N, H=H, E=E)
+    topk, w = make_routing(5, ctx.rank, T, K, E)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(ctx.rank)).bfloat16()
+    for first, second in ((N, N // 2), (N // 2, N)):
+        a, _, ha, _, _ = buf.low_latency_dispatch(x, topk, first, E, use_fp8=False)
+        b, _, hb, _, _ = buf.low_latency_dispatch(x, topk, second, E, use_fp8=False)
+        want = buf.low_latency_combine(a * 2, topk, w, ha)[0]      # (experts: times two)
+        za = buf.get_next_low_latency_combine_buffer(ha)
+        zb = buf.get_next_low_latency_combine_buffer(hb)
+        assert tuple(za.shape) == tuple(a.shape) and tuple(zb.shape) == tuple(b.shape)
+        za.copy_(a * 2)
+        got = buf.low_latency_combine(None, topk, w, ha, zero_copy=True)[0]
+        assert torch.equal(got, want), f"zero-copy combine (N={first}, then N={second} fetched) differs"
+        assert bool(want.abs().sum() > 0)
+        buf.low_latency_combine(b, topk, w, hb)
+    return True
 
 
 def dispatch_variants(ctx, sync, seed=1, backend="auto"):
@@ -745,26 +769,28 @@ def normal_rounds(ctx, sync, backend="auto"):
 
 
 def bench_copies_only(ctx, T=12, H=64, E=8):
-    """The benchmark's plain-copies round trip, with barriers between its stores and loads, on partial
-    routing (some tokens reach only some ranks) and on routing that reaches every rank: what it moves
-    against the rows each rank should receive and the per-token sums."""
+    """The benchmark's plain-copies round trip (with torch operators, and with the C loops where they were
+    built), with barriers between its stores and loads, on partial routing (some tokens reach only some
+    ranks) and on routing that reaches every rank: what it moves against the rows each rank should
+    receive and the per-token sums."""
     import os
     import sys
 
+    from ubep_torch.native_engine import available
     from ubep_torch.ugas import SymmetricHeap
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from bench_buffer import _rank_rows, copies_only
 
     R, me = ctx.world_size, ctx.rank
     out = []
-    for everywhere in (False, True):
+    for loops, everywhere in itertools.product(("torch", "native") if available() else ("torch",), (False, True)):
         x = torch.randn(T, H, generator=torch.Generator().manual_seed(me + 10)).bfloat16()
         if everywhere:   # one expert on every rank
             topk = torch.arange(R).mul(E // R).expand(T, R).clone()
         else:
             topk = make_routing(7, me, T, 2, E, drop=0.3)[0]
         heap = SymmetricHeap(ctx.group, R * T * H * 2)
-        disp, comb = copies_only(ctx, x, _rank_rows(topk, R, E // R), heap, between=dist.barrier)
+        disp, comb = copies_only(ctx, x, _rank_rows(topk, R, E // R), heap, between=dist.barrier, loops=loops)
         recv = disp()
         dist.barrier()   # (dispatch and combine share the slots)
         summed = comb(recv)

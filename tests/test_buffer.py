@@ -62,6 +62,12 @@ def test_low_latency_roundtrip(pool2, sync):
     pool2.run(F.ll_roundtrip, sync, use_fp8=True, hook=True, zero_copy=True, seed=4)
 
 
+def test_zero_copy_buffers_of_other_shapes_share_memory(pool2):
+    """(former bug: fetching another handle's buffer of another shape replaced the one already written, and
+    the zero-copy combine read zeros)"""
+    assert pool2.run(F.ll_zero_copy_shapes) == [True, True]
+
+
 @pytest.mark.parametrize("sync", ["tff", "sp"])
 def test_low_latency_two_in_flight(pool2, sync):
     pool2.run(F.ll_two_in_flight, sync)

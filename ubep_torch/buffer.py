@@ -363,7 +363,8 @@ class Buffer:
         self._barrier_count = 0
         self._broken: Optional[str] = None
         self._pending: List[_Pending] = []
-        self._ll_combine_buffer: Optional[torch.Tensor] = None
+        self._ll_combine_buffer: Optional[torch.Tensor] = None    # flat; see get_next_low_latency_combine_buffer
+        self._ll_combine_zeroed = 0
         # the latest handles of each mode, to recognise copies kept as plain tuples
         self._recent_handles: Deque["DispatchHandle"] = collections.deque(maxlen=_RECENT_HANDLES)
         self._recent_ll_handles: Deque["LowLatencyHandle"] = collections.deque(maxlen=_RECENT_HANDLES)
@@ -1742,14 +1743,28 @@ class Buffer:
         raise TypeError(f"handle must come from low_latency_dispatch, got {type(handle).__name__}")
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
-        """The [E_local, R*N, H] bf16 tensor that ``low_latency_combine(..., zero_copy=True)`` reads."""
+        """The [E_local, R*N, H] bf16 tensor that ``low_latency_combine(..., zero_copy=True)`` reads.
+
+        As in DeepEP, where it is a view of the Buffer's memory, every handle's tensor is a view of the same
+        memory: what the caller wrote into one stays there when it fetches another handle's (of any shape)
+        before the combine. That memory is as large as the low-latency region's rows, which bounds every
+        handle of this Buffer; its pages are touched (zeroed) as far as a handle has needed them."""
         handle = self._as_ll_handle(handle)
         _, _, N, H, E = handle
         shape = (E // self.group_size, self.group_size * N, H)
-        if self._ll_combine_buffer is None or tuple(self._ll_combine_buffer.shape) != shape:
+        n = shape[0] * shape[1] * shape[2]
+        flat = self._ll_combine_buffer
+        if flat is None or flat.numel() < n:
+            region = self._region(P.REGION_LL_DISPATCH)
             with torch.inference_mode(False):   # written by the caller in any mode later
-                self._ll_combine_buffer = torch.zeros(shape, dtype=torch.bfloat16)
-        return self._ll_combine_buffer
+                grown = torch.empty(max(n, region.parts * region.part_bytes // 2), dtype=torch.bfloat16)
+            if flat is not None:
+                grown[:self._ll_combine_zeroed].copy_(flat[:self._ll_combine_zeroed])
+            self._ll_combine_buffer = flat = grown
+        if n > self._ll_combine_zeroed:
+            flat[self._ll_combine_zeroed:n].zero_()
+            self._ll_combine_zeroed = n
+        return flat[:n].view(shape)
 
     @_collective
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
