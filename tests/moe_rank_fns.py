@@ -315,6 +315,39 @@ def rank_moe_layer(ctx, kind: str, router: str, shared: bool, layout: str, dtype
     return out.detach(), layer.aux_loss.detach(), x.grad.detach(), grads
 
 
+def rank_repeated_expert(ctx, kind: str, layout: str, wdtype_name: str):
+    """Tokens that list an expert in two slots (DeepEP routing does not forbid it in normal mode): the MoE
+    output and the gradients of x and of every slot's weight equal the dense reference's, where both
+    slots count. Returns (output error, grad x error, grad w error), each relative to the reference."""
+    buf = make_buffer(ctx, kind)
+    r, world = ctx.rank, ctx.world_size
+    e_total, t, h = 2 * world, 4, 8
+    e_local = e_total // world
+    idx = torch.tensor([[1, 1, 0], [e_total - 1, 2, e_total - 1], [3, -1, 3], [0, 2, 1]])
+    wdtype = getattr(torch, wdtype_name)
+    w0 = (torch.rand(t, 3, generator=torch.Generator().manual_seed(5 + r), dtype=torch.float64) + 0.1).to(wdtype)
+    x0 = torch.randn(t, h, generator=torch.Generator().manual_seed(9 + r))
+    a = torch.randn(e_total, h, h, generator=torch.Generator().manual_seed(3)) / h ** 0.5
+    a_local = a[r * e_local:(r + 1) * e_local]
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    recv_x, recv_idx, recv_w, handle = F.dispatch(buf, x, idx, w, e_total, layout=layout)
+    y = torch.zeros_like(recv_x)
+    for e in range(e_local):
+        if layout == "rank_major":
+            y = y + (recv_w * (recv_idx == e)).sum(1, keepdim=True).to(y.dtype) * (recv_x @ a_local[e])
+        else:
+            y = y + ((recv_idx == e) * recv_w).to(y.dtype)[:, None] * (recv_x @ a_local[e])
+    out = F.combine(buf, y, handle)
+    out.square().sum().backward()
+    xd, wd = x0.double().requires_grad_(), w0.double().requires_grad_()
+    ref = dense_moe_reference(xd, idx, wd, [lambda v, m=m: v @ m.double() for m in a])
+    ref.square().sum().backward()
+
+    def rel(got, want):
+        return float((got.double() - want).abs().max() / want.abs().max())
+    return rel(out.detach(), ref.detach()), rel(x.grad, xd.grad), rel(w.grad, wd.grad)
+
+
 def rank_empty_receiver(ctx, kind: str, layout: str):
     """Every token of every rank goes to the last rank's experts: the other ranks receive nothing."""
     buf = make_buffer(ctx, kind)

@@ -82,3 +82,13 @@ def test_rank_that_receives_nothing(pool, kind, layout):
     assert results[0][0] == 0, "rank 0 hosts no chosen expert and must receive no rows"
     for rank, (_, out_err, gx_err, gw_err) in enumerate(results):
         assert max(out_err, gx_err, gw_err) < 1e-12, f"rank {rank}: errors {out_err}, {gx_err}, {gw_err}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+@pytest.mark.parametrize("wdtype", ["float32", "float64"])
+def test_token_listing_an_expert_twice(pool, kind, layout, wdtype):
+    """(former bug: the expert-major layout kept only the first slot's weight when float32 weights travelled
+    in the Buffer's weight field, so the output lost the other slots)"""
+    for rank, errors in enumerate(pool.run(M.rank_repeated_expert, kind, layout, wdtype)):
+        assert max(errors) < 1e-5, f"rank {rank}: relative errors (out, grad x, grad w) {errors}"

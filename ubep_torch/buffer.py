@@ -756,7 +756,8 @@ class Buffer:
             layout: ``"rank_major"`` (DeepEP order: grouped by source rank, source token order) or
                 ``"expert_major"`` (UBEP's Token-Reordering output: rows contiguous per local expert, one
                 row per (token, local expert); then recv_topk_idx is [rows] local expert ids,
-                recv_topk_weights [rows] the weight of that pair, and the counts are rows per expert
+                recv_topk_weights [rows] the weight of that pair (the sum of the slots' weights where a
+                token lists the expert in several slots), and the counts are rows per expert
                 padded to expert_alignment with zero rows whose expert id is -1).
             num_experts: E when ``num_tokens_per_expert`` is not given.
         Returns:
@@ -965,19 +966,22 @@ class Buffer:
         rows_list, expert_list, weight_list, counts = [], [], [], []
         for e in range(E_local):
             r, k = (idx == e).nonzero(as_tuple=True)
-            # a token lists an expert at most once in DeepEP routing; keep the first slot if repeated
+            w = recv_topk_weights[r, k] if recv_topk_weights is not None else None
+            # A token may list an expert in several slots: it gets one row, whose weight is the slots' sum
+            # (in slot order), so weighting the rows and combining gives the rank-major weighted sum.
             if r.numel() > 1:
                 first = torch.ones_like(r, dtype=torch.bool)
                 first[1:] = r[1:] != r[:-1]
-                r, k = r[first], k[first]
+                if w is not None and not bool(first.all()):
+                    w = torch.zeros(int(first.sum()), dtype=w.dtype).index_add_(0, first.cumsum(0) - 1, w)
+                r = r[first]
             n = r.numel()
             pad = -(-n // alignment) * alignment - n
             rows_list.append(torch.cat([r, torch.full((pad,), -1, dtype=torch.int64)]))
             expert_list.append(torch.cat([torch.full((n,), e, dtype=torch.int64),
                                           torch.full((pad,), -1, dtype=torch.int64)]))
             if recv_topk_weights is not None:
-                weight_list.append(torch.cat([recv_topk_weights[r, k],
-                                              torch.zeros(pad, dtype=recv_topk_weights.dtype)]))
+                weight_list.append(torch.cat([w, torch.zeros(pad, dtype=recv_topk_weights.dtype)]))
             counts.append(n + pad)
         row_index = torch.cat(rows_list) if rows_list else torch.zeros(0, dtype=torch.int64)
         valid = row_index >= 0

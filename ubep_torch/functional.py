@@ -266,7 +266,8 @@ def dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
         * rank-major: ``recv_x [N_recv, H]``, ``recv_topk_idx [N_recv, K]`` int64 local expert ids (``-1``
           where the expert is on another rank), ``recv_topk_weights [N_recv, K]`` (0 in those slots).
         * expert-major: ``recv_x [rows, H]``, ``recv_topk_idx [rows]`` int64 local expert id of each row
-          (``-1`` for alignment padding), ``recv_topk_weights [rows]`` weight of that (token, expert).
+          (``-1`` for alignment padding), ``recv_topk_weights [rows]`` weight of that (token, expert)
+          (the sum of its slots' weights where the token lists the expert more than once).
         * ``handle``: a :class:`AutogradHandle` for :func:`combine`; ``handle.num_recv_tokens_per_expert``
           is the Buffer's ``num_recv_tokens_per_expert_list``.
 
