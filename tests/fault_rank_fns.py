@@ -414,6 +414,52 @@ def late_rank(ctx, case):
     return out
 
 
+def refused_call(ctx, case):
+    """Rank 1's first dispatch has an expert id out of range (refused with ValueError before it reaches
+    rank 0); rank 0's is valid. ``"late"``: rank 1 calls again only after 2.5 s, so rank 0, waiting in the
+    call rank 1 refused, raises once the refusal is 1 s old (its deadline is 20 s), and rank 1's next call
+    fails too. ``"prompt"``: rank 1 calls again at once and that call is the one rank 0 waits in.
+    ``"both"``: both ranks' first calls are refused, rank 1 calls again after 2.5 s, and rank 0, waiting
+    in its retry of the call, does not count rank 1's refusal. Returns what each step raised or returned
+    (the seconds it took and, for an error, its type, whether it says refused, the ranks it names)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    E, T, H = 4, 6, 64
+    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
+    x = torch.randn(T, H).bfloat16()
+    good = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1], [2, 3]])
+    bad = good.clone()
+    bad[0, 0] = E
+
+    def dispatch(topk):
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+        ranks = torch.tensor([2, 2, 2, 2, 1, 1]).unsqueeze(1)      # ranks each token of good reaches
+        return float((buf.combine(recv_x, handle)[0].float() - ranks * x.float()).abs().max())
+
+    first = bad if ctx.rank == 1 or case == "both" else good
+    steps = [lambda: dispatch(first)]
+    if ctx.rank == 1 or case == "both":
+        if ctx.rank == 1 and case != "prompt":
+            steps.append(lambda: time.sleep(2.5))
+        steps.append(lambda: dispatch(good))
+    out = []
+    for step in steps:
+        t0 = time.monotonic()
+        try:
+            result = step()
+            out.append(("ok", time.monotonic() - t0, result))
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, time.monotonic() - t0, getattr(e, "refused", None),
+                        getattr(e, "aborted_ranks", None), str(e)))
+    time.sleep(0.5)      # (the peer reads the abort word before this Buffer goes)
+    buf.destroy()
+    return out
+
+
 def die_before_own_unlink(ctx):
     """Rank 0 SIGKILLs itself when it is about to unlink its own segment (after the last set-up exchange);
     rank 1 builds its Buffer and checks that it works alone on its side."""

@@ -207,3 +207,24 @@ def test_late_rank_learns_which_call_was_aborted():
         assert gave_up[:2] == [None, None] and "clean_low_latency_buffer" in gave_up[2][1], gave_up
         assert late[:2] == [None, None], late           # the round trip completed on both ranks
         assert late[2][0] == "UBEPPeerAbortedError" and "in this call" in late[2][2], late
+
+
+def test_a_call_refused_on_one_rank_fails_its_peers_fast():
+    """Bad input on one rank only: the rank that waits for it in that call raises within about a second
+    (not at its 20 s deadline), naming that rank and saying it refused the call; a call made again at
+    once is the one the peer waits for, and a refusal on every rank is not counted against a retry."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        waiting, refusing = pool.run(FR.refused_call, "late", timeout_s=60)
+        name, took, refused, aborted = waiting[0][:4]
+        assert name == "UBEPPeerAbortedError" and refused and aborted == [1], waiting
+        assert 0.9 < took < 3.0, waiting
+        assert "refused this call" in waiting[0][4] and "invalid" in waiting[0][4], waiting
+        assert refusing[0][0] == "ValueError" and refusing[2][0] == "UBEPPeerAbortedError", refusing
+        waiting, refusing = pool.run(FR.refused_call, "prompt", timeout_s=60)
+        assert waiting[0][0] == "ok" and waiting[0][2] == 0.0, waiting
+        assert refusing[0][0] == "ValueError" and refusing[1][0] == "ok" and refusing[1][2] == 0.0, refusing
+        waiting, refusing = pool.run(FR.refused_call, "both", timeout_s=60)
+        assert [step[0] for step in waiting] == ["ValueError", "ok"] and waiting[1][2] == 0.0, waiting
+        assert waiting[1][1] > 2.0, waiting            # (it waited for rank 1's retry)
+        assert [step[0] for step in refusing] == ["ValueError", "ok", "ok"] and refusing[2][2] == 0.0, refusing

@@ -30,7 +30,8 @@ from .ugas import SymmetricHeap
 from .utils import Config, EventOverlap, TensorCache, check_count
 
 _AUX_REGIONS = 8          # region ids that have an ack table
-# aux words: acks [region][half][source] | SyncAll counters [rank] | abort flags [rank]
+# aux words: acks [region][half][source] | SyncAll counters [rank] | abort flags [rank] | refused calls [rank]
+# | refusal times [rank]
 _ACK_WORDS = 2 * _AUX_REGIONS
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -42,6 +43,7 @@ _DISPATCH_LAYOUT_KEYS = ("num_experts", "layout", "row_index")
 _LL_LAYOUT_KEYS = ("K", "num_tokens", "return_slot", "sent_counts", "pos", "n_pairs", "topk_snapshot", "src_k")
 _DEFAULT_NVL_BYTES = 256 << 20
 _STREAM_ROWS = 32         # fewest arrived rows of a source that streaming Token-Reordering copies at once
+_REFUSAL_GRACE_S = 1.0    # a peer's refusal of a call fails the ranks waiting in it once this old (see _post_refusal)
 
 
 def _round(x: int, a: int = P.BLOCK_BYTES) -> int:
@@ -198,6 +200,7 @@ def _collective(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         self._in_call = False
+        calls = self._calls
         try:
             if not self._destroyed and self._broken is None:
                 self._check_peers(f"{fn.__name__}: start of the call", self._calls + 1)
@@ -206,6 +209,9 @@ def _collective(fn):
         except BaseException as e:
             if self._in_call and not isinstance(e, UBEPBrokenError):
                 self._fail(e)
+            elif self._calls == calls and isinstance(e, (ValueError, TypeError)) and not self._destroyed \
+                    and self._broken is None:
+                self._post_refusal(calls + 1)     # refused before reaching the peers: tell those waiting
             raise
         finally:
             self._in_call = False
@@ -337,7 +343,7 @@ class Buffer:
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = int(num_rdma_bytes)
 
-        aux = _round((_ACK_WORDS + 2) * R * 8, 4096)   # acks, SyncAll counters, abort flags
+        aux = _round((_ACK_WORDS + 4) * R * 8, 4096)   # acks, SyncAll counters, abort flags, refusals
         base = aux
         half_nvl = self.num_nvl_bytes // 2 // 4096 * 4096
         self._regions = {
@@ -363,6 +369,8 @@ class Buffer:
         self._barrier_count = 0
         self._broken: Optional[str] = None
         self._pending: List[_Pending] = []
+        self._refused_call = 0          # the number of the last call this rank refused (bad input), 0: none
+        self._refusal_posted = False    # whether the peers' memories still say so
         self._ll_combine_buffer: Optional[torch.Tensor] = None    # flat; see get_next_low_latency_combine_buffer
         self._ll_combine_zeroed = 0
         # the latest handles of each mode, to recognise copies kept as plain tuples
@@ -573,9 +581,27 @@ class Buffer:
         ``_calls`` (only calls that reach their peers count; every rank makes the same ones, so the numbers
         agree)."""
         if not self._in_call:
+            if self._refusal_posted:
+                self._post_refusal(0)
             self._calls += 1
             self._active_call = self._calls
         self._in_call = True
+
+    def _post_refusal(self, call: int) -> None:
+        """Write into every peer's memory that this rank refused call number ``call`` because of bad input,
+        and when (0: withdrawn, when this rank's next call reaches the peers). A peer that waits for this
+        rank in that call raises once the refusal is ``_REFUSAL_GRACE_S`` old instead of waiting for its
+        deadline (see ``_peer_aborted``); a call made again sooner is the one the peer waits for. The bad
+        input's error is raised here, and this Buffer stays usable."""
+        R = self.group_size
+        now = time.monotonic_ns()       # (CLOCK_MONOTONIC: one clock for every process of the host)
+        for r in range(R):
+            if r != self.rank:          # the time first: a peer that reads the call reads its time
+                self._peer_words[r][(_ACK_WORDS + 3) * R + self.rank] = now
+                self._peer_words[r][(_ACK_WORDS + 2) * R + self.rank] = call
+        if call:
+            self._refused_call = call
+        self._refusal_posted = bool(call)
 
     def _next_epoch(self, rid: int) -> int:
         """The next epoch of region ``rid`` (see ``_begin_call``)."""
@@ -584,8 +610,21 @@ class Buffer:
         return self._epoch[rid]
 
     def _peer_aborted(self, r: int) -> int:
-        """0, or how rank r aborted: ``P.ABORT_FAILED``, ``P.ABORT_GAVE_UP`` or ``P.ABORT_DESTROYED``."""
-        return 0 if r == self.rank else P.abort_how(int(self._aux_words[(_ACK_WORDS + 1) * self.group_size + r]))
+        """0, or how rank r aborted: ``P.ABORT_FAILED``, ``P.ABORT_GAVE_UP`` or ``P.ABORT_DESTROYED``; or
+        ``P.ABORT_REFUSED`` when it refused (bad input) the call this rank is in at least
+        ``_REFUSAL_GRACE_S`` ago and has not called again since, unless this rank refused that call too
+        (then every rank calls again, and the call it waits in is the retry)."""
+        if r == self.rank:
+            return 0
+        R = self.group_size
+        how = P.abort_how(int(self._aux_words[(_ACK_WORDS + 1) * R + r]))
+        if how:
+            return how
+        refused = int(self._aux_words[(_ACK_WORDS + 2) * R + r])
+        if not refused or refused != self._active_call or refused == self._refused_call:
+            return 0
+        age = time.monotonic_ns() - int(self._aux_words[(_ACK_WORDS + 3) * R + r])
+        return P.ABORT_REFUSED if age >= min(_REFUSAL_GRACE_S, self.timeout_s / 4) * 1e9 else 0
 
     def _signal_abort(self, how: int = P.ABORT_FAILED) -> None:
         """Tell every peer that this rank failed inside a call (``how``: see ``_peer_aborted``), so they fail

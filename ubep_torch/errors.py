@@ -44,19 +44,23 @@ class UBEPPeerAbortedError(UBEPError):
     """A peer failed in a collective call (or gave up waiting in it) and told the group so, instead of going
     silent. ``when`` says which call: ``"this call"``, or an earlier one by its number. A rank too slow for
     its peers' deadline may still find all its data there; it learns of the abort when its part is done or
-    at its next call."""
+    at its next call. ``refused``: the peers refused this call before reaching the others (bad input on
+    those ranks only: they raised ValueError or TypeError)."""
 
     def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], aborted_ranks: Sequence[int],
-                 when: str = "this call"):
+                 when: str = "this call", refused: bool = False):
         self.phase = phase
         self.rank = rank
         self.missing_ranks = list(missing_ranks)
         self.aborted_ranks = list(aborted_ranks)
         self.when = when
+        self.refused = refused
         missing = f"; rank(s) {self.missing_ranks} had not delivered" if self.missing_ranks else ""
+        what = (f"refused {when} (their inputs were invalid: see their ValueError or TypeError)" if refused else
+                f"failed or gave up in {when} and aborted it (see their error)")
         super().__init__(
-            f"ubep_torch: rank {rank} in phase '{phase}': peer rank(s) {self.aborted_ranks} failed or gave up "
-            f"in {when} and aborted it (see their error){missing}. This Buffer is now unusable."
+            f"ubep_torch: rank {rank} in phase '{phase}': peer rank(s) {self.aborted_ranks} {what}{missing}. "
+            f"This Buffer is now unusable."
         )
 
 

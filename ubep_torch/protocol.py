@@ -350,6 +350,7 @@ def default_timeout(timeout_s: Optional[float]) -> float:
 #: what a rank writes into its peers' abort word for it: it failed inside a call, it gave up on another
 #: rank, or it destroyed its Buffer
 ABORT_FAILED, ABORT_GAVE_UP, ABORT_DESTROYED = 1, 2, 3
+ABORT_REFUSED = 4   # (not an abort word: a rank refused a call before reaching its peers; see Buffer._peer_aborted)
 
 
 def abort_word(how: int, call: int) -> int:
@@ -376,7 +377,8 @@ class Waiter:
     """Polls a condition with a deadline, yielding the CPU (ranks may outnumber cores).
 
     ``poll()`` returns the list of ranks still missing (empty = done). On deadline the error names the
-    phase and the missing ranks; a missing rank whose process has exited is reported at once.
+    phase and the missing ranks; a missing rank whose process has exited, that aborted, or that refused
+    the call (``peer_aborted`` says how) is reported within about 50 ms.
     """
 
     #: how long a wait busy-polls (with ``sched_yield``) before it starts sleeping
@@ -429,6 +431,9 @@ class Waiter:
                         raise UBEPPeerLostError(phase, self.rank, list(missing), dead)
                 if aborted:
                     raise UBEPPeerAbortedError(phase, self.rank, list(missing), aborted)
+                refused = [r for r in missing if codes.get(r) == ABORT_REFUSED]
+                if refused:
+                    raise UBEPPeerAbortedError(phase, self.rank, list(missing), refused, refused=True)
             if now >= deadline:
                 raise UBEPTimeoutError(phase, self.rank, list(missing), self.timeout_s)
 
