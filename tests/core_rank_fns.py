@@ -193,6 +193,28 @@ def ll_zero_copy_shapes(ctx, T=4, H=128, K=2, E=8, N=16):
     return True
 
 
+def low_latency_only_buffer(ctx, T=4, H=128, E=4):
+    """A low-latency Buffer built with num_nvl_bytes=0 reserves no normal region (as in DeepEP, it serves
+    low-latency calls): a normal dispatch is refused with a ValueError naming num_nvl_bytes, and the
+    Buffer stays usable. Returns the segment's bytes per rank."""
+    buf = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(T, H, ctx.world_size, E), low_latency_mode=True,
+                 timeout_s=30.0)
+    topk, w = make_routing(3, ctx.rank, T, 2, E, drop=0.0)
+    x = torch.randn(T, H).bfloat16()
+    try:
+        buf.dispatch(x, topk_idx=topk, num_experts=E)
+    except ValueError as e:
+        assert "num_nvl_bytes" in str(e), e
+    else:
+        raise AssertionError("a normal dispatch on a low-latency-only Buffer did not raise")
+    d = buf.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+    out = buf.low_latency_combine(d[0], topk, w, d[2])[0]
+    assert torch.allclose(out.float(), x.float() * w.sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+    nbytes = buf._heap.segment_bytes
+    buf.destroy()
+    return nbytes
+
+
 def dispatch_variants(ctx, sync, seed=1, backend="auto"):
     """fp8 tuple, cached dispatch, expert_alignment, num_worst_tokens, expert-major layout, bias."""
     buf = get_buffer(ctx, sync, backend=backend)

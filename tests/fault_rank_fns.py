@@ -460,6 +460,63 @@ def refused_call(ctx, case):
     return out
 
 
+def destroy_under_views(ctx):
+    """A tensor from ``get_local_buffer_tensor`` used after ``destroy()``, and ``destroy()`` from another
+    thread while this rank waits in a call that its peer never makes: neither may crash the process (the
+    mapping stays while a view lives); the wait raises. Returns (the kept view's sum after writing it,
+    the waiting rank's error type and seconds to it)."""
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
+    kept = buf.get_local_buffer_tensor()
+    buf.destroy()
+    kept[:16] = 3
+    total = int(kept[:16].sum())
+    del kept
+    dist.barrier()
+    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
+    waited = None
+    if ctx.rank == 0:
+        threading.Timer(0.5, buf.destroy).start()
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(torch.ones(2, 64).bfloat16(), topk_idx=torch.tensor([[0], [1]]), num_experts=2)
+        except Exception as e:  # noqa: BLE001
+            waited = (type(e).__name__, time.monotonic() - t0, str(e))
+    else:
+        time.sleep(1.5)
+        buf.destroy()
+    dist.barrier()
+    return total, waited
+
+
+def build_on_full_tmpfs(ctx):
+    """Buffer construction when reserving the segment's pages fails with ENOSPC (as ``posix_fallocate`` does
+    on a full tmpfs; the peers' deadline is short, since only one rank fails). Returns (error type,
+    message)."""
+    import errno
+
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    real, os.posix_fallocate = os.posix_fallocate, full
+    try:
+        Buffer(dist.group.WORLD, 1 << 20, timeout_s=3.0)
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    finally:
+        os.posix_fallocate = real
+    return None, "built"
+
+
 def die_before_own_unlink(ctx):
     """Rank 0 SIGKILLs itself when it is about to unlink its own segment (after the last set-up exchange);
     rank 1 builds its Buffer and checks that it works alone on its side."""

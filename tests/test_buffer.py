@@ -62,6 +62,11 @@ def test_low_latency_roundtrip(pool2, sync):
     pool2.run(F.ll_roundtrip, sync, use_fp8=True, hook=True, zero_copy=True, seed=4)
 
 
+def test_low_latency_buffer_without_normal_region(pool2):
+    """(former behaviour: num_nvl_bytes=0 in low-latency mode still reserved a 256 MiB normal region)"""
+    assert all(n < 16 << 20 for n in pool2.run(F.low_latency_only_buffer))
+
+
 def test_zero_copy_buffers_of_other_shapes_share_memory(pool2):
     """(former bug: fetching another handle's buffer of another shape replaced the one already written, and
     the zero-copy combine read zeros)"""

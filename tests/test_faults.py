@@ -131,25 +131,30 @@ def _dead_pid() -> int:
 
 
 def test_sweep_removes_only_dead_owners_segments(tmp_path):
+    """Only this user's segments whose creator is gone, and only those created in this PID namespace (a
+    pid of another namespace, e.g. a container sharing /dev/shm, says nothing here: former bug, such a
+    job's live segments were removed)."""
     d = str(tmp_path)
-    dead = os.path.join(d, f"ubep-{_dead_pid()}-{'ab' * 16}")
-    live = os.path.join(d, f"ubep-{os.getpid()}-{'cd' * 16}")
-    other = os.path.join(d, f"ubep-{_dead_pid()}-short")          # not our naming scheme
+    ns = ugas._pid_namespace()
+    dead = os.path.join(d, f"ubep-{_dead_pid()}-{ns}-{'ab' * 16}")
+    live = os.path.join(d, f"ubep-{os.getpid()}-{ns}-{'cd' * 16}")
+    elsewhere = os.path.join(d, f"ubep-{_dead_pid()}-{ns + 1}-{'12' * 16}")   # another PID namespace
+    other = os.path.join(d, f"ubep-{_dead_pid()}-{ns}-short")     # not our naming scheme
     unrelated = os.path.join(d, "something-else")
-    for p in (dead, live, other, unrelated):
+    for p in (dead, live, elsewhere, other, unrelated):
         with open(p, "wb") as f:
             f.write(b"\0" * 4096)
         os.chmod(p, 0o600)
     foreign = None
     if os.getuid() == 0:
-        foreign = os.path.join(d, f"ubep-{_dead_pid()}-{'ef' * 16}")
+        foreign = os.path.join(d, f"ubep-{_dead_pid()}-{ns}-{'ef' * 16}")
         with open(foreign, "wb") as f:
             f.write(b"\0")
         os.chown(foreign, 12345, 12345)                           # another user's file: never touched
     removed = ugas.sweep_stale_segments(d)
     assert removed == [dead]
     left = set(os.listdir(d))
-    assert {os.path.basename(p) for p in (live, other, unrelated)} <= left
+    assert {os.path.basename(p) for p in (live, elsewhere, other, unrelated)} <= left
     if foreign:
         assert os.path.basename(foreign) in left
     assert ugas.sweep_stale_segments(os.path.join(d, "missing-dir")) == []
@@ -165,7 +170,7 @@ def test_setup_has_a_deadline(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")]
 
 
-@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "abc"])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "abc", 1e14])
 def test_timeout_must_be_a_finite_positive_number(monkeypatch, value):
     from ubep_torch import protocol as P
     monkeypatch.delenv("UBEP_TIMEOUT_S", raising=False)
@@ -228,3 +233,54 @@ def test_a_call_refused_on_one_rank_fails_its_peers_fast():
         assert [step[0] for step in waiting] == ["ValueError", "ok"] and waiting[1][2] == 0.0, waiting
         assert waiting[1][1] > 2.0, waiting            # (it waited for rank 1's retry)
         assert [step[0] for step in refusing] == ["ValueError", "ok", "ok"] and refusing[2][2] == 0.0, refusing
+
+
+def test_destroy_leaves_live_views_and_ends_waits():
+    """(former bugs: a kept get_local_buffer_tensor view read unmapped memory after destroy(), and destroy()
+    from another thread unmapped the memory a waiting call polled; both crashed the process)"""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        (total, waited), (total1, _) = pool.run(FR.destroy_under_views, timeout_s=60)
+    assert total == total1 == 48
+    assert waited[0] == "UBEPBrokenError" and waited[1] < 3.0 and "destroyed while waiting" in waited[2], waited
+
+
+def test_settings_from_the_environment_are_checked_and_named(monkeypatch, tmp_path):
+    """(former bugs: a bad UBEP_SPIN_S failed ``import ubep_torch``; a trailing slash in the shared-memory
+    directory broke every set-up; a missing directory gave a bare OSError; a Path was refused)"""
+    import pathlib
+
+    from ubep_torch import protocol as P
+    for value in ("abc", "-1", "nan", "5"):
+        monkeypatch.setenv("UBEP_SPIN_S", value)
+        with pytest.raises(ValueError, match="UBEP_SPIN_S"):
+            P.spin_seconds()
+    monkeypatch.setenv("UBEP_SPIN_S", "0")
+    assert P.spin_seconds() == 0.0
+    monkeypatch.delenv("UBEP_SPIN_S")
+    assert P.spin_seconds() == 0.002
+    d = str(tmp_path)
+    assert ugas.shm_dir(d + "/") == ugas.shm_dir(pathlib.Path(d)) == d
+    monkeypatch.setenv("UBEP_SHM_DIR", d + "//")
+    assert ugas.shm_dir() == ugas.shm_dir("") == d
+    for bad, what in ((os.path.join(d, "missing"), "not an existing directory"),
+                      (__file__, "not an existing directory")):
+        monkeypatch.setenv("UBEP_SHM_DIR", bad)
+        with pytest.raises(ValueError, match=f"UBEP_SHM_DIR .*{what}"):
+            ugas.shm_dir()
+        with pytest.raises(ValueError, match=f"shm_dir .*{what}"):
+            ugas.shm_dir(bad)
+    with pytest.raises(TypeError, match="shm_dir"):
+        ugas.shm_dir(5)
+
+
+def test_too_little_shared_memory_is_an_error_when_the_buffer_is_built(tmp_path):
+    """Every page of a segment is reserved when the Buffer is built (former bug: sparse segments of several
+    Buffers that each fit the free space outgrew the tmpfs together, and touching them killed the ranks
+    with SIGBUS). Here the reservation fails as on a full tmpfs: a clear error, nothing left behind."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": str(tmp_path)}
+    with RankPool(2, env=env) as pool:
+        errors = pool.run(FR.build_on_full_tmpfs, timeout_s=60)
+    for name, msg in errors:
+        assert name == "RuntimeError" and "bytes of shared memory" in msg and "UBEP_SHM_DIR" in msg, msg
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)

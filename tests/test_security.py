@@ -33,7 +33,7 @@ def _bare_heap(directory, rank=0, world=2, nbytes=4096):
 def _make_peer(directory, token, rank=1, world=2, nbytes=8192, mode=0o600):
     import secrets
     import struct
-    path = os.path.join(str(directory), f"ubep-{os.getpid()}-{secrets.token_hex(16)}")
+    path = os.path.join(str(directory), f"ubep-{os.getpid()}-{ugas._pid_namespace()}-{secrets.token_hex(16)}")
     with open(path, "wb") as f:
         f.write(struct.pack(ugas._HEADER_FMT, ugas._MAGIC, ugas._VERSION, token, rank, world, nbytes))
         f.truncate(nbytes)
@@ -48,7 +48,7 @@ def test_created_segment_is_private_with_unguessable_name(tmp_path):
     try:
         st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
-        assert re.fullmatch(r"ubep-\d+-[0-9a-f]{32}", os.path.basename(path))
+        assert re.fullmatch(r"ubep-\d+-\d+-[0-9a-f]{32}", os.path.basename(path))
         assert st.st_size == h.segment_bytes
         old = os.umask(0)
         try:
@@ -111,7 +111,7 @@ def test_map_peer_refuses_forged_segments(tmp_path, forgery):
     elif forgery == "file size":
         announced = 4096 * 3
     elif forgery == "symlink":
-        link = os.path.join(str(d), f"ubep-{os.getpid()}-{'0' * 32}")
+        link = os.path.join(str(d), f"ubep-{os.getpid()}-{ugas._pid_namespace()}-{'0' * 32}")
         os.symlink(path, link)
         path = link
     elif forgery == "outside dir":

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Callable, Deque, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from . import protocol as P
+from . import ugas
 from .engine import Destination, SendJob, make_engine
 from .errors import UBEPBrokenError, UBEPError, UBEPPeerAbortedError, UBEPPeerLostError, UBEPTimeoutError
 from .ugas import SymmetricHeap
@@ -254,8 +256,9 @@ class Buffer:
     Args:
         group: torch.distributed process group (gloo or any backend; used only to bootstrap).
         num_nvl_bytes: bytes of the normal-mode region per rank (see ``Config.get_nvl_buffer_size_hint``);
-            0 sizes it from ``num_max_tokens_per_rank``/``hidden`` when given, else 256 MiB (pages are only
-            committed when touched).
+            0 sizes it from ``num_max_tokens_per_rank``/``hidden`` when given, else 256 MiB, or none at all
+            in low-latency mode (as in DeepEP, where such a Buffer serves low-latency calls only). A
+            Buffer's shared memory is reserved when it is built.
         num_rdma_bytes: bytes of the low-latency region (``get_low_latency_rdma_size_hint``).
         low_latency_mode: enables the low-latency region.
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy: accepted for
@@ -323,6 +326,8 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.sync = sync
         self.timeout_s = P.default_timeout(timeout_s)
+        P.spin_seconds()                    # (UBEP_SPIN_S checked before anything is created)
+        shm_dir = ugas.shm_dir(shm_dir)     # (checked and normalised: every rank compares peers' paths to it)
         if num_count_aivs is not None and (not isinstance(num_count_aivs, int) or num_count_aivs < 1):
             raise ValueError(f"num_count_aivs must be a positive int, got {num_count_aivs!r}")
         self.engine = make_engine(backend, num_count_aivs)
@@ -336,7 +341,7 @@ class Buffer:
         if num_nvl_bytes == 0:
             if num_max_tokens_per_rank and hidden:
                 num_nvl_bytes = normal_buffer_bytes(num_max_tokens_per_rank, hidden * 4, R)
-            else:
+            elif not self.low_latency_mode:
                 num_nvl_bytes = _DEFAULT_NVL_BYTES
         if not self.low_latency_mode:
             num_rdma_bytes = 0
@@ -389,17 +394,21 @@ class Buffer:
     # ================================================================== housekeeping
     @property
     def group(self):
-        """The process group this Buffer was built on (None once it has been destroyed)."""
-        return self._group_ref()
+        """The process group this Buffer was built on (None once the Buffer, or the group, is destroyed)."""
+        return None if self._destroyed else self._group_ref()
 
     def destroy(self) -> None:
-        """Release the shared memory (the segments are already unlinked; this unmaps them)."""
+        """Release the shared memory (the segments are already unlinked; this unmaps them). A segment that
+        a tensor still views (``get_local_buffer_tensor``, or a call waiting in another thread or under a
+        signal handler that called this, which then raises ``UBEPBrokenError``) stays mapped until the last
+        such tensor goes."""
         if self._destroyed:
             return
         self._destroyed = True
         if self._broken is None:     # peers still waiting for this rank fail at once, naming it
             self._signal_abort(P.ABORT_DESTROYED)
         self._peer_mem, self._peer_words = [], []
+        self._aux_words = np.zeros_like(self._aux_words)   # (what a call still running reads from now on)
         for region in self._regions.values():
             region.forget_views()
         self._heap.close()
@@ -476,8 +485,14 @@ class Buffer:
     def _wait(self, phase: str, poll: Callable[[], Sequence[int]]) -> None:
         if self.delay_hook is not None:
             self.delay_hook(phase)
+
+        def poll_unless_destroyed():   # (destroy() from a signal handler or another thread ends the wait)
+            if self._destroyed:
+                raise UBEPBrokenError(f"ubep_torch: rank {self.rank}: this Buffer was destroyed while waiting in "
+                                      f"phase '{phase}'")
+            return poll()
         try:
-            self._waiter.wait(phase, poll)
+            self._waiter.wait(phase, poll_unless_destroyed)
         except UBEPError as e:
             self._fail(e)
             raise

@@ -329,22 +329,36 @@ def memory_fence() -> None:
 
 
 # ----------------------------------------------------------------------------- waiting
+#: the longest deadline a wait takes (about 116 days: beyond it the clocks' arithmetic overflows)
+MAX_TIMEOUT_S = 1e7
+
+
+def _seconds(source: str, raw, lowest: float, highest: float) -> float:
+    """``raw`` as a finite number of seconds in ``(lowest, highest]`` (``[0, highest]`` when lowest < 0),
+    else ValueError naming ``source``."""
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source} must be a number of seconds, got {raw!r}") from None
+    if not math.isfinite(value) or value <= lowest or value > highest:
+        bound = ">= 0" if lowest < 0 else f"> {lowest:g}"
+        raise ValueError(f"{source} must be a finite number of seconds {bound} and at most {highest:g}, "
+                         f"got {raw!r}")
+    return value
+
+
 def default_timeout(timeout_s: Optional[float]) -> float:
     """The deadline of every wait: ``UBEP_TIMEOUT_S`` if set, else ``timeout_s`` (default 60 s). It must be
-    a finite number of seconds > 0: there is no "wait forever"."""
-    def checked(source: str, raw) -> float:
-        try:
-            value = float(raw)
-        except (TypeError, ValueError):
-            raise ValueError(f"{source} must be a number of seconds, got {raw!r}") from None
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{source} must be a finite number of seconds > 0 (every wait has a deadline), "
-                             f"got {raw!r}")
-        return value
+    a finite number of seconds > 0 (there is no "wait forever"), at most ``MAX_TIMEOUT_S``."""
+    given = 60.0 if timeout_s is None else _seconds("timeout_s", timeout_s, 0, MAX_TIMEOUT_S)   # checked even
+    env = os.environ.get("UBEP_TIMEOUT_S")                                                    # when overridden
+    return _seconds("UBEP_TIMEOUT_S", env, 0, MAX_TIMEOUT_S) if env else given
 
-    given = 60.0 if timeout_s is None else checked("timeout_s", timeout_s)   # checked even when overridden
-    env = os.environ.get("UBEP_TIMEOUT_S")
-    return checked("UBEP_TIMEOUT_S", env) if env else given
+
+def spin_seconds() -> float:
+    """How long a wait busy-polls before it sleeps: ``UBEP_SPIN_S`` (seconds >= 0, at most 1), else 2 ms."""
+    env = os.environ.get("UBEP_SPIN_S")
+    return _seconds("UBEP_SPIN_S", env, -1, 1.0) if env else 0.002
 
 
 #: what a rank writes into its peers' abort word for it: it failed inside a call, it gave up on another
@@ -381,13 +395,11 @@ class Waiter:
     the call (``peer_aborted`` says how) is reported within about 50 ms.
     """
 
-    #: how long a wait busy-polls (with ``sched_yield``) before it starts sleeping
-    spin_s: float = float(os.environ.get("UBEP_SPIN_S", "0.002"))
-
     def __init__(self, rank: int, timeout_s: float, peer_alive: Optional[Callable[[int], bool]] = None,
                  peer_aborted: Optional[Callable[[int], int]] = None):
         self.rank = rank
         self.timeout_s = timeout_s
+        self.spin_s = spin_seconds()    # how long a wait busy-polls (with ``sched_yield``) before it sleeps
         self.peer_alive = peer_alive
         self.peer_aborted = peer_aborted
 

@@ -8,7 +8,10 @@ receives these views; it never allocates or maps memory itself.
 Life cycle and hygiene
 ----------------------
 * A segment is created with ``O_CREAT | O_EXCL`` and mode ``0600`` under an unguessable name
-  (``ubep-<pid>-<128 random bits>``), sized with ``ftruncate`` (pages are committed when touched).
+  (``ubep-<pid>-<PID namespace>-<128 random bits>``), sized with ``ftruncate`` and reserved with
+  ``posix_fallocate``: like device memory, a Buffer's memory is committed when it is built, so too little
+  shared memory is an error then (naming the bytes and ``UBEP_SHM_DIR``), never a SIGBUS when several
+  Buffers' pages are touched later.
 * Its first page is a header: magic, layout version, a random 128-bit group token chosen by the group's
   first rank, the owner's rank, world size and segment size. A rank maps a peer's segment only after
   checking that it is a regular file owned by this user with mode 0600, of the announced size, and that
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import errno
 import json
 import mmap
 import os
@@ -52,12 +56,40 @@ HEADER_BYTES = 4096
 _MAGIC = b"UBEPUGAS"
 _VERSION = 1
 _HEADER_FMT = "<8sI16sIIQ"   # magic, version, group token, rank, world size, segment bytes
-_NAME_RE = re.compile(r"^ubep-(\d+)-[0-9a-f]{32}$")
+# ubep-<creating pid>-<its PID namespace>-<128 random bits>: a pid means something only in its namespace
+_NAME_RE = re.compile(r"^ubep-(\d+)-(\d+)-[0-9a-f]{32}$")
 _PENDING: Dict[str, None] = {}   # segment paths created by this process and not yet unlinked
 
 
-def shm_dir() -> str:
-    return os.environ.get("UBEP_SHM_DIR", "/dev/shm")
+def shm_dir(directory=None) -> str:
+    """The shared-memory directory, as an absolute normalised path: ``directory`` (a str or path) unless it
+    is None or empty, else ``$UBEP_SHM_DIR`` unless that is unset or empty, else ``/dev/shm``. It must be
+    an existing directory this process can create files in; else ValueError naming where it came from."""
+    if directory is not None and not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"shm_dir must be a str or os.PathLike path, got {type(directory).__name__}")
+    source = "shm_dir"
+    if directory is None or os.fspath(directory) == "":
+        directory, source = os.environ.get("UBEP_SHM_DIR") or "/dev/shm", "UBEP_SHM_DIR"
+        if not os.environ.get("UBEP_SHM_DIR"):
+            source = "the default shared-memory directory"
+    path = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(path):
+        raise ValueError(f"ubep_torch: {source} {os.fspath(directory)!r} is not an existing directory; point "
+                         f"UBEP_SHM_DIR (or Buffer(shm_dir=...)) at a directory on a tmpfs such as /dev/shm")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"ubep_torch: {source} {os.fspath(directory)!r} is not writable by this process "
+                         f"(read-only or another owner's); point UBEP_SHM_DIR (or Buffer(shm_dir=...)) at "
+                         f"a writable tmpfs directory")
+    return path
+
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (the inode of /proc/self/ns/pid; 0 where that cannot be read). Jobs in
+    other PID namespaces (containers sharing /dev/shm) see other pids."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -77,17 +109,18 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep_stale_segments(directory: Optional[str] = None) -> List[str]:
-    """Unlink ubep segments of this user whose creating process no longer exists. Returns their paths."""
-    directory = directory or shm_dir()
+    """Unlink ubep segments of this user whose creating process no longer exists (only segments created in
+    this PID namespace: another namespace's pids cannot be checked from here). Returns their paths."""
+    directory = directory or os.environ.get("UBEP_SHM_DIR") or "/dev/shm"
     removed = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
-    uid = os.getuid()
+    uid, namespace = os.getuid(), _pid_namespace()
     for name in names:
         m = _NAME_RE.match(name)
-        if not m:
+        if not m or int(m.group(2)) != namespace:
             continue
         path = os.path.join(directory, name)
         try:
@@ -140,7 +173,7 @@ class SymmetricHeap:
         self.timeout_s = default_timeout(timeout_s)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.directory = directory or shm_dir()
+        self.directory = shm_dir(directory)
         self.nbytes = check_count("nbytes", nbytes)
         self.segment_bytes = HEADER_BYTES + _round_up(self.nbytes, 4096)
         self._maps: List[mmap.mmap] = []
@@ -150,9 +183,9 @@ class SymmetricHeap:
         # 1. agree on a group token and check that the group shares one host and enough shared memory.
         token = secrets.token_hex(16)
         own_path = _segment_path(self.directory)
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "bytes": self.segment_bytes,
-                "token": token, "free": _free_bytes(self.directory), "dir": self.directory, "path": own_path,
-                "agree": agree or {}}
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "pidns": _pid_namespace(),
+                "bytes": self.segment_bytes, "token": token, "free": _free_bytes(self.directory),
+                "dir": self.directory, "path": own_path, "agree": agree or {}}
         infos = _all_gather(info, group, self.world_size, self.timeout_s,
                             "Buffer set-up: waiting for every rank to create its Buffer")
         for key in sorted({k for i in infos for k in i["agree"]}):
@@ -166,13 +199,11 @@ class SymmetricHeap:
                                f"must run on one host; this group spans hosts {hosts}")
         group_token = bytes.fromhex(infos[0]["token"])
         self.peer_pids = [int(i["pid"]) for i in infos]
+        # a peer in another PID namespace cannot be watched by pid: it counts as alive (deadlines still hold)
+        self._watchable = [int(i["pidns"]) == _pid_namespace() for i in infos]
         total = sum(int(i["bytes"]) for i in infos)
         if total > int(infos[0]["free"]):
-            raise RuntimeError(
-                f"ubep_torch needs {total} bytes of shared memory in {self.directory} "
-                f"({self.world_size} ranks x {self.segment_bytes} bytes) but only {infos[0]['free']} are "
-                f"free. Point UBEP_SHM_DIR at a larger tmpfs, enlarge /dev/shm (docker: --shm-size), or "
-                f"create the Buffer with smaller num_nvl_bytes/num_rdma_bytes.")
+            raise self._too_little(total, int(infos[0]["free"]))
 
         # 2. create and map our own segment (under the name announced in step 1), write the header.
         paths = [i["path"] for i in infos]
@@ -196,7 +227,7 @@ class SymmetricHeap:
             # a peer that died during set-up cannot unlink its segment any more: do it for it (its name
             # was announced before it was created)
             for r, p in enumerate(paths):
-                if r != self.rank and isinstance(p, str) and not _pid_alive(self.peer_pids[r]):
+                if r != self.rank and isinstance(p, str) and not self.peer_alive(r):
                     m = _NAME_RE.match(os.path.basename(p))
                     if m and int(m.group(1)) == self.peer_pids[r] and os.path.dirname(p) == self.directory:
                         _unlink_quietly(p)
@@ -213,7 +244,7 @@ class SymmetricHeap:
         return self._views[r][HEADER_BYTES:]
 
     def peer_alive(self, r: int) -> bool:
-        return _pid_alive(self.peer_pids[r])
+        return not self._watchable[r] or _pid_alive(self.peer_pids[r])
 
     def close(self) -> None:
         self._views = {}
@@ -226,6 +257,13 @@ class SymmetricHeap:
         self._maps = []
 
     # ------------------------------------------------------------------ internals
+    def _too_little(self, total: int, free: int) -> RuntimeError:
+        return RuntimeError(
+            f"ubep_torch needs {total} bytes of shared memory in {self.directory} "
+            f"({self.world_size} ranks x {self.segment_bytes} bytes) but only {free} are "
+            f"free. Point UBEP_SHM_DIR at a larger tmpfs, enlarge /dev/shm (docker: --shm-size), or "
+            f"create the Buffer with smaller num_nvl_bytes/num_rdma_bytes.")
+
     def _create_segment(self, group_token: bytes, path: Optional[str] = None) -> str:
         path = path or _segment_path(self.directory)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
@@ -233,6 +271,12 @@ class SymmetricHeap:
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, self.segment_bytes)
+            try:     # reserve every page now: a sparse file that outgrows its tmpfs later kills with SIGBUS
+                os.posix_fallocate(fd, 0, self.segment_bytes)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                raise self._too_little(self.world_size * self.segment_bytes, _free_bytes(self.directory)) from e
             m = mmap.mmap(fd, self.segment_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             _unlink_quietly(path)
@@ -244,7 +288,7 @@ class SymmetricHeap:
                              self.segment_bytes)
         m[: len(header)] = header
         self._maps.append(m)
-        self._views[self.rank] = torch.frombuffer(m, dtype=torch.uint8)
+        self._views[self.rank] = _pinned_view(m)
         return path
 
     def _map_peer(self, r: int, path: str, nbytes: int, group_token: bytes) -> None:
@@ -269,12 +313,19 @@ class SymmetricHeap:
             raise RuntimeError(f"ubep_torch: refusing to map {path}: its header does not belong to rank {r} "
                                f"of this group")
         self._maps.append(m)
-        self._views[r] = torch.frombuffer(m, dtype=torch.uint8)
+        self._views[r] = _pinned_view(m)
+
+
+def _pinned_view(m: mmap.mmap) -> torch.Tensor:
+    """A uint8 tensor over the whole mapping that keeps it mapped while the tensor or any view of it lives:
+    it holds a memoryview, an export of ``m`` (``torch.frombuffer(m)`` alone lets ``m.close()`` unmap the
+    memory under it), so ``close`` raises BufferError then and the mapping goes with the last view."""
+    return torch.frombuffer(memoryview(m), dtype=torch.uint8)
 
 
 def _segment_path(directory: str) -> str:
-    """A fresh unguessable segment path: ``ubep-<pid>-<128 random bits>`` in ``directory``."""
-    return os.path.join(directory, f"ubep-{os.getpid()}-{secrets.token_hex(16)}")
+    """A fresh unguessable segment path: ``ubep-<pid>-<PID namespace>-<128 random bits>`` in ``directory``."""
+    return os.path.join(directory, f"ubep-{os.getpid()}-{_pid_namespace()}-{secrets.token_hex(16)}")
 
 
 def _round_up(x: int, a: int) -> int:
