@@ -428,7 +428,7 @@ def refused_call(ctx, case):
     import torch.distributed as dist
 
     from ubep_torch import Buffer
-    E, T, H = 4, 6, 64
+    E, T, H = 2 * ctx.world_size, 6, 64     # (the results checked in "prompt" and "both": two ranks)
     buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
     x = torch.randn(T, H).bfloat16()
     good = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1], [2, 3]])

@@ -235,6 +235,18 @@ def test_a_call_refused_on_one_rank_fails_its_peers_fast():
         assert [step[0] for step in refusing] == ["ValueError", "ok", "ok"] and refusing[2][2] == 0.0, refusing
 
 
+def test_a_call_refused_on_one_of_three_ranks_is_named_by_both_others():
+    """The two ranks that wait for the refusing one both name it (not the other waiting rank, which gave up
+    on it too)."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(3, env=env) as pool:
+        first, refusing, third = pool.run(FR.refused_call, "late", timeout_s=60)
+    for waiting in (first, third):
+        name, took, refused, aborted = waiting[0][:4]
+        assert name == "UBEPPeerAbortedError" and refused and aborted == [1] and took < 3.0, waiting
+    assert refusing[0][0] == "ValueError", refusing
+
+
 def test_destroy_leaves_live_views_and_ends_waits():
     """(former bugs: a kept get_local_buffer_tensor view read unmapped memory after destroy(), and destroy()
     from another thread unmapped the memory a waiting call polled; both crashed the process)"""

@@ -441,11 +441,12 @@ class Waiter:
                     dead = [r for r in missing if r not in aborted and not self.peer_alive(r)]
                     if dead:
                         raise UBEPPeerLostError(phase, self.rank, list(missing), dead)
+                # a rank that refused the call is the cause of those that gave up waiting for it
+                refused = [r for r in missing if codes.get(r) == ABORT_REFUSED]
+                if refused and all(codes[r] == ABORT_GAVE_UP for r in aborted):
+                    raise UBEPPeerAbortedError(phase, self.rank, list(missing), refused, refused=True)
                 if aborted:
                     raise UBEPPeerAbortedError(phase, self.rank, list(missing), aborted)
-                refused = [r for r in missing if codes.get(r) == ABORT_REFUSED]
-                if refused:
-                    raise UBEPPeerAbortedError(phase, self.rank, list(missing), refused, refused=True)
             if now >= deadline:
                 raise UBEPTimeoutError(phase, self.rank, list(missing), self.timeout_s)
 
