@@ -420,7 +420,8 @@ def refused_call(ctx, case):
     call rank 1 refused, raises once the refusal is 1 s old (its deadline is 20 s), and rank 1's next call
     fails too. ``"prompt"``: rank 1 calls again at once and that call is the one rank 0 waits in.
     ``"both"``: both ranks' first calls are refused, rank 1 calls again after 2.5 s, and rank 0, waiting
-    in its retry of the call, does not count rank 1's refusal. Returns what each step raised or returned
+    in its retry of the call, does not count rank 1's refusal. ``"layout"``: as ``"late"``, with rank 1's
+    error raised by ``get_dispatch_layout``. Returns what each step raised or returned
     (the seconds it took and, for an error, its type, whether it says refused, the ranks it names)."""
     import time
 
@@ -442,6 +443,8 @@ def refused_call(ctx, case):
 
     first = bad if ctx.rank == 1 or case == "both" else good
     steps = [lambda: dispatch(first)]
+    if case == "layout" and ctx.rank == 1:     # the error comes from get_dispatch_layout, before dispatch
+        steps = [lambda: buf.get_dispatch_layout(bad, E)]
     if ctx.rank == 1 or case == "both":
         if ctx.rank == 1 and case != "prompt":
             steps.append(lambda: time.sleep(2.5))
@@ -456,6 +459,56 @@ def refused_call(ctx, case):
             out.append((type(e).__name__, time.monotonic() - t0, getattr(e, "refused", None),
                         getattr(e, "aborted_ranks", None), str(e)))
     time.sleep(0.5)      # (the peer reads the abort word before this Buffer goes)
+    buf.destroy()
+    return out
+
+
+def refused_with_hooks(ctx, case):
+    """Refusals around low-latency recv hooks (2 ranks, 20 s deadline). ``"later"``: rank 0 refuses a
+    low-latency dispatch (call 1) and calls nothing for 3 s; rank 1 issued call 1 with a recv hook and
+    waits in a normal dispatch (call 2): it names rank 0 after about a second. ``"twice"``: both ranks
+    refuse call 1; rank 0 retries it at once with a recv hook, refuses call 2 alone and retries it at once,
+    then runs hook 1; rank 1 retries call 1 after 1.5 s, then makes call 2: everything completes. Returns
+    (step, outcome, seconds) per step."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    E, N, H = 4, 4, 128
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, 2, E),
+                 low_latency_mode=True, timeout_s=20.0)
+    x = torch.randn(N, H).bfloat16()
+    good = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    bad = good.clone()
+    bad[0, 0] = E
+    held = []
+
+    def ll(topk, hook=False):
+        held.append(buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=hook))
+
+    def normal(topk):
+        d = buf.dispatch(x, topk_idx=topk, num_experts=E)
+        buf.combine(d[0], d[4])
+    if case == "later":
+        steps = [("ll", lambda: ll(bad)), ("sleep", lambda: time.sleep(3))] if ctx.rank == 0 else \
+            [("ll", lambda: ll(good, hook=True)), ("normal", lambda: normal(good))]
+    elif ctx.rank == 0:
+        steps = [("ll", lambda: ll(bad)), ("ll", lambda: ll(good, hook=True)), ("normal", lambda: normal(bad)),
+                 ("normal", lambda: normal(good)), ("hook", lambda: held[-1][-1]())]
+    else:
+        steps = [("ll", lambda: ll(bad)), ("sleep", lambda: time.sleep(1.5)), ("ll", lambda: ll(good)),
+                 ("normal", lambda: normal(good))]
+    out = []
+    for name, step in steps:
+        t0 = time.monotonic()
+        try:
+            step()
+            out.append((name, "ok", time.monotonic() - t0))
+        except Exception as e:  # noqa: BLE001
+            out.append((name, type(e).__name__, time.monotonic() - t0, getattr(e, "refused", None)))
+    time.sleep(0.5)
     buf.destroy()
     return out
 

@@ -226,6 +226,9 @@ def test_a_call_refused_on_one_rank_fails_its_peers_fast():
         assert 0.9 < took < 3.0, waiting
         assert "refused this call" in waiting[0][4] and "invalid" in waiting[0][4], waiting
         assert refusing[0][0] == "ValueError" and refusing[2][0] == "UBEPPeerAbortedError", refusing
+        waiting, refusing = pool.run(FR.refused_call, "layout", timeout_s=60)
+        assert waiting[0][0] == "UBEPPeerAbortedError" and waiting[0][2] and waiting[0][1] < 3.0, waiting
+        assert refusing[0][0] == "ValueError" and refusing[2][0] == "UBEPPeerAbortedError", refusing
         waiting, refusing = pool.run(FR.refused_call, "prompt", timeout_s=60)
         assert waiting[0][0] == "ok" and waiting[0][2] == 0.0, waiting
         assert refusing[0][0] == "ValueError" and refusing[1][0] == "ok" and refusing[1][2] == 0.0, refusing
@@ -233,6 +236,20 @@ def test_a_call_refused_on_one_rank_fails_its_peers_fast():
         assert [step[0] for step in waiting] == ["ValueError", "ok"] and waiting[1][2] == 0.0, waiting
         assert waiting[1][1] > 2.0, waiting            # (it waited for rank 1's retry)
         assert [step[0] for step in refusing] == ["ValueError", "ok", "ok"] and refusing[2][2] == 0.0, refusing
+
+
+def test_refusals_around_recv_hooks():
+    """A rank waiting in a later call (its recv hook for the refused one pending) is told too; a rank that
+    refused two calls ignores a peer's refusal of either one, so the peer's late retry completes (former
+    bugs: the first waited for its deadline, the second failed)."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        refusing, waiting = pool.run(FR.refused_with_hooks, "later", timeout_s=60)
+        assert refusing[0][1] == "ValueError" and waiting[0][1] == "ok", (refusing, waiting)
+        assert waiting[1][1] == "UBEPPeerAbortedError" and waiting[1][3] and waiting[1][2] < 3.0, waiting
+        r0, r1 = pool.run(FR.refused_with_hooks, "twice", timeout_s=60)
+        assert [o[1] for o in r0] == ["ValueError", "ok", "ValueError", "ok", "ok"], r0
+        assert [o[1] for o in r1] == ["ValueError", "ok", "ok", "ok"], r1
 
 
 def test_a_call_refused_on_one_of_three_ranks_is_named_by_both_others():
@@ -263,7 +280,7 @@ def test_settings_from_the_environment_are_checked_and_named(monkeypatch, tmp_pa
     import pathlib
 
     from ubep_torch import protocol as P
-    for value in ("abc", "-1", "nan", "5"):
+    for value in ("abc", "-1", "-0.5", "nan", "5"):
         monkeypatch.setenv("UBEP_SPIN_S", value)
         with pytest.raises(ValueError, match="UBEP_SPIN_S"):
             P.spin_seconds()

@@ -191,6 +191,12 @@ class LowLatencyHandle(tuple):
         return obj
 
 
+def _destroyed_during(what: str, rank: int) -> UBEPBrokenError:
+    """The error of a call whose Buffer was destroyed while it ran (from a signal handler or another
+    thread): whatever the call tripped over then, the cause is the destroy."""
+    return UBEPBrokenError(f"ubep_torch: rank {rank}: this Buffer was destroyed during {what}")
+
+
 def _collective(fn):
     """An exception after a call has started talking to peers breaks the Buffer and aborts the peers'
     waits (they raise ``UBEPPeerAbortedError`` within ~50 ms instead of waiting for their deadline).
@@ -209,11 +215,12 @@ def _collective(fn):
             with torch.no_grad():
                 out = fn(self, *args, **kwargs)
         except BaseException as e:
+            if self._destroyed and isinstance(e, Exception) and not isinstance(e, UBEPError):
+                raise _destroyed_during(fn.__name__, self.rank) from e
             if self._in_call and not isinstance(e, UBEPBrokenError):
                 self._fail(e)
-            elif self._calls == calls and isinstance(e, (ValueError, TypeError)) and not self._destroyed \
-                    and self._broken is None:
-                self._post_refusal(calls + 1)     # refused before reaching the peers: tell those waiting
+            elif self._calls == calls and isinstance(e, (ValueError, TypeError)):
+                self._refuse()         # refused before reaching the peers: tell those waiting
             raise
         finally:
             self._in_call = False
@@ -231,6 +238,8 @@ def _collective(fn):
                 with torch.inference_mode():
                     return hook()
             except BaseException as e:
+                if self._destroyed and isinstance(e, Exception) and not isinstance(e, UBEPError):
+                    raise _destroyed_during(f"{fn.__name__} recv hook", self.rank) from e
                 if not isinstance(e, UBEPBrokenError):
                     self._fail(e)
                 raise
@@ -374,7 +383,7 @@ class Buffer:
         self._barrier_count = 0
         self._broken: Optional[str] = None
         self._pending: List[_Pending] = []
-        self._refused_call = 0          # the number of the last call this rank refused (bad input), 0: none
+        self._refused_calls: set = set()   # numbers of the (recent) calls this rank refused (bad input)
         self._refusal_posted = False    # whether the peers' memories still say so
         self._ll_combine_buffer: Optional[torch.Tensor] = None    # flat; see get_next_low_latency_combine_buffer
         self._ll_combine_zeroed = 0
@@ -602,6 +611,13 @@ class Buffer:
             self._active_call = self._calls
         self._in_call = True
 
+    def _refuse(self) -> None:
+        """Bad input (ValueError or TypeError) in a collective call, or in a step that leads to one
+        (``get_dispatch_layout``, ``ubep_torch.functional``), before it reached the peers: post the refusal
+        of the call they may be waiting in (see ``_post_refusal``)."""
+        if not self._destroyed and self._broken is None and not self._in_call:
+            self._post_refusal(self._calls + 1)
+
     def _post_refusal(self, call: int) -> None:
         """Write into every peer's memory that this rank refused call number ``call`` because of bad input,
         and when (0: withdrawn, when this rank's next call reaches the peers). A peer that waits for this
@@ -615,7 +631,7 @@ class Buffer:
                 self._peer_words[r][(_ACK_WORDS + 3) * R + self.rank] = now
                 self._peer_words[r][(_ACK_WORDS + 2) * R + self.rank] = call
         if call:
-            self._refused_call = call
+            self._refused_calls = {c for c in self._refused_calls if c > call - 1024} | {call}
         self._refusal_posted = bool(call)
 
     def _next_epoch(self, rid: int) -> int:
@@ -626,9 +642,10 @@ class Buffer:
 
     def _peer_aborted(self, r: int) -> int:
         """0, or how rank r aborted: ``P.ABORT_FAILED``, ``P.ABORT_GAVE_UP`` or ``P.ABORT_DESTROYED``; or
-        ``P.ABORT_REFUSED`` when it refused (bad input) the call this rank is in at least
-        ``_REFUSAL_GRACE_S`` ago and has not called again since, unless this rank refused that call too
-        (then every rank calls again, and the call it waits in is the retry)."""
+        ``P.ABORT_REFUSED`` when it refused (bad input) the call this rank is in, or an earlier one (this
+        rank waits in a later call, its recv hook for that one pending), at least ``_REFUSAL_GRACE_S`` ago
+        and has not called again since, unless this rank refused that call too (then every rank calls
+        again, and the call it waits in is the retry)."""
         if r == self.rank:
             return 0
         R = self.group_size
@@ -636,7 +653,7 @@ class Buffer:
         if how:
             return how
         refused = int(self._aux_words[(_ACK_WORDS + 2) * R + r])
-        if not refused or refused != self._active_call or refused == self._refused_call:
+        if not refused or refused > self._active_call or refused in self._refused_calls:
             return 0
         age = time.monotonic_ns() - int(self._aux_words[(_ACK_WORDS + 3) * R + r])
         return P.ABORT_REFUSED if age >= min(_REFUSAL_GRACE_S, self.timeout_s / 4) * 1e9 else 0
@@ -755,8 +772,12 @@ class Buffer:
             is_token_in_rank [T, R] bool, event)``. A token counts once per rank hosting any of its experts.
         """
         self._check_usable()
-        E = self._check_num_experts(num_experts)
-        layout = self._layout(topk_idx, E)[0]
+        try:
+            E = self._check_num_experts(num_experts)
+            layout = self._layout(topk_idx, E)[0]
+        except (ValueError, TypeError):
+            self._refuse()      # (the dispatch it prepares will not come: tell the peers waiting in it)
+            raise
         return tuple(None if t is None else t.clone() for t in layout) + (EventOverlap(None),)
 
     def _layout(self, topk_idx: torch.Tensor, E: int):

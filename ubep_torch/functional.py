@@ -23,6 +23,7 @@ through a cached dispatch/combine, so no precision is lost on the way.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +97,22 @@ class LowLatencyAutogradHandle:
 
 
 # ----------------------------------------------------------------------------- helpers
+def _refuses_bad_input(fn):
+    """Bad input (ValueError or TypeError) found before ``fn`` reached its Buffer's collective call means this
+    rank will not make the call its peers may be waiting in: tell them (``Buffer._refuse``)."""
+    @functools.wraps(fn)
+    def wrapper(buffer, *args, **kwargs):
+        calls = getattr(buffer, "_calls", None)
+        try:
+            return fn(buffer, *args, **kwargs)
+        except (ValueError, TypeError):
+            refuse = getattr(buffer, "_refuse", None)
+            if refuse is not None and buffer._calls == calls:
+                refuse()
+            raise
+    return wrapper
+
+
 def _rank_and_size(buffer) -> tuple[int, int]:
     return int(buffer.rank), int(buffer.group_size)
 
@@ -246,6 +263,7 @@ class _Combine(torch.autograd.Function):
         return grad_y.to(ctx.y_dtype), None, None
 
 
+@_refuses_bad_input
 def dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
              *, expert_alignment: int = 1, layout: str = "rank_major",
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AutogradHandle]:
@@ -284,6 +302,7 @@ def dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
     return recv_x, recv_topk_idx, recv_topk_weights, out[0]
 
 
+@_refuses_bad_input
 def combine(buffer, y: torch.Tensor, handle: AutogradHandle) -> torch.Tensor:
     """Differentiable normal-mode combine: the plain (unweighted) sum of each token's returned rows.
 
@@ -434,6 +453,7 @@ class _LowLatencyCombine(torch.autograd.Function):
         return grad_y.to(ctx.y_dtype), grad_w, None, None
 
 
+@_refuses_bad_input
 def low_latency_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                          num_experts: int) -> tuple[torch.Tensor, torch.Tensor, LowLatencyAutogradHandle]:
     """Differentiable low-latency dispatch (no fp8: gradients need the real values).
@@ -459,6 +479,7 @@ def low_latency_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, num_ma
     return recv_x, recv_count, out[0]
 
 
+@_refuses_bad_input
 def low_latency_combine(buffer, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                         handle: LowLatencyAutogradHandle) -> torch.Tensor:
     """Differentiable weighted low-latency combine.

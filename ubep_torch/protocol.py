@@ -333,32 +333,31 @@ def memory_fence() -> None:
 MAX_TIMEOUT_S = 1e7
 
 
-def _seconds(source: str, raw, lowest: float, highest: float) -> float:
-    """``raw`` as a finite number of seconds in ``(lowest, highest]`` (``[0, highest]`` when lowest < 0),
-    else ValueError naming ``source``."""
+def _seconds(source: str, raw, highest: float, zero: bool = False) -> float:
+    """``raw`` as a finite number of seconds > 0 (>= 0 with ``zero``) and at most ``highest``, else
+    ValueError naming ``source``."""
     try:
         value = float(raw)
     except (TypeError, ValueError):
         raise ValueError(f"{source} must be a number of seconds, got {raw!r}") from None
-    if not math.isfinite(value) or value <= lowest or value > highest:
-        bound = ">= 0" if lowest < 0 else f"> {lowest:g}"
-        raise ValueError(f"{source} must be a finite number of seconds {bound} and at most {highest:g}, "
-                         f"got {raw!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero) or value > highest:
+        raise ValueError(f"{source} must be a finite number of seconds {'>=' if zero else '>'} 0 and at most "
+                         f"{highest:g}, got {raw!r}")
     return value
 
 
 def default_timeout(timeout_s: Optional[float]) -> float:
     """The deadline of every wait: ``UBEP_TIMEOUT_S`` if set, else ``timeout_s`` (default 60 s). It must be
     a finite number of seconds > 0 (there is no "wait forever"), at most ``MAX_TIMEOUT_S``."""
-    given = 60.0 if timeout_s is None else _seconds("timeout_s", timeout_s, 0, MAX_TIMEOUT_S)   # checked even
-    env = os.environ.get("UBEP_TIMEOUT_S")                                                    # when overridden
-    return _seconds("UBEP_TIMEOUT_S", env, 0, MAX_TIMEOUT_S) if env else given
+    given = 60.0 if timeout_s is None else _seconds("timeout_s", timeout_s, MAX_TIMEOUT_S)   # checked even
+    env = os.environ.get("UBEP_TIMEOUT_S")                                                 # when overridden
+    return _seconds("UBEP_TIMEOUT_S", env, MAX_TIMEOUT_S) if env else given
 
 
 def spin_seconds() -> float:
     """How long a wait busy-polls before it sleeps: ``UBEP_SPIN_S`` (seconds >= 0, at most 1), else 2 ms."""
     env = os.environ.get("UBEP_SPIN_S")
-    return _seconds("UBEP_SPIN_S", env, -1, 1.0) if env else 0.002
+    return _seconds("UBEP_SPIN_S", env, 1.0, zero=True) if env else 0.002
 
 
 #: what a rank writes into its peers' abort word for it: it failed inside a call, it gave up on another
