@@ -309,7 +309,11 @@ def test_too_little_shared_memory_is_an_error_when_the_buffer_is_built(tmp_path)
     with SIGBUS). Here the reservation fails as on a full tmpfs: a clear error, nothing left behind."""
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": str(tmp_path)}
     with RankPool(2, env=env) as pool:
-        errors = pool.run(FR.build_on_full_tmpfs, timeout_s=60)
-    for name, msg in errors:
-        assert name == "RuntimeError" and "bytes of shared memory" in msg and "UBEP_SHM_DIR" in msg, msg
-    assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
+        for name, msg, _ in pool.run(FR.build_on_full_tmpfs, "all", timeout_s=60):
+            assert name == "RuntimeError" and "bytes of shared memory" in msg and "UBEP_SHM_DIR" in msg, msg
+        assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
+        # rank 1 alone: rank 0 learns why in the set-up exchange instead of waiting for its deadline
+        (name0, msg0, took0), (name1, msg1, _) = pool.run(FR.build_on_full_tmpfs, "one", timeout_s=60)
+        assert name1 == "RuntimeError" and "UBEP_SHM_DIR" in msg1, msg1
+        assert name0 == "RuntimeError" and "rank(s) [1]" in msg0 and "UBEP_SHM_DIR" in msg0 and took0 < 5, msg0
+        assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)

@@ -207,10 +207,23 @@ class SymmetricHeap:
 
         # 2. create and map our own segment (under the name announced in step 1), write the header.
         paths = [i["path"] for i in infos]
-        path = self._create_segment(group_token, paths[self.rank])
+        created_step = "Buffer set-up: waiting for every rank to create its segment"
         try:
-            _all_gather(True, group, self.world_size, self.timeout_s,
-                        "Buffer set-up: waiting for every rank to create its segment")
+            path = self._create_segment(group_token, paths[self.rank])
+        except Exception as e:
+            # the peers wait for this step: tell them why this rank cannot come (a bare error of its own
+            # would leave them waiting for their deadline), then raise here too
+            try:
+                _all_gather(f"{type(e).__name__}: {e}"[:1000], group, self.world_size, self.timeout_s, created_step)
+            except Exception:  # noqa: BLE001  (this rank's own error is the one to raise)
+                pass
+            raise
+        try:
+            created = _all_gather(True, group, self.world_size, self.timeout_s, created_step)
+            failed = [r for r, c in enumerate(created) if c is not True]
+            if failed:
+                raise RuntimeError(f"ubep_torch: rank {self.rank} in phase '{created_step}': rank(s) {failed} could "
+                                   f"not create their segment: " + "; ".join(str(created[r]) for r in failed))
             # 3. map every peer's segment after checking it is what the group announced.
             for r in range(self.world_size):
                 if r == self.rank:
