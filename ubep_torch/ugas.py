@@ -69,9 +69,8 @@ def shm_dir(directory=None) -> str:
         raise TypeError(f"shm_dir must be a str or os.PathLike path, got {type(directory).__name__}")
     source = "shm_dir"
     if directory is None or os.fspath(directory) == "":
-        directory, source = os.environ.get("UBEP_SHM_DIR") or "/dev/shm", "UBEP_SHM_DIR"
-        if not os.environ.get("UBEP_SHM_DIR"):
-            source = "the default shared-memory directory"
+        env = os.environ.get("UBEP_SHM_DIR")
+        directory, source = (env, "UBEP_SHM_DIR") if env else ("/dev/shm", "the default shared-memory directory")
     path = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(path):
         raise ValueError(f"ubep_torch: {source} {os.fspath(directory)!r} is not an existing directory; point "
