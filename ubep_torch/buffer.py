@@ -32,9 +32,11 @@ from .ugas import SymmetricHeap
 from .utils import Config, EventOverlap, TensorCache, check_count
 
 _AUX_REGIONS = 8          # region ids that have an ack table
-# aux words: acks [region][half][source] | SyncAll counters [rank] | abort flags [rank] | refused calls [rank]
-# | refusal times [rank]
+# aux words, R per row: acks [region][half][source] | SyncAll counters | abort words | refused calls |
+# refusal times (one word per rank in each of the last four rows; row * R + rank)
 _ACK_WORDS = 2 * _AUX_REGIONS
+_SYNC_ROW, _ABORT_ROW, _REFUSED_ROW, _REFUSED_AT_ROW = _ACK_WORDS, _ACK_WORDS + 1, _ACK_WORDS + 2, _ACK_WORDS + 3
+_AUX_ROWS = _ACK_WORDS + 4
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _LL_MAX_TOPK = 16         # top-k the low-latency size hint provisions for
@@ -191,10 +193,11 @@ class LowLatencyHandle(tuple):
         return obj
 
 
-def _destroyed_during(what: str, rank: int) -> UBEPBrokenError:
-    """The error of a call whose Buffer was destroyed while it ran (from a signal handler or another
-    thread): whatever the call tripped over then, the cause is the destroy."""
-    return UBEPBrokenError(f"ubep_torch: rank {rank}: this Buffer was destroyed during {what}")
+def _raise_if_destroyed(buf: "Buffer", e: BaseException, what: str) -> None:
+    """A call whose Buffer was destroyed while it ran (from a signal handler or another thread): whatever
+    it tripped over then, the cause is the destroy, raised as ``UBEPBrokenError``."""
+    if buf._destroyed and isinstance(e, Exception) and not isinstance(e, UBEPError):
+        raise UBEPBrokenError(f"ubep_torch: rank {buf.rank}: this Buffer was destroyed during {what}") from e
 
 
 def _collective(fn):
@@ -215,8 +218,7 @@ def _collective(fn):
             with torch.no_grad():
                 out = fn(self, *args, **kwargs)
         except BaseException as e:
-            if self._destroyed and isinstance(e, Exception) and not isinstance(e, UBEPError):
-                raise _destroyed_during(fn.__name__, self.rank) from e
+            _raise_if_destroyed(self, e, fn.__name__)
             if self._in_call and not isinstance(e, UBEPBrokenError):
                 self._fail(e)
             elif self._calls == calls and isinstance(e, (ValueError, TypeError)):
@@ -238,8 +240,7 @@ def _collective(fn):
                 with torch.inference_mode():
                     return hook()
             except BaseException as e:
-                if self._destroyed and isinstance(e, Exception) and not isinstance(e, UBEPError):
-                    raise _destroyed_during(f"{fn.__name__} recv hook", self.rank) from e
+                _raise_if_destroyed(self, e, f"{fn.__name__} recv hook")
                 if not isinstance(e, UBEPBrokenError):
                     self._fail(e)
                 raise
@@ -357,7 +358,7 @@ class Buffer:
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = int(num_rdma_bytes)
 
-        aux = _round((_ACK_WORDS + 4) * R * 8, 4096)   # acks, SyncAll counters, abort flags, refusals
+        aux = _round(_AUX_ROWS * R * 8, 4096)
         base = aux
         half_nvl = self.num_nvl_bytes // 2 // 4096 * 4096
         self._regions = {
@@ -556,7 +557,7 @@ class Buffer:
         self._barrier_count += 1
         count = self._barrier_count
         R = self.group_size
-        off = _ACK_WORDS * R
+        off = _SYNC_ROW * R
         for r in range(R):
             self._peer_words[r][off + self.rank] = count
         words = self._aux_words
@@ -590,7 +591,7 @@ class Buffer:
         too slow for its peers' deadline that still finds everything it needs there: it fails at the end of
         that call or at the start of its next one instead of returning results its peers have abandoned."""
         R = self.group_size
-        base = (_ACK_WORDS + 1) * R
+        base = _ABORT_ROW * R
         words = self._aux_words[base:base + R].tolist()
         aborted = P.blamed({r: P.abort_how(w) for r, w in enumerate(words)
                             if r != self.rank and P.abort_call(w) <= call})
@@ -628,8 +629,8 @@ class Buffer:
         now = time.monotonic_ns()       # (CLOCK_MONOTONIC: one clock for every process of the host)
         for r in range(R):
             if r != self.rank:          # the time first: a peer that reads the call reads its time
-                self._peer_words[r][(_ACK_WORDS + 3) * R + self.rank] = now
-                self._peer_words[r][(_ACK_WORDS + 2) * R + self.rank] = call
+                self._peer_words[r][_REFUSED_AT_ROW * R + self.rank] = now
+                self._peer_words[r][_REFUSED_ROW * R + self.rank] = call
         if call:
             self._refused_calls = {c for c in self._refused_calls if c > call - 1024} | {call}
         self._refusal_posted = bool(call)
@@ -649,19 +650,19 @@ class Buffer:
         if r == self.rank:
             return 0
         R = self.group_size
-        how = P.abort_how(int(self._aux_words[(_ACK_WORDS + 1) * R + r]))
+        how = P.abort_how(int(self._aux_words[_ABORT_ROW * R + r]))
         if how:
             return how
-        refused = int(self._aux_words[(_ACK_WORDS + 2) * R + r])
+        refused = int(self._aux_words[_REFUSED_ROW * R + r])
         if not refused or refused > self._active_call or refused in self._refused_calls:
             return 0
-        age = time.monotonic_ns() - int(self._aux_words[(_ACK_WORDS + 3) * R + r])
+        age = time.monotonic_ns() - int(self._aux_words[_REFUSED_AT_ROW * R + r])
         return P.ABORT_REFUSED if age >= min(_REFUSAL_GRACE_S, self.timeout_s / 4) * 1e9 else 0
 
     def _signal_abort(self, how: int = P.ABORT_FAILED) -> None:
         """Tell every peer that this rank failed inside a call (``how``: see ``_peer_aborted``), so they fail
         fast instead of timing out, and their errors name the rank that caused it."""
-        slot = (_ACK_WORDS + 1) * self.group_size + self.rank
+        slot = _ABORT_ROW * self.group_size + self.rank
         for r in range(self.group_size):
             try:
                 self._peer_words[r][slot] = P.abort_word(how, self._active_call)
