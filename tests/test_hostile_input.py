@@ -64,6 +64,40 @@ def bad_case(ctx, sync, kind):
         recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, topk, S.N_LL, E, use_fp8=False)
         bad_case.pending = (recv_x, handle)     # combined below, so the Buffer is in step again
         return handle
+
+    def combine(x_of=lambda recv_x: recv_x, **kw):     # a dispatch, then its combine of x_of(recv_x)
+        recv_x, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+        return buf.combine(x_of(recv_x), h, **kw)
+
+    def ll_combine(**kw):  # a low-latency dispatch, then its combine with arguments of kw's choice
+        h = ll_handle()
+        return buf.low_latency_combine(kw.pop("x", bad_case.pending[0]), topk, kw.pop("w", torch.rand(T, K)), h,
+                                       **kw)
+
+    def edited_tuple(i, edit):
+        recv_x, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+        items = [t.clone() for t in h]
+        edit(items[i])
+        return buf.combine(recv_x, tuple(items))
+
+    def ll_layout_edited():
+        # every rank's two local experts get different counts, so swapping their layout rows changes them and
+        # keeps every range valid
+        uneven = torch.tensor([[0, 1], [0, 2], [0, 3], [2, -1]])
+        recv_x, _, h, _, _ = buf.low_latency_dispatch(x, uneven, S.N_LL, E, use_fp8=False)
+        layout = h[1].clone()
+        h[1].copy_(layout.flip(0))
+        try:
+            return buf.low_latency_combine(recv_x, uneven, torch.rand(T, K), h)
+        finally:
+            h[1].copy_(layout)
+            buf.low_latency_combine(recv_x, uneven, torch.rand(T, K), h)
+
+    def flip_first(t):
+        t[0] = ~t[0]
+
+    meta = torch.device("meta")
+    stats_of = {"recv": E // ctx.world_size, "wait": ctx.world_size}
     cases = {
         "id too large": lambda: buf.dispatch(x, topk_idx=topk + E, num_experts=E),
         "id < -1": lambda: buf.dispatch(x, topk_idx=topk.clamp(max=0) - 2, num_experts=E),
@@ -104,6 +138,37 @@ def bad_case(ctx, sync, kind):
                                                       num_tokens_per_expert=[1] * E),
         "ll out list": lambda: buf.low_latency_combine(x, topk, torch.rand(T, K), ll_handle(), out=[0]),
         "ll combine handle": lambda: buf.low_latency_combine(x, topk, torch.rand(T, K), ("x",)),
+        # tensors outside host memory (the C loops would read them by address)
+        "meta weights": lambda: buf.dispatch(x, topk_idx=topk, topk_weights=torch.rand(T, K, device=meta),
+                                             num_experts=E),
+        "meta fp8": lambda: buf.dispatch((torch.empty(T, H, dtype=torch.float8_e4m3fn, device=meta),
+                                          torch.ones(T, H // 128, device=meta)), topk_idx=topk, num_experts=E),
+        "meta combine x": lambda: combine(x_of=lambda recv_x: recv_x.to(meta)),
+        "meta combine bias": lambda: combine(bias=torch.zeros(T, H, device=meta)),
+        "meta layout ids": lambda: buf.get_dispatch_layout(topk.to(meta), E),
+        "meta ll x": lambda: buf.low_latency_dispatch(x.to(meta), topk, S.N_LL, E),
+        "meta ll weights": lambda: ll_combine(w=torch.rand(T, K, device=meta)),
+        "meta ll out": lambda: ll_combine(out=torch.empty(T, H, dtype=torch.bfloat16, device=meta)),
+        # tensors the call writes whose elements share memory
+        "ll recv stats expanded": lambda: buf.low_latency_dispatch(
+            x, topk, S.N_LL, E, cumulative_local_expert_recv_stats=torch.zeros(1, dtype=torch.int32).expand(
+                stats_of["recv"])),
+        "ll wait stats expanded": lambda: buf.low_latency_dispatch(
+            x, topk, S.N_LL, E, dispatch_wait_recv_cost_stats=torch.zeros(1, dtype=torch.int64).expand(
+                stats_of["wait"])),
+        "ll out expanded": lambda: ll_combine(out=torch.zeros(1, H).bfloat16().expand(T, H)),
+        # sizes found only after the exchange before: now checked first
+        "worst huge": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E, num_worst_tokens=1 << 50),
+        "E huge": lambda: buf.get_dispatch_layout(topk, ctx.world_size << 44),
+        "ll experts per rank": lambda: buf.low_latency_dispatch(x, topk, S.N_LL, ctx.world_size * 475),
+        "experts per rank": lambda: buf.dispatch(x, topk_idx=topk, num_experts=ctx.world_size * 472),
+        "ll clean args": lambda: buf.clean_low_latency_buffer(-5, "x", None),
+        # handles edited by the caller
+        "tuple rank mask edited": lambda: edited_tuple(4, flip_first),
+        "tuple source index edited": lambda: edited_tuple(3, lambda t: t.fill_(10 ** 6)),
+        "ll layout edited": ll_layout_edited,
+        "cost model str": lambda: buf.set_cost_model("not a model"),
+        "on_report not callable": lambda: buf.set_cost_model(None, on_report=3),
     }
     fn = cases[kind]
     try:
@@ -242,7 +307,17 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
              "x 3-d", "weights int", "alignment 0", "worst < 0", "layout", "ll T > N", "ll N <= 0",
              "ll duplicate", "ll fp8 H", "ll hidden too big", "ll top-k 17", "combine handle",
              "ll combine handle", "ll wait stats shape", "ll wait stats list", "ll recv stats bool",
-             "counts as lists", "rank mask as list", "float rank counts", "expert counts as list", "ll out list"]
+             "counts as lists", "rank mask as list", "float rank counts", "expert counts as list", "ll out list",
+             "meta weights", "meta fp8", "meta combine x", "meta combine bias", "meta layout ids", "meta ll x",
+             "meta ll weights", "meta ll out", "ll recv stats expanded", "ll wait stats expanded", "ll out expanded",
+             "worst huge", "E huge", "ll experts per rank", "experts per rank", "ll clean args",
+             "tuple rank mask edited", "tuple source index edited", "ll layout edited", "cost model str",
+             "on_report not callable"]
+
+
+# what the error of some kinds must say (an earlier check could refuse them for another reason)
+BAD_SAYS = {"meta combine x": "meta tensor", "meta ll out": "meta tensor", "ll experts per rank": "control message",
+            "experts per rank": "control message", "ll layout edited": "changed after"}
 
 
 @pytest.mark.parametrize("sync", ["tff", "sp"])
@@ -250,6 +325,7 @@ def test_bad_input_raises_and_buffer_stays_usable(pool, sync):
     for kind in BAD_KINDS:
         out = pool.run(bad_case, sync, kind)
         assert all(isinstance(o, str) and "accepted" not in o and "unusable" not in o for o in out), (kind, out)
+        assert all(BAD_SAYS.get(kind, "") in o for o in out), (kind, out)
 
 
 @pytest.mark.parametrize("sync", SYNCS)
@@ -342,6 +418,94 @@ def foreign_size_handle(ctx):
 def test_handle_of_another_group_size_is_refused(pool):
     out = pool.run(foreign_size_handle)
     assert all("ranks" in o for o in out), out
+
+
+def odd_but_valid(ctx):
+    """Inputs that once passed the checks and then failed after the exchange (breaking the Buffer on every
+    rank) or gave wrong results: each must now work. Returns the failures."""
+    import warnings
+
+    import numpy as np
+
+    from ubep_torch.cost_model import CostModel
+    buf = _buffers(ctx, "tff")["B"]
+    R = ctx.world_size
+    T, H, K, E = 4, 128, 2, 2 * R
+    torch.manual_seed(ctx.rank)
+    x = torch.randn(T, H).bfloat16()
+    topk = torch.tensor([[0, 1], [1, 2], [-1, -1], [3, 0]])
+    w = torch.rand(T, K)
+    # the low-latency combine of the identity expert: every valid slot's weight times the token
+    want = (x.float() * (w * (topk >= 0)).sum(1, keepdim=True)).bfloat16().float()
+    fails = []
+
+    def check(name, got):
+        if not torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2):
+            fails.append(f"{name}: max error {(got.float() - want).abs().max()}")
+
+    # statistics tensors made in inference mode, updated outside it
+    with torch.inference_mode():
+        recv_stats, wait_stats = torch.zeros(E // R, dtype=torch.int32), torch.zeros(R, dtype=torch.int64)
+    recv_x, count, h, _, _ = buf.low_latency_dispatch(x, topk, S.N_LL, E, use_fp8=False,
+                                                      cumulative_local_expert_recv_stats=recv_stats,
+                                                      dispatch_wait_recv_cost_stats=wait_stats)
+    if not torch.equal(recv_stats, count.to(torch.int32)) or int(wait_stats.min()) < 0:
+        fails.append(f"stats {recv_stats.tolist()} for counts {count.tolist()}, waits {wait_stats.tolist()}")
+    # a strided out= made in inference mode
+    with torch.inference_mode():
+        out = torch.zeros(H, T, dtype=torch.bfloat16).t()
+    check("inference out", buf.low_latency_combine(recv_x, topk, w, h, out=out)[0])
+    check("inference out itself", out)
+    # out= over the memory of topk_weights: the weights are read before the sum overwrites them
+    recv_x, _, h, _, _ = buf.low_latency_dispatch(x, topk, S.N_LL, E, use_fp8=False)
+    memory = torch.zeros(T * H, dtype=torch.bfloat16)
+    shared_w = memory[:2 * T * K].view(torch.float32).view(T, K)
+    shared_w.copy_(w)
+    check("out over the weights", buf.low_latency_combine(recv_x, topk, shared_w, h, out=memory.view(T, H))[0])
+    # a numpy integer for num_experts, as the constructor takes numpy integers
+    recv_x, _, _, _, hn, _ = buf.dispatch(x, topk_idx=topk, num_experts=np.int64(E))
+    # an on_report that raises: a warning, the call's results, and a usable Buffer
+    def broken_report(kind, report):
+        raise KeyError("observer bug")
+    buf.set_cost_model(CostModel(), on_report=broken_report)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            recv_x, _, h, _, _ = buf.low_latency_dispatch(x, topk, S.N_LL, E, use_fp8=False)
+            check("with a failing on_report", buf.low_latency_combine(recv_x, topk, w, h)[0])
+        if not any("observer bug" in str(c.message) for c in caught):
+            fails.append(f"no warning for the failing on_report: {[str(c.message) for c in caught]}")
+    finally:
+        buf.set_cost_model(None)
+        buf.on_report = None
+    recv_x, _, h, _, _ = buf.low_latency_dispatch(x, topk, S.N_LL, E, use_fp8=False)
+    check("after", buf.low_latency_combine(recv_x, topk, w, h)[0])
+    return fails
+
+
+def test_odd_but_valid_inputs_work(pool):
+    assert pool.run(odd_but_valid) == [[], []]
+
+
+def test_errors_before_the_peers_are_posted_as_refusals():
+    """Any error (not only ValueError/TypeError) raised before a call reaches the peers is posted to them,
+    so they stop waiting; protocol errors are not (they are about the peers)."""
+    import types
+
+    from ubep_torch import UBEPTimeoutError, functional
+    from ubep_torch.errors import refusal
+    assert refusal(ValueError()) and refusal(RuntimeError()) and refusal(MemoryError())
+    assert not refusal(UBEPTimeoutError("p", 0, [1], 1.0)) and not refusal(KeyboardInterrupt())
+    posted = []
+
+    def failing_layout(*args, **kwargs):
+        raise RuntimeError("allocation failed")
+    fake = types.SimpleNamespace(rank=0, group_size=2, _calls=3, _refuse=lambda: posted.append(True),
+                                 get_dispatch_layout=failing_layout)
+    x, topk = torch.randn(3, 8), torch.zeros(3, 1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="allocation failed"):
+        functional.dispatch(fake, x, topk, torch.ones(3, 1), 2)
+    assert posted == [True]
 
 
 def test_argument_checks_without_a_process_group():

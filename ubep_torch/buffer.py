@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import collections
 import functools
+import numbers
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, chain
 from typing import Callable, Deque, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from . import protocol as P
 from . import ugas
 from .engine import Destination, SendJob, make_engine
-from .errors import UBEPBrokenError, UBEPError, UBEPPeerAbortedError, UBEPPeerLostError, UBEPTimeoutError
+from .errors import UBEPBrokenError, UBEPError, UBEPPeerAbortedError, UBEPPeerLostError, UBEPTimeoutError, refusal
 from .ugas import SymmetricHeap
 from .utils import Config, EventOverlap, TensorCache, check_count
 
@@ -66,12 +68,20 @@ def normal_buffer_bytes(num_tokens: int, hidden_bytes: int, num_ranks: int) -> i
     return 2 * _round(per_region, 4096) + 4096     # the Buffer splits it into 4 KiB-aligned regions
 
 
+def _max_local_experts(extra_counts: int) -> int:
+    """Local experts whose counts fit one control message next to ``extra_counts`` other counts."""
+    return P.MAX_CTRL_BLOCKS * P.CTRL_WORDS_PER_BLOCK - P.CTRL_COUNTS - extra_counts
+
+
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                              num_experts: int, num_topk: int = _LL_MAX_TOPK) -> int:
     n = check_count("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
     h, num_ranks = check_count("hidden", hidden), check_count("num_ranks", num_ranks, 1)
     num_experts, num_topk = check_count("num_experts", num_experts, 1), check_count("num_topk", num_topk, 1)
     e_local = max(1, -(-num_experts // num_ranks))
+    if e_local > _max_local_experts(0):
+        raise ValueError(f"num_experts={num_experts} gives {e_local} experts per rank; low-latency control messages "
+                         f"carry the counts of at most {_max_local_experts(0)}")
     ctrl = 2 * num_ranks * P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
     dispatch_rows = 2 * num_ranks * e_local * n * _row_bytes_worst(h * 2, 0)
     combine_rows = 2 * n * num_topk * _row_bytes_worst(h * 2)
@@ -164,19 +174,35 @@ class DispatchHandle(tuple):
         items = tuple(items)
         if len(items) != 6 or not all(isinstance(t, torch.Tensor) for t in items):
             raise TypeError("a dispatch handle is the tuple of six tensors returned by Buffer.dispatch")
-        rank_prefix, _, _, recv_src_idx, itr, _ = items
+        rank_prefix, channel_prefix, _, recv_src_idx, itr, _ = items
         R = num_ranks
-        if tuple(rank_prefix.shape) != (R, R) or itr.dim() != 2 or itr.shape[1] != R or itr.dtype != torch.bool:
+        if tuple(rank_prefix.shape) != (R, R) or itr.dim() != 2 or itr.shape[1] != R or itr.dtype != torch.bool \
+                or tuple(channel_prefix.shape) != (R, 1) or recv_src_idx.dim() != 1:
             raise ValueError(f"handle entries have the wrong shapes for {R} ranks: rank_prefix_matrix "
-                             f"{tuple(rank_prefix.shape)}, is_token_in_rank {tuple(itr.shape)}")
-        itr = itr.cpu()
-        col = rank_prefix[:, rank].to(torch.int64).cpu()
+                             f"{tuple(rank_prefix.shape)}, channel_prefix_matrix {tuple(channel_prefix.shape)}, "
+                             f"recv_src_idx {tuple(recv_src_idx.shape)}, is_token_in_rank {tuple(itr.shape)}")
+        rank_prefix = rank_prefix.to(torch.int64)
+        col = rank_prefix[:, rank]
         counts = torch.diff(col, prepend=torch.zeros(1, dtype=torch.int64))
         num_recv = int(col[-1]) if R else 0
         if bool((counts < 0).any()) or recv_src_idx.numel() != num_recv:
             raise ValueError(f"handle entries disagree: rank_prefix_matrix says {num_recv} received rows, "
                              f"recv_src_idx has {recv_src_idx.numel()}")
+        # what this rank sent: is_token_in_rank against both matrices
+        sent = itr.sum(0)
+        own_row = rank_prefix[rank] - (rank_prefix[rank - 1] if rank else 0)
+        if not (torch.equal(sent, channel_prefix[:, 0].to(torch.int64)) and torch.equal(sent, own_row)):
+            raise ValueError(f"handle entries disagree: is_token_in_rank sends {sent.tolist()} tokens to the ranks, "
+                             f"channel_prefix_matrix says {channel_prefix[:, 0].tolist()} and rank_prefix_matrix "
+                             f"{own_row.tolist()}")
+        # what this rank received: every source's rows in its token order
         offsets = [0] + col.tolist()
+        src = recv_src_idx.to(torch.int64)
+        for s in range(R):
+            seg = src[offsets[s]:offsets[s + 1]]
+            if seg.numel() and (int(seg[0]) < 0 or bool((seg[1:] <= seg[:-1]).any())):
+                raise ValueError(f"handle entries disagree: recv_src_idx of the rows from rank {s} are not "
+                                 f"increasing token indices")
         send_idx = [itr[:, d].nonzero().squeeze(1) for d in range(R)]
         return cls(items, send_idx=send_idx, recv_counts=counts.tolist(), recv_offsets=offsets, num_recv=num_recv,
                    num_tokens=itr.shape[0], num_experts=0, num_worst_tokens=None, layout="rank_major",
@@ -200,6 +226,20 @@ def _raise_if_destroyed(buf: "Buffer", e: BaseException, what: str) -> None:
         raise UBEPBrokenError(f"ubep_torch: rank {buf.rank}: this Buffer was destroyed during {what}") from e
 
 
+def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
+    """Every tensor among the arguments of ``fn`` (and inside tuple or list arguments: fp8 pairs, bias
+    pairs, handles) lives in host memory, where the UGAS and the C loops read it by address; else
+    ValueError naming the argument, before anything is read."""
+    names = fn.__code__.co_varnames[1:1 + len(args)]
+    for name, value in chain(zip(names, args), kwargs.items()):
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for i, t in enumerate(items):
+            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                where = f"{name}[{i}]" if items is value else name
+                raise ValueError(f"ubep_torch: {fn.__name__}: {where} is a {t.device.type} tensor; the shared-memory "
+                                 f"UGAS moves host memory, so pass CPU tensors")
+
+
 def _collective(fn):
     """An exception after a call has started talking to peers breaks the Buffer and aborts the peers'
     waits (they raise ``UBEPPeerAbortedError`` within ~50 ms instead of waiting for their deadline).
@@ -213,6 +253,7 @@ def _collective(fn):
         self._in_call = False
         calls = self._calls
         try:
+            _check_host_tensors(fn, args, kwargs)
             if not self._destroyed and self._broken is None:
                 self._check_peers(f"{fn.__name__}: start of the call", self._calls + 1)
             with torch.no_grad():
@@ -221,8 +262,8 @@ def _collective(fn):
             _raise_if_destroyed(self, e, fn.__name__)
             if self._in_call and not isinstance(e, UBEPBrokenError):
                 self._fail(e)
-            elif self._calls == calls and isinstance(e, (ValueError, TypeError)):
-                self._refuse()         # refused before reaching the peers: tell those waiting
+            elif self._calls == calls and refusal(e):
+                self._refuse()         # failed before reaching the peers: tell those waiting
             raise
         finally:
             self._in_call = False
@@ -343,8 +384,8 @@ class Buffer:
         self.engine = make_engine(backend, num_count_aivs)
         self._default_n_count = getattr(self.engine, "n_count", None)   # includes UBEP_TRITON_COUNT_AIVS
         self.backend = self.engine.name
-        self.cost_model = cost_model
-        self.on_report = on_report
+        self.cost_model = self.on_report = None
+        self.set_cost_model(cost_model, on_report)
         self.last_report = None
 
         R = self.group_size
@@ -458,7 +499,14 @@ class Buffer:
         return low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     def set_cost_model(self, cost_model, on_report: Optional[Callable] = None) -> None:
-        """Enable (or with None disable) per-call CM384 latency reports."""
+        """Enable (or with None disable) per-call CM384 latency reports: ``cost_model`` has a
+        ``report(kind, rank, num_ranks, topk_idx, num_experts, hidden, bytes_per_token, sync=...)`` method
+        (``ubep_torch.cost_model.CostModel``); ``on_report(kind, report)``, when given, gets every report."""
+        if cost_model is not None and not callable(getattr(cost_model, "report", None)):
+            raise TypeError(f"cost_model must have a report() method (ubep_torch.cost_model.CostModel), got "
+                            f"{type(cost_model).__name__}")
+        if on_report is not None and not callable(on_report):
+            raise TypeError(f"on_report must be callable, got {type(on_report).__name__}")
         self.cost_model = cost_model
         if on_report is not None:
             self.on_report = on_report
@@ -677,13 +725,20 @@ class Buffer:
 
     def _report(self, kind: str, topk_idx: Optional[torch.Tensor], num_experts: int, hidden: int,
                 bytes_per_token: int) -> None:
+        """The cost model's report of a call whose data has moved. The model and ``on_report`` observe the
+        call: an error of theirs becomes a warning, so the call's results are returned and no peer waits
+        on a call this rank left."""
         if self.cost_model is None or topk_idx is None:
             return
-        rep = self.cost_model.report(kind, self.rank, self.group_size, topk_idx, num_experts, hidden,
-                                     bytes_per_token, sync=self.sync)
-        self.last_report = rep
-        if self.on_report is not None:
-            self.on_report(kind, rep)
+        try:
+            rep = self.cost_model.report(kind, self.rank, self.group_size, topk_idx, num_experts, hidden,
+                                         bytes_per_token, sync=self.sync)
+            self.last_report = rep
+            if self.on_report is not None:
+                self.on_report(kind, rep)
+        except Exception as e:
+            warnings.warn(f"ubep_torch: rank {self.rank}: the cost model report of {kind} failed ({type(e).__name__}: "
+                          f"{e}); the call itself completed", RuntimeWarning, stacklevel=2)
 
     # ================================================================== validation helpers
     def _check_topk(self, topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx",
@@ -706,12 +761,20 @@ class Buffer:
                                  f"(rank {self.rank})")
         return topk_idx
 
-    def _check_num_experts(self, num_experts) -> int:
-        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+    def _check_num_experts(self, num_experts, low_latency: bool = False) -> int:
+        """``num_experts`` as an int: positive, divisible by the group size, and with few enough local experts
+        that one control message carries their counts (and, in normal mode, the R token counts and the
+        token total after them)."""
+        if isinstance(num_experts, bool) or not isinstance(num_experts, numbers.Integral) or num_experts <= 0:
             raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-        if num_experts % self.group_size:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks "
-                             f"({self.group_size})")
+        num_experts, R = int(num_experts), self.group_size
+        if num_experts % R:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks ({R})")
+        most = _max_local_experts(0 if low_latency else R + 1)
+        if num_experts // R > most:
+            mode = "low-latency" if low_latency else "normal"
+            raise ValueError(f"num_experts={num_experts} gives {num_experts // R} experts per rank; one control "
+                             f"message carries the counts of at most {most} in {mode} mode (with {R} ranks)")
         return num_experts
 
     def _check_expert_counts(self, num_tokens_per_expert, E: int, is_token_in_rank: torch.Tensor) -> torch.Tensor:
@@ -774,10 +837,12 @@ class Buffer:
         """
         self._check_usable()
         try:
+            _check_host_tensors(Buffer.get_dispatch_layout, (topk_idx,), {})
             E = self._check_num_experts(num_experts)
             layout = self._layout(topk_idx, E)[0]
-        except (ValueError, TypeError):
-            self._refuse()      # (the dispatch it prepares will not come: tell the peers waiting in it)
+        except Exception as e:
+            if refusal(e):
+                self._refuse()  # (the dispatch it prepares will not come: tell the peers waiting in it)
             raise
         return tuple(None if t is None else t.clone() for t in layout) + (EventOverlap(None),)
 
@@ -947,6 +1012,13 @@ class Buffer:
 
         # ---------------- receive side: CalCumSum and Token-Reordering into the DeepEP layout
         out = {}
+        worst_x = None
+        if num_worst_tokens:    # sized by the caller: allocated before anything is sent, so too many rows fail here
+            try:
+                worst_x = self._out.zeros((num_worst_tokens, H), xd.dtype)
+            except (RuntimeError, MemoryError) as e:
+                raise ValueError(f"num_worst_tokens={num_worst_tokens} rows of hidden size {H} cannot be allocated "
+                                 f"({type(e).__name__}: {str(e)[:120]})") from None
 
         def allocate(recv: dict) -> Tuple[List[int], list, torch.Tensor, torch.Tensor]:
             rows_from = self._rows_from(recv, [row[self.rank] for row in recv["ntpr_matrix"]], cap)
@@ -954,8 +1026,8 @@ class Buffer:
             # more rows than num_worst_tokens: the call completes (the peers' rows must be consumed), then
             # raises; a rank cannot know what it will receive before the exchange
             rows_out = max(num_worst_tokens, num_recv) if num_worst_tokens else num_recv
-            out["x"] = self._out.zeros((rows_out, H), xd.dtype) if num_worst_tokens else \
-                self._out.empty((num_recv, H), xd.dtype)
+            out["x"] = (worst_x if rows_out == num_worst_tokens else self._out.zeros((rows_out, H), xd.dtype)) \
+                if num_worst_tokens else self._out.empty((num_recv, H), xd.dtype)
             out["scales"] = None
             if scales is not None:
                 out["scales"] = self._out.zeros((rows_out, scales.shape[1]), torch.float32)
@@ -1513,7 +1585,7 @@ class Buffer:
         N = num_max_dispatch_tokens_per_rank
         if not isinstance(N, int) or N <= 0:
             raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {N!r}")
-        E = self._check_num_experts(num_experts)
+        E = self._check_num_experts(num_experts, low_latency=True)
         if not isinstance(x, torch.Tensor):
             raise TypeError("x must be a tensor")
         if x.dtype != torch.bfloat16:
@@ -1772,9 +1844,10 @@ class Buffer:
                     self._send_ack(rid, s, epoch)
             self._check_peers("low_latency_dispatch: end of the call", pending.call)
             if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(recv_count.to(cumulative_local_expert_recv_stats.dtype))
+                _add_stats(cumulative_local_expert_recv_stats, recv_count.tolist())
             if dispatch_wait_recv_cost_stats is not None:
                 _add_stats(dispatch_wait_recv_cost_stats, wait_ns)
+            handle.layout_snapshot = layout_range.clone()    # (a combine checks that the caller left it as is)
             pending.done = True
             self._pending = [p for p in self._pending if not p.done]
             self._report("low_latency_dispatch", topk_idx, E, H, fmt.fields[0][1] + (
@@ -1813,6 +1886,10 @@ class Buffer:
         """The handle itself, or the one of a recent call that a plain tuple or list was made from (DeepEP's
         low-latency handle is a plain tuple; its entries are this call's own tensors)."""
         if isinstance(handle, LowLatencyHandle):
+            ranks = handle[1].shape[1]
+            if ranks != self.group_size:
+                raise ValueError(f"this handle comes from a low_latency_dispatch over {ranks} ranks; this Buffer's "
+                                 f"group has {self.group_size}")
             return handle
         if isinstance(handle, (tuple, list)) and len(handle) == 5:
             found = _recent_copy_of(handle, self._recent_ll_handles, _LL_LAYOUT_KEYS)
@@ -1874,6 +1951,9 @@ class Buffer:
             raise ValueError("low_latency_combine got the handle of a low_latency_dispatch whose recv hook has "
                              "not run yet; call hook() first")
         src_info, layout_range, N, H, E = handle
+        if not torch.equal(layout_range, handle.layout_snapshot):
+            raise ValueError("the handle's layout_range was changed after its low_latency_dispatch; the combine "
+                             "sends rows back by it")
         R, me = self.group_size, self.rank
         E_local = E // R
         if zero_copy:
@@ -1898,6 +1978,8 @@ class Buffer:
             raise TypeError(f"out must be a tensor, got {type(out).__name__}")
         if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (T, H)):
             raise ValueError(f"out must be a [{T}, {H}] bfloat16 tensor")
+        if out is not None:
+            _check_writable("out", out)
         # Every dispatched (token, expert) pair comes back into slot pos[t, k]: its place in this rank's
         # dispatch order (by destination rank, local expert, token), so each host's rows form one run.
         n_valid = handle.n_pairs
@@ -1937,7 +2019,7 @@ class Buffer:
         # (not with a recv hook: x may change before the hook runs, and the rows must be those of the call)
         # (nor when out= shares x's memory: the reduction would read rows it has already overwritten)
         own_direct = (eng.combines_local_rows and fmt.sync == "tff" and not return_recv_hook
-                      and (out is None or out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()))
+                      and (out is None or not _same_memory(out, x)))
         if direct:   # payload is stored straight from x
             staging, checked, row_sums = eng.stage_rows(fmt, [P.as_bytes(xs)], None, eng.arange(xs.shape[0]), me)
             sels = per_src
@@ -1966,7 +2048,9 @@ class Buffer:
 
         result = out if out is not None else self._out.empty((T, H), torch.bfloat16)
         pending = _Pending("low_latency_combine", epoch, call=self._calls)
-        weights = topk_weights.contiguous()
+        # (weights that share out='s memory are read before the sum overwrites them)
+        weights = topk_weights.clone() if out is not None and _same_memory(out, topk_weights) else \
+            topk_weights.contiguous()
 
         def receive():
             if pending.done:
@@ -2007,10 +2091,11 @@ class Buffer:
                     return pending_hosts
             self._wait("low_latency_combine: waiting for expert outputs", poll_rows)
             # slot (t, k) is row pos[t, k]; masked slots never reach the sum
-            if own_direct:
-                eng.weighted_combine(fmt, rows, topk_idx, weights, result, pos, local=(xs, lo, hi, per_src[me]))
-            else:
-                eng.weighted_combine(fmt, rows, topk_idx, weights, result, pos)
+            with torch.inference_mode(result.is_inference()):    # (an inference out= is written in inference mode)
+                if own_direct:
+                    eng.weighted_combine(fmt, rows, topk_idx, weights, result, pos, local=(xs, lo, hi, per_src[me]))
+                else:
+                    eng.weighted_combine(fmt, rows, topk_idx, weights, result, pos)
             eng.rearm(fmt, rows)
             for s in range(R):
                 self._send_ack(rid, s, epoch)
@@ -2032,6 +2117,9 @@ class Buffer:
         Flags carry epochs, so TFF/DC/SW buffers never need cleaning; this exists for DeepEP code.
         """
         self._check_usable()
+        check_count("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        check_count("hidden", hidden, 1)
+        self._check_num_experts(num_experts, low_latency=True)
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
         self._begin_call()
@@ -2043,7 +2131,13 @@ def _add_stats(stats: torch.Tensor, values: List[int]) -> None:
     """``stats += values`` for a checked int32/int64 statistics tensor and Python ints of any size: the sum
     wraps like the tensor's own integer arithmetic (an int32 tensor of nanoseconds wraps after ~2.1 s)
     instead of failing after the exchange."""
-    stats.add_(torch.tensor([P.wrap_int64(v) for v in values], dtype=torch.int64).to(stats.dtype))
+    with torch.inference_mode(stats.is_inference()):     # (an inference tensor is written in inference mode)
+        stats.add_(torch.tensor([P.wrap_int64(v) for v in values], dtype=torch.int64).to(stats.dtype))
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are views of one storage."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _check_stats(name: str, stats, n: int) -> None:
@@ -2057,6 +2151,14 @@ def _check_stats(name: str, stats, n: int) -> None:
         raise TypeError(f"{name} must be an int32 or int64 CPU tensor, got {stats.dtype} on {stats.device}")
     if tuple(stats.shape) != (n,):
         raise ValueError(f"{name} must have shape ({n},), got {tuple(stats.shape)}")
+    _check_writable(name, stats)
+
+
+def _check_writable(name: str, t: torch.Tensor) -> None:
+    """A tensor the call writes into: no two of its elements share memory (an expanded tensor's do)."""
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name} is expanded (several of its elements share memory); the call writes every "
+                         f"element: pass a tensor of its own, e.g. {name}.clone()")
 
 
 def _next_run(eng, fmt: P.RowFormat, rows: torch.Tensor, flag: int, start: int, expected_sum: int) -> int:

@@ -44,8 +44,8 @@ class UBEPPeerAbortedError(UBEPError):
     """A peer failed in a collective call (or gave up waiting in it) and told the group so, instead of going
     silent. ``when`` says which call: ``"this call"``, or an earlier one by its number. A rank too slow for
     its peers' deadline may still find all its data there; it learns of the abort when its part is done or
-    at its next call. ``refused``: the peers refused this call before reaching the others (bad input on
-    those ranks only: they raised ValueError or TypeError)."""
+    at its next call. ``refused``: the peers left this call with an error before reaching the others (bad
+    input on those ranks only, above all: they raised ValueError or TypeError)."""
 
     def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], aborted_ranks: Sequence[int],
                  when: str = "this call", refused: bool = False):
@@ -56,7 +56,8 @@ class UBEPPeerAbortedError(UBEPError):
         self.when = when
         self.refused = refused
         missing = f"; rank(s) {self.missing_ranks} had not delivered" if self.missing_ranks else ""
-        what = (f"refused {when} (their inputs were invalid: see their ValueError or TypeError)" if refused else
+        what = (f"refused {when} (an error before they reached the others, as for invalid input: see their "
+                f"error)" if refused else
                 f"failed or gave up in {when} and aborted it (see their error)")
         super().__init__(
             f"ubep_torch: rank {rank} in phase '{phase}': peer rank(s) {self.aborted_ranks} {what}{missing}. "
@@ -66,3 +67,10 @@ class UBEPPeerAbortedError(UBEPError):
 
 class UBEPBrokenError(UBEPError):
     """The Buffer saw a timeout or a lost peer earlier and refuses further communication."""
+
+
+def refusal(e: BaseException) -> bool:
+    """Whether an error raised before a call reached the peers makes this rank leave the call in a way its
+    peers should learn of (``Buffer._refuse``): bad input above all, also a failed allocation. Protocol
+    errors (``UBEPError``) are about the peers and leave nothing to tell."""
+    return isinstance(e, Exception) and not isinstance(e, UBEPError)

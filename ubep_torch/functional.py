@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from .errors import refusal
+
 __all__ = [
     "AutogradHandle",
     "LowLatencyAutogradHandle",
@@ -98,16 +100,16 @@ class LowLatencyAutogradHandle:
 
 # ----------------------------------------------------------------------------- helpers
 def _refuses_bad_input(fn):
-    """Bad input (ValueError or TypeError) found before ``fn`` reached its Buffer's collective call means this
+    """An error (bad input above all) raised before ``fn`` reached its Buffer's collective call means this
     rank will not make the call its peers may be waiting in: tell them (``Buffer._refuse``)."""
     @functools.wraps(fn)
     def wrapper(buffer, *args, **kwargs):
         calls = getattr(buffer, "_calls", None)
         try:
             return fn(buffer, *args, **kwargs)
-        except (ValueError, TypeError):
+        except Exception as e:
             refuse = getattr(buffer, "_refuse", None)
-            if refuse is not None and buffer._calls == calls:
+            if refuse is not None and buffer._calls == calls and refusal(e):
                 refuse()
             raise
     return wrapper
@@ -121,6 +123,9 @@ def _check_tensors(fn: str, **args) -> None:
     for name, t in args.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"ubep_torch.functional.{fn}: {name} must be a tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"ubep_torch.functional.{fn}: {name} is a {t.device.type} tensor; the shared-memory "
+                             f"UGAS moves host memory, so pass CPU tensors")
 
 
 def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
