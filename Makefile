@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml setup.py ubep_torch/csrc/native.c
 	else 'ubep_torch: C data path NOT built (no C compiler?); backend=\"auto\" uses the torch path')"
 	touch $(STAMP)
 
+# (torchrun leaves a log directory in TMPDIR: a temporary one, removed afterwards)
 demo: install
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/demo.py
+	@tmp=$$(mktemp -d); OMP_NUM_THREADS=1 TMPDIR=$$tmp $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
+		examples/demo.py; status=$$?; rm -rf $$tmp; exit $$status
 
 test: install
 	$(PY) -m pytest tests

@@ -58,6 +58,8 @@ def main() -> None:
             return run
         if simd:
             paths["C path, AVX-512 sum"] = c_path(True)
+        else:
+            print("(this CPU has no AVX-512: no row for the C path's AVX-512 sum)")
         paths["C path, portable loops"] = c_path(False)
     want = torch.zeros(T, H, dtype=torch.bfloat16)
     TorchEngine().reduce_sources(fmt, sources, want)

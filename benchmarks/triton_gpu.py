@@ -273,13 +273,16 @@ def check_ll_receive(c: Checks, sync: str):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="cuda (kernels compiled for it) or cpu (interpreted)")
-    ap.add_argument("--iters", type=int, default=20, help="timed launches per check after the first")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="timed launches per check after the first (default 20 on a GPU, 2 interpreted)")
     ap.add_argument("--small", action="store_true", help="small sizes only (the interpreter is slow)")
     ap.add_argument("--rmw-acquire", action="store_true",
                     help="define the kernels as with a Triton release that lacks tl.atomic_load")
     a = ap.parse_args()
     if a.device not in ("cuda", "cpu"):
         ap.error("--device must be cuda or cpu")
+    if a.iters is None:
+        a.iters = 20 if a.device == "cuda" else 2
     if a.iters < 0:
         ap.error("--iters must be >= 0")
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -290,6 +293,9 @@ def main() -> int:
     where = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     print(f"ubep_torch Triton kernels on {where} ({'compiled' if a.device == 'cuda' else 'interpreted'}), "
           f"triton {triton.__version__}, torch {torch.__version__}")
+    if a.device == "cpu":
+        print(f"(interpreted: a launch of the large checks takes seconds, so this run takes minutes; --small "
+              f"takes well under a minute; {a.iters} timed launches per check)", flush=True)
     print(f"{'check':<48} {'wall us':>10} {'kernel us':>10}   result")
     c = Checks(a.device, a.iters)
     big = not a.small

@@ -1628,8 +1628,9 @@ class Buffer:
         region = self._region(P.REGION_LL_DISPATCH)
         if region.capacity(fmt) < E_local * N:
             raise ValueError(f"the low-latency buffer holds {region.capacity(fmt)} rows per source but "
-                             f"E_local*N = {E_local * N} are needed (hidden {H} larger than the buffer was sized "
-                             f"for?); use num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E)}")
+                             f"E_local*N = {E_local * N} are needed (num_max_dispatch_tokens_per_rank={N}, "
+                             f"num_experts={E} or hidden={H} larger than the buffer was sized for?); use "
+                             f"num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E)}")
         self._check_in_flight(P.REGION_LL_DISPATCH)
         counts = counts.view(R, E_local)
         counts_l = counts.tolist()

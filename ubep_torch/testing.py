@@ -134,23 +134,26 @@ def run_torchrun(script: str, args: Optional[List[str]] = None, nproc: int = 2, 
     """Run ``script`` under ``torchrun`` on ``nproc`` local ranks and return the CompletedProcess.
 
     The launcher gets its own process group, so a timeout kills every rank it started (a killed torchrun
-    alone would leave its workers behind), and a fixed loopback rendezvous port.
+    alone would leave its workers behind), a fixed loopback rendezvous port, and a temporary directory of
+    its own (``TMPDIR``), removed afterwards: torchrun leaves a ``torchelastic_*`` log directory there.
     """
     import signal
     import subprocess
     import sys
+    import tempfile
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), script] + list(args or [])
-    full_env = dict(os.environ, OMP_NUM_THREADS="1")
-    full_env.update(env or {})
-    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        msg = f"{' '.join(cmd)} did not finish within {timeout_s}s:\n{out[-2000:]}\n{err[-2000:]}"
-        raise RuntimeError(msg) from None
+    with tempfile.TemporaryDirectory(prefix="ubep-torchrun-") as tmp:
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=tmp)
+        full_env.update(env or {})
+        proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            msg = f"{' '.join(cmd)} did not finish within {timeout_s}s:\n{out[-2000:]}\n{err[-2000:]}"
+            raise RuntimeError(msg) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

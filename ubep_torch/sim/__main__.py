@@ -101,17 +101,18 @@ def _print_case(kind: str, args: argparse.Namespace, res: dict) -> None:
 
 def _table(rows: list[dict], cols: list[str], title: str) -> None:
     print(title)
-    print("  " + "".join(f"{c:>14s}" for c in cols))
+    widths = [max(14, len(c) + 2) for c in cols]     # (a long name never runs into the previous column)
+    print("  " + "".join(f"{c:>{w}s}" for c, w in zip(cols, widths)))
     for r in rows:
         cells = []
-        for c in cols:
+        for c, w in zip(cols, widths):
             v = r.get(c, "")
             if isinstance(v, bool):
-                cells.append(f"{'*' if v else '':>14s}")
+                cells.append(f"{'*' if v else '':>{w}s}")
             elif isinstance(v, float):
-                cells.append(f"{100 * v:13.1f}%" if "reduction" in c else f"{v:14.1f}")
+                cells.append(f"{100 * v:{w - 1}.1f}%" if "reduction" in c else f"{v:{w}.1f}")
             else:
-                cells.append(f"{v!s:>14s}")
+                cells.append(f"{v!s:>{w}s}")
         print("  " + "".join(cells))
     print()
 
