@@ -234,7 +234,7 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
     for name, value in chain(zip(names, args), kwargs.items()):
         items = value if isinstance(value, (tuple, list)) else (value,)
         for i, t in enumerate(items):
-            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            if isinstance(t, torch.Tensor) and not t.is_cpu:
                 where = f"{name}[{i}]" if items is value else name
                 raise ValueError(f"ubep_torch: {fn.__name__}: {where} is a {t.device.type} tensor; the shared-memory "
                                  f"UGAS moves host memory, so pass CPU tensors")
