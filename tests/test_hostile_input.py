@@ -515,6 +515,7 @@ def test_argument_checks_without_a_process_group():
     from ubep_torch import Config, functional, nn
     with pytest.raises(TypeError, match="group"):
         Buffer(42)
+    assert Buffer.num_sms == 20 and Config().num_sms == 20      # DeepEP's default
     with pytest.raises(TypeError, match="num_sms"):
         Buffer.set_num_sms("x")
     with pytest.raises(ValueError, match="num_sms"):

@@ -331,7 +331,7 @@ class Buffer:
     ``rank``, ``group_size``, ``sync``, ``timeout_s``, ``last_report`` (with a cost model).
     """
 
-    num_sms: int = 24
+    num_sms: int = 20          # (DeepEP's default)
 
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,

@@ -72,7 +72,7 @@ class Config:
         num_count_aivs: AIVs of the count group (None = the Appendix-9 model).
     """
 
-    def __init__(self, num_sms: int = 24, num_max_nvl_chunked_send_tokens: int = 6,
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
                  num_max_nvl_chunked_recv_tokens: int = 4096, num_max_rdma_chunked_send_tokens: int = 6,
                  num_max_rdma_chunked_recv_tokens: int = 256, num_count_aivs: Optional[int] = None):
         self.num_sms = check_count("num_sms", num_sms, 1)
