@@ -591,3 +591,75 @@ def die_before_own_unlink(ctx):
     buf = Buffer(dist.group.WORLD, 1 << 20, timeout_s=10)
     buf.destroy()
     return "built"
+
+
+def second_thread_and_fork(ctx):
+    """Calls a Buffer must refuse before touching anything, and what follows them. Thread: rank 0's main
+    thread waits in a dispatch (rank 1 comes 1 s late) while a second thread calls dispatch on the same
+    Buffer; the second thread gets RuntimeError at once, the first call completes correctly. Fork: rank 0
+    forks, and the child's calls (a dispatch, get_dispatch_layout, a recv hook) are refused. Then a round
+    trip on both ranks, and a call rank 1 alone refuses: rank 0 must learn of it in about 1 s (the call
+    counts still agree). Returns (what the second thread and the child raised, errors of the rest)."""
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, E, T, H, N = ctx.world_size, 2 * ctx.world_size, 6, 64, 8
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
+                 low_latency_mode=True, timeout_s=20.0)
+    x = torch.randn(T, H).bfloat16()
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1], [2, 3]])
+    ranks = torch.tensor([2, 2, 2, 2, 1, 1]).unsqueeze(1)      # ranks each token reaches
+
+    def round_trip():
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+        return float((buf.combine(recv_x, handle)[0].float() - ranks * x.float()).abs().max())
+
+    refused, errors = {}, []
+    _, _, _, _, hook = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=True)
+    if ctx.rank == 0:
+        def second():
+            time.sleep(0.3)
+            try:
+                buf.dispatch(x, topk_idx=topk, num_experts=E)
+            except RuntimeError as e:
+                refused["thread"] = str(e)
+        t = threading.Thread(target=second)
+        t.start()
+        errors.append(round_trip())
+        t.join()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:    # the child: every call refused, nothing written into the peers' memory
+            said = []
+            for call in (lambda: buf.dispatch(x, topk_idx=topk, num_experts=E),
+                         lambda: buf.get_dispatch_layout(topk, E), hook):
+                try:
+                    call()
+                    said.append("accepted")
+                except RuntimeError as e:
+                    said.append(str(e))
+            os.write(w, repr(said).encode())
+            os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        with os.fdopen(r) as f:
+            refused["fork"] = f.read()
+    else:
+        time.sleep(1.0)
+        errors.append(round_trip())
+    hook()
+    errors.append(round_trip())
+    bad = topk.clone()
+    bad[0, 0] = E
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(x, topk_idx=bad if ctx.rank == 1 else topk, num_experts=E)
+    except Exception as e:  # noqa: BLE001
+        refused["peer"] = (type(e).__name__, round(time.monotonic() - t0, 1))
+    time.sleep(2.0 if ctx.rank == 1 else 0.5)    # (the refusing rank's Buffer stays until rank 0 has seen it)
+    buf.destroy()
+    return refused, errors

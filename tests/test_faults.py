@@ -317,3 +317,17 @@ def test_too_little_shared_memory_is_an_error_when_the_buffer_is_built(tmp_path)
         assert name1 == "RuntimeError" and "UBEP_SHM_DIR" in msg1, msg1
         assert name0 == "RuntimeError" and "rank(s) [1]" in msg0 and "UBEP_SHM_DIR" in msg0 and took0 < 5, msg0
         assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
+
+
+def test_second_thread_and_forked_child_are_refused():
+    """A second thread's call while another waits, and a forked child's calls, raise RuntimeError before
+    touching anything: the waiting call completes correctly, later calls stay correct, and the ranks' call
+    counts still agree (a refusal on one rank reaches the other in about 1 s, not at its deadline)."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        (refused0, errors0), (refused1, errors1) = pool.run(FR.second_thread_and_fork, timeout_s=60)
+    assert "another thread" in refused0["thread"], refused0
+    assert refused0["fork"].count("forked child") == 3, refused0
+    assert errors0 == [0.0, 0.0] and errors1 == [0.0, 0.0], (errors0, errors1)
+    assert refused1["peer"][0] == "ValueError", refused1
+    assert refused0["peer"][0] == "UBEPPeerAbortedError" and refused0["peer"][1] < 5, refused0

@@ -15,6 +15,8 @@ from __future__ import annotations
 import collections
 import functools
 import numbers
+import os
+import threading
 import time
 import warnings
 import weakref
@@ -240,6 +242,25 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
                                  f"UGAS moves host memory, so pass CPU tensors")
 
 
+def _check_process(buf: "Buffer", what: str) -> None:
+    """Only the process that built the Buffer uses it: another one (a fork's child) would write into the
+    peers' memory as this rank."""
+    if buf._pid != os.getpid():
+        raise RuntimeError(f"ubep_torch: {what}: this Buffer was built by process {buf._pid}, not this one "
+                           f"({os.getpid()}, a forked child?); build a Buffer in this process instead")
+
+
+def _enter_call(buf: "Buffer", what: str) -> None:
+    """Take the Buffer for a call of this thread, or raise before anything is touched: the process must be
+    the Buffer's (``_check_process``), and a second thread would interleave its exchanges with the first
+    one's (every rank must make the same calls in the same order). Release with
+    ``buf._call_lock.release()``."""
+    _check_process(buf, what)
+    if not buf._call_lock.acquire(blocking=False):
+        raise RuntimeError(f"ubep_torch: {what}: another thread is inside a call on this Buffer; a Buffer's calls "
+                           f"are collective and run one at a time, in the same order on every rank")
+
+
 def _collective(fn):
     """An exception after a call has started talking to peers breaks the Buffer and aborts the peers'
     waits (they raise ``UBEPPeerAbortedError`` within ~50 ms instead of waiting for their deadline).
@@ -250,6 +271,7 @@ def _collective(fn):
     differentiable API)."""
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
+        _enter_call(self, fn.__name__)
         self._in_call = False
         calls = self._calls
         try:
@@ -267,6 +289,7 @@ def _collective(fn):
             raise
         finally:
             self._in_call = False
+            self._call_lock.release()
         hook = out[-1] if isinstance(out, tuple) and out and callable(out[-1]) else None
         if hook is None:
             return out
@@ -274,6 +297,7 @@ def _collective(fn):
 
         @functools.wraps(hook)
         def guarded_hook():
+            _enter_call(self, f"{fn.__name__} recv hook")
             outer, self._active_call = self._active_call, issued   # an abort it signals names its own call
             try:
                 # The hook fills tensors the call created, in the caller's mode then: under inference mode
@@ -287,6 +311,7 @@ def _collective(fn):
                 raise
             finally:
                 self._active_call = outer
+                self._call_lock.release()
         return out[:-1] + (guarded_hook,)
     return wrapper
 
@@ -435,6 +460,8 @@ class Buffer:
         self._waiter = P.Waiter(self.rank, self.timeout_s, self._heap.peer_alive, self._peer_aborted)
         self._waiter.world_size = R
         self._in_call = False
+        self._pid = os.getpid()      # calls are refused in any other process (a fork's child)
+        self._call_lock = threading.RLock()   # held by the thread inside a call (see _enter_call)
         self._calls = 0              # calls that reached their peers (the same count on every rank)
         self._active_call = 0        # the call whose work runs now (a recv hook's own), named by aborts
         self._destroyed = False
@@ -836,6 +863,7 @@ class Buffer:
             is_token_in_rank [T, R] bool, event)``. A token counts once per rank hosting any of its experts.
         """
         self._check_usable()
+        _check_process(self, "get_dispatch_layout")
         try:
             _check_host_tensors(Buffer.get_dispatch_layout, (topk_idx,), {})
             E = self._check_num_experts(num_experts)
