@@ -663,3 +663,38 @@ def second_thread_and_fork(ctx):
     time.sleep(2.0 if ctx.rank == 1 else 0.5)    # (the refusing rank's Buffer stays until rank 0 has seen it)
     buf.destroy()
     return refused, errors
+
+
+def swapped_combines(ctx, mode):
+    """Two dispatches of the same routing, combined in call order on rank 0 and in the other order on rank 1
+    (``mode`` "normal" or "ll"): the combines must fail naming the mismatch, not sum the wrong rows.
+    Returns what each rank's first combine raised (type and message), or how far its result was off."""
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, E, T, H, N = ctx.world_size, 2 * ctx.world_size, 6, 64, 8
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
+                 low_latency_mode=True, timeout_s=10.0)
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1], [2, 3]])
+    xs = [torch.randn(T, H).bfloat16() for _ in range(2)]
+    if mode == "normal":
+        calls = [buf.dispatch(x, topk_idx=topk, num_experts=E) for x in xs]
+        ranks = torch.tensor([2, 2, 2, 2, 1, 1]).unsqueeze(1)
+
+        def combine(i):
+            return float((buf.combine(calls[i][0], calls[i][4])[0].float() - ranks * xs[i].float()).abs().max())
+    else:
+        calls = [buf.low_latency_dispatch(x, topk, N, E, use_fp8=False) for x in xs]
+        w = torch.rand(T, 2)
+
+        def combine(i):
+            out = buf.low_latency_combine(calls[i][0], topk, w, calls[i][2])[0]
+            return float((out.float() - xs[i].float() * w.sum(1, keepdim=True)).abs().max())
+    first = 0 if ctx.rank == 0 else 1
+    try:
+        result = ("ok", combine(first))
+    except Exception as e:  # noqa: BLE001
+        result = (type(e).__name__, str(e))
+    buf.destroy()
+    return result

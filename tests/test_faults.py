@@ -331,3 +331,13 @@ def test_second_thread_and_forked_child_are_refused():
     assert errors0 == [0.0, 0.0] and errors1 == [0.0, 0.0], (errors0, errors1)
     assert refused1["peer"][0] == "ValueError", refused1
     assert refused0["peer"][0] == "UBEPPeerAbortedError" and refused0["peer"][1] < 5, refused0
+
+
+@pytest.mark.parametrize("mode", ["normal", "ll"])
+def test_combines_of_different_dispatches_fail_instead_of_mixing_rows(mode):
+    """Ranks that combine the handles of two different dispatches (of the same shapes) raise an error that
+    names the mismatch instead of summing each other's rows of the wrong tokens."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        out = pool.run(FR.swapped_combines, mode, timeout_s=60)
+    assert all(name == "UBEPError" and "same dispatch" in msg for name, msg in out), out

@@ -208,7 +208,7 @@ class DispatchHandle(tuple):
         send_idx = [itr[:, d].nonzero().squeeze(1) for d in range(R)]
         return cls(items, send_idx=send_idx, recv_counts=counts.tolist(), recv_offsets=offsets, num_recv=num_recv,
                    num_tokens=itr.shape[0], num_experts=0, num_worst_tokens=None, layout="rank_major",
-                   topk_idx=None, peer_tokens=None)
+                   topk_idx=None, peer_tokens=None, call=0)
 
 
 class LowLatencyHandle(tuple):
@@ -653,6 +653,18 @@ class Buffer:
                     self._broken = f"{name} mismatch with rank {s}"
                     raise UBEPError(f"rank {s} called {op} with {name}={ctrl_words[s][word]}, rank {me} with "
                                     f"{ctrl_words[me][word]}: every rank must pass the same")
+
+    def _check_pairing(self, op: str, ctrl_words, call: int) -> None:
+        """Every source's combine returns the rows of the dispatch that this rank's does (call ``call``; 0 where
+        a handle does not know it). Calls pair up in order, so ranks combining different dispatches' handles
+        would sum each other's rows of the wrong tokens."""
+        for s in range(self.group_size):
+            theirs = ctrl_words[s][P.CTRL_PAIRED_CALL]
+            if call and theirs and theirs != call:
+                self._broken = "combine of another dispatch"
+                raise UBEPError(f"{op} on rank {self.rank}: rank {s} combines the rows of the dispatch of its call "
+                                f"{theirs}, this rank those of call {call}: every rank must pass the handle of the "
+                                f"same dispatch")
 
     def _call_complete(self, op: str) -> None:
         """This rank has sent and consumed everything of the current call: an error in the local work that
@@ -1117,7 +1129,7 @@ class Buffer:
             (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank.clone(), send_head),
             send_idx=send_idx, recv_counts=rows_from, recv_offsets=off_l, num_recv=num_recv, num_tokens=T,
             num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=topk_idx,
-            peer_tokens=recv["num_tokens"])
+            peer_tokens=recv["num_tokens"], call=self._calls)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         self._report("dispatch", topk_idx, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0))
         if layout == "expert_major":
@@ -1549,7 +1561,7 @@ class Buffer:
         def exchange(lists, staged):
             send = [eng.span(lo, hi) for lo, hi in lists[0]]
             return self._exchange(P.REGION_COMBINE, fmt, [P.as_bytes(x)], meta, src_index, send,
-                                  lambda d: [int(send[d].numel()), sig, 0, 0, 0, 0], T, staged=staged)
+                                  lambda d: [int(send[d].numel()), sig, 0, base.call, 0, 0], T, staged=staged)
 
         meta = P.fresh(topk_weights).view(torch.int32).view(-1, K * wsz) if K else None
         src_index = self.engine.arange(base.num_recv)
@@ -1574,6 +1586,7 @@ class Buffer:
                     eng.rearm(fmt, r)
 
         for (x_rows, toks, (a, b)), recv in self._exchanges(cap, lists_for, exchange):
+            self._check_pairing("combine", recv["ctrl"], base.call)
             expect = [t.numel() for t in toks]
             if recv["nrows"] != expect:
                 self._broken = "combine layout mismatch"
@@ -2069,7 +2082,7 @@ class Buffer:
             s = (me + i) % R
             peer = self._peer_mem[s]
             n, at = per_src[s].numel(), int(handle.return_slot[s])
-            payload = torch.tensor([n, sig, 0, 0, E, N], dtype=torch.int64)
+            payload = torch.tensor([n, sig, 0, handle.pending.call, E, N], dtype=torch.int64)
             sel = sels[s][:0] if s == me and own_direct else sels[s]
             job.dests.append(Destination(s, sel, region.rows(peer, half, 0, fmt, N * K)[at:at + n],
                                          region.ctrl(peer, half, me, nctrl), payload))
@@ -2095,6 +2108,7 @@ class Buffer:
                     self._broken = "layout mismatch"
                     raise UBEPError(f"rank {s} sent low-latency combine rows of a different layout")
             self._check_call_words(ctrl_words, "low_latency_combine")
+            self._check_pairing("low_latency_combine", ctrl_words, handle.pending.call)
             per_host = handle.sent_counts.sum(1).tolist()
             nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
             if nrows != per_host:

@@ -124,8 +124,9 @@ REGION_NAMES = {
 #: int64 payload words per control block (each control block keeps a TFF head).
 CTRL_WORDS_PER_BLOCK = TFF_PAYLOAD_BYTES // 8
 # control message words: [0] rows sent, [1] layout signature, [2] DC checksum, [3] first return slot
-# (low-latency dispatch), [4] num_experts and [5] num_max_dispatch_tokens_per_rank of the call (0 where the
-# call has none; every rank must have passed the same), [6..] per-expert counts
+# (low-latency dispatch) or the dispatch a combine answers, [4] num_experts and [5]
+# num_max_dispatch_tokens_per_rank of the call (0 where the call has none; every rank must have passed the
+# same), [6..] per-expert counts
 CTRL_NROWS = 0
 CTRL_SIGNATURE = 1
 CTRL_CHECKSUM = 2
@@ -133,6 +134,9 @@ CTRL_CHECKSUM = 2
 #: combine slots, i.e. how many of the sender's (token, expert) pairs go to lower ranks. Low-latency
 #: combine returns each host's rows there as one contiguous run, in the order they were dispatched.
 CTRL_RETURN_SLOT = 3
+#: Combine (both modes), in the same word: the call number of the dispatch whose rows it returns (0: not
+#: known, for a handle rebuilt from a plain tuple). Every rank must combine the same dispatch's rows.
+CTRL_PAIRED_CALL = 3
 CTRL_NUM_EXPERTS = 4
 CTRL_MAX_TOKENS = 5
 CTRL_COUNTS = 6
