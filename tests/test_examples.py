@@ -26,11 +26,19 @@ def _buffer_available() -> bool:
 needs_buffer = pytest.mark.skipif(not _buffer_available(), reason="ubep_torch.buffer is not importable")
 
 
+# What a rank prints when gloo's threads are torn down badly at interpreter exit, after the script has
+# finished and destroyed its process group. It happens about once in a hundred runs on a loaded machine,
+# with or without a Buffer in the script: such a run is repeated once (and the repeat must pass).
+_EXIT_ABORT = "terminate called without an active exception"
+
+
 def _run(cmd, timeout=150):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     if cmd[0] == "torchrun":   # own process group + fixed loopback port: a timeout leaves no rank behind
         from ubep_torch.testing import run_torchrun
         proc = run_torchrun(cmd[1], cmd[2:], nproc=2, timeout_s=timeout, env=env, cwd=ROOT)
+        if proc.returncode != 0 and _EXIT_ABORT in proc.stderr and "exitcode: -6" in proc.stderr:
+            proc = run_torchrun(cmd[1], cmd[2:], nproc=2, timeout_s=timeout, env=env, cwd=ROOT)
     else:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
                               check=False)
