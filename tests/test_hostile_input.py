@@ -535,6 +535,8 @@ def test_argument_checks_without_a_process_group():
         functional.dispatch(fake, x.tolist(), topk, torch.ones(3, 1), 2)
     with pytest.raises(TypeError, match="topk_weights must be a float tensor"):
         functional.dispatch(fake, x, topk, topk, 2)
+    with pytest.raises(ValueError, match="functional.dispatch: x is a meta tensor"):
+        functional.dispatch(fake, x.to("meta"), topk, torch.ones(3, 1), 2)
     moe = nn.MoE(hidden=8, ffn_hidden=16, num_experts=2, top_k=1)
     with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
         moe(torch.randn(4, 16))

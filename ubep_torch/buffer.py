@@ -33,7 +33,7 @@ from . import ugas
 from .engine import Destination, SendJob, make_engine
 from .errors import UBEPBrokenError, UBEPError, UBEPPeerAbortedError, UBEPPeerLostError, UBEPTimeoutError, refusal
 from .ugas import SymmetricHeap
-from .utils import Config, EventOverlap, TensorCache, check_count
+from .utils import Config, EventOverlap, TensorCache, check_count, check_host
 
 _AUX_REGIONS = 8          # region ids that have an ack table
 # aux words, R per row: acks [region][half][source] | SyncAll counters | abort words | refused calls |
@@ -237,9 +237,7 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
         items = value if isinstance(value, (tuple, list)) else (value,)
         for i, t in enumerate(items):
             if isinstance(t, torch.Tensor) and not t.is_cpu:
-                where = f"{name}[{i}]" if items is value else name
-                raise ValueError(f"ubep_torch: {fn.__name__}: {where} is a {t.device.type} tensor; the shared-memory "
-                                 f"UGAS moves host memory, so pass CPU tensors")
+                check_host(f"{fn.__name__}: {name}[{i}]" if items is value else f"{fn.__name__}: {name}", t)
 
 
 def _check_process(buf: "Buffer", what: str) -> None:

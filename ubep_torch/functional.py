@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .errors import refusal
+from .utils import check_host
 
 __all__ = [
     "AutogradHandle",
@@ -123,9 +124,7 @@ def _check_tensors(fn: str, **args) -> None:
     for name, t in args.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"ubep_torch.functional.{fn}: {name} must be a tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
-            raise ValueError(f"ubep_torch.functional.{fn}: {name} is a {t.device.type} tensor; the shared-memory "
-                             f"UGAS moves host memory, so pass CPU tensors")
+        check_host(f"functional.{fn}: {name}", t)
 
 
 def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,

@@ -7,6 +7,14 @@ from typing import Any, Optional, Tuple
 import torch
 
 
+def check_host(what: str, t) -> None:
+    """``t``, when a tensor, lives in host memory, where the UGAS and the C loops read it by address; else a
+    ValueError naming ``what`` (the call and the argument)."""
+    if isinstance(t, torch.Tensor) and not t.is_cpu:
+        raise ValueError(f"ubep_torch: {what} is a {t.device.type} tensor; the shared-memory UGAS moves host "
+                         f"memory, so pass CPU tensors")
+
+
 def check_count(name: str, value, minimum: int = 0) -> int:
     """``value`` as an int (a Python or numpy integer, or a one-element integer tensor) of at least
     ``minimum``; TypeError or ValueError naming ``name`` otherwise."""
