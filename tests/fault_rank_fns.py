@@ -596,17 +596,19 @@ def die_before_own_unlink(ctx):
 def second_thread_and_fork(ctx):
     """Calls a Buffer must refuse before touching anything, and what follows them. Thread: rank 0's main
     thread waits in a dispatch (rank 1 comes 1 s late) while a second thread calls dispatch on the same
-    Buffer; the second thread gets RuntimeError at once, the first call completes correctly. Fork: rank 0
-    forks, and the child's calls (a dispatch, get_dispatch_layout, a recv hook) are refused. Then a round
-    trip on both ranks, and a call rank 1 alone refuses: rank 0 must learn of it in about 1 s (the call
-    counts still agree). Returns (what the second thread and the child raised, errors of the rest)."""
+    Buffer; the second thread gets UBEPUsageError at once, the first call completes correctly. Fork: rank 0
+    forks, and the child's calls (a dispatch, get_dispatch_layout, a recv hook, ubep_torch.functional's
+    dispatch) are refused and post nothing to the peers. Then a round trip on both ranks (rank 1 waits 1.5 s
+    for rank 0 in it: a refusal posted by the child would end that wait), and a call rank 1 alone refuses:
+    rank 0 must learn of it in about 1 s (the call counts still agree). Returns (what the second thread and
+    the child raised, the errors of the round trips)."""
     import threading
     import time
 
     import torch
     import torch.distributed as dist
 
-    from ubep_torch import Buffer
+    from ubep_torch import Buffer, UBEPUsageError, functional
     R, E, T, H, N = ctx.world_size, 2 * ctx.world_size, 6, 64, 8
     buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
                  low_latency_mode=True, timeout_s=20.0)
@@ -625,7 +627,7 @@ def second_thread_and_fork(ctx):
             time.sleep(0.3)
             try:
                 buf.dispatch(x, topk_idx=topk, num_experts=E)
-            except RuntimeError as e:
+            except UBEPUsageError as e:
                 refused["thread"] = str(e)
         t = threading.Thread(target=second)
         t.start()
@@ -636,11 +638,12 @@ def second_thread_and_fork(ctx):
         if pid == 0:    # the child: every call refused, nothing written into the peers' memory
             said = []
             for call in (lambda: buf.dispatch(x, topk_idx=topk, num_experts=E),
-                         lambda: buf.get_dispatch_layout(topk, E), hook):
+                         lambda: buf.get_dispatch_layout(topk, E), hook,
+                         lambda: functional.dispatch(buf, x, topk, torch.ones(T, 2), E)):
                 try:
                     call()
                     said.append("accepted")
-                except RuntimeError as e:
+                except UBEPUsageError as e:
                     said.append(str(e))
             os.write(w, repr(said).encode())
             os._exit(0)
@@ -652,6 +655,8 @@ def second_thread_and_fork(ctx):
         time.sleep(1.0)
         errors.append(round_trip())
     hook()
+    if ctx.rank == 0:
+        time.sleep(1.5)
     errors.append(round_trip())
     bad = topk.clone()
     bad[0, 0] = E

@@ -327,7 +327,7 @@ def test_second_thread_and_forked_child_are_refused():
     with RankPool(2, env=env) as pool:
         (refused0, errors0), (refused1, errors1) = pool.run(FR.second_thread_and_fork, timeout_s=60)
     assert "another thread" in refused0["thread"], refused0
-    assert refused0["fork"].count("forked child") == 3, refused0
+    assert refused0["fork"].count("forked child") == 4, refused0
     assert errors0 == [0.0, 0.0] and errors1 == [0.0, 0.0], (errors0, errors1)
     assert refused1["peer"][0] == "ValueError", refused1
     assert refused0["peer"][0] == "UBEPPeerAbortedError" and refused0["peer"][1] < 5, refused0

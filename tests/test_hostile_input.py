@@ -487,6 +487,48 @@ def test_odd_but_valid_inputs_work(pool):
     assert pool.run(odd_but_valid) == [[], []]
 
 
+def grad_weights_and_tuple_copies(ctx, backend):
+    """Valid programs the checks of a call must leave alone. Low-latency combine with weights that require
+    grad (a router's softmax), directly and through a recv hook: the weights are read as data. A normal
+    combine through a plain-tuple copy of an older handle, when a newer handle has the same entries on one
+    rank only (the copy cannot say which dispatch it answers, so it is not checked against the peers').
+    Returns the failures."""
+    import torch.distributed as dist
+    R = ctx.world_size
+    E, T, H, N = 2 * R, 4, 64, 8
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
+                 low_latency_mode=True, timeout_s=20.0, backend=backend)
+    torch.manual_seed(ctx.rank)
+    x = torch.randn(T, H).bfloat16()
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    w = torch.randn(T, 2, requires_grad=True).softmax(-1)
+    fails = []
+    for hook in (False, True):
+        recv_x, _, h, _, _ = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+        out = buf.low_latency_combine(recv_x, topk, w, h, return_recv_hook=hook)
+        if hook:
+            out[2]()
+        err = float((out[0].float() - x.float() * w.detach().sum(1, keepdim=True)).abs().max())
+        if err > 0.05 or out[0].requires_grad:
+            fails.append(f"weights that require grad (hook {hook}): error {err}, grad {out[0].requires_grad}")
+    # rank 0 routes the same way twice, rank 1 differently (experts 0-1 live on rank 0, 2-3 on rank 1)
+    routes = [torch.tensor([[0], [2], [0], [2]])] * 2 if ctx.rank == 0 else \
+        [torch.tensor([[0], [2], [-1], [-1]]), torch.tensor([[0], [-1], [2], [-1]])]
+    xs = [torch.randn(T, H) for _ in range(2)]
+    calls = [buf.dispatch(xi, topk_idx=r, num_experts=E) for xi, r in zip(xs, routes)]
+    y = buf.combine(calls[0][0], tuple(t.clone() for t in calls[0][4]))[0]
+    reach = (routes[0] >= 0).float()
+    if not torch.allclose(y, reach * xs[0]):
+        fails.append(f"plain-tuple copy of the older handle: error {(y - reach * xs[0]).abs().max()}")
+    buf.destroy()
+    return fails
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_valid_programs_the_checks_leave_alone(pool, backend):
+    assert pool.run(grad_weights_and_tuple_copies, backend) == [[], []]
+
+
 def test_errors_before_the_peers_are_posted_as_refusals():
     """Any error (not only ValueError/TypeError) raised before a call reaches the peers is posted to them,
     so they stop waiting; protocol errors are not (they are about the peers)."""

@@ -6,12 +6,20 @@ slot layout), ``engine`` (the torch data path), ``buffer`` (the public ``Buffer`
 """
 from . import functional, nn
 from .buffer import Buffer, DispatchHandle, LowLatencyHandle
-from .errors import UBEPBrokenError, UBEPError, UBEPPeerAbortedError, UBEPPeerLostError, UBEPTimeoutError
+from .errors import (
+                     UBEPBrokenError,
+                     UBEPError,
+                     UBEPPeerAbortedError,
+                     UBEPPeerLostError,
+                     UBEPTimeoutError,
+                     UBEPUsageError,
+)
 from .utils import Config, EventOverlap
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Buffer", "Config", "EventOverlap", "DispatchHandle", "LowLatencyHandle",
-    "UBEPError", "UBEPTimeoutError", "UBEPPeerLostError", "UBEPPeerAbortedError", "UBEPBrokenError", "functional", "nn",
+    "UBEPError", "UBEPTimeoutError", "UBEPPeerLostError", "UBEPPeerAbortedError", "UBEPBrokenError", "UBEPUsageError",
+    "functional", "nn",
 ]

@@ -13,6 +13,7 @@ The Python layer validates, lays out the regions of the shared segment and drive
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import numbers
 import os
@@ -31,7 +32,15 @@ import torch.distributed as dist
 from . import protocol as P
 from . import ugas
 from .engine import Destination, SendJob, make_engine
-from .errors import UBEPBrokenError, UBEPError, UBEPPeerAbortedError, UBEPPeerLostError, UBEPTimeoutError, refusal
+from .errors import (
+    UBEPBrokenError,
+    UBEPError,
+    UBEPPeerAbortedError,
+    UBEPPeerLostError,
+    UBEPTimeoutError,
+    UBEPUsageError,
+    refusal,
+)
 from .ugas import SymmetricHeap
 from .utils import Config, EventOverlap, TensorCache, check_count, check_host
 
@@ -244,7 +253,7 @@ def _check_process(buf: "Buffer", what: str) -> None:
     """Only the process that built the Buffer uses it: another one (a fork's child) would write into the
     peers' memory as this rank."""
     if buf._pid != os.getpid():
-        raise RuntimeError(f"ubep_torch: {what}: this Buffer was built by process {buf._pid}, not this one "
+        raise UBEPUsageError(f"ubep_torch: {what}: this Buffer was built by process {buf._pid}, not this one "
                            f"({os.getpid()}, a forked child?); build a Buffer in this process instead")
 
 
@@ -255,7 +264,7 @@ def _enter_call(buf: "Buffer", what: str) -> None:
     ``buf._call_lock.release()``."""
     _check_process(buf, what)
     if not buf._call_lock.acquire(blocking=False):
-        raise RuntimeError(f"ubep_torch: {what}: another thread is inside a call on this Buffer; a Buffer's calls "
+        raise UBEPUsageError(f"ubep_torch: {what}: another thread is inside a call on this Buffer; a Buffer's calls "
                            f"are collective and run one at a time, in the same order on every rank")
 
 
@@ -700,9 +709,15 @@ class Buffer:
     def _refuse(self) -> None:
         """Bad input (ValueError or TypeError) in a collective call, or in a step that leads to one
         (``get_dispatch_layout``, ``ubep_torch.functional``), before it reached the peers: post the refusal
-        of the call they may be waiting in (see ``_post_refusal``)."""
-        if not self._destroyed and self._broken is None and not self._in_call:
-            self._post_refusal(self._calls + 1)
+        of the call they may be waiting in (see ``_post_refusal``). Only the process that built the Buffer,
+        and not while another thread is inside a call (its call is the one the peers wait in)."""
+        if self._pid != os.getpid() or not self._call_lock.acquire(blocking=False):
+            return
+        try:
+            if not self._destroyed and self._broken is None and not self._in_call:
+                self._post_refusal(self._calls + 1)
+        finally:
+            self._call_lock.release()
 
     def _post_refusal(self, call: int) -> None:
         """Write into every peer's memory that this rank refused call number ``call`` because of bad input,
@@ -1481,6 +1496,9 @@ class Buffer:
         """
         self._check_usable()
         self._apply_config(config)
+        # the dispatch this combine answers, for the peers to check: known for the handle object dispatch
+        # returned, not for a plain-tuple copy (it may match a newer handle of the same content)
+        paired = handle.call if isinstance(handle, DispatchHandle) else 0
         handle = self._as_dispatch_handle(handle)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor, got {type(x).__name__}")
@@ -1559,7 +1577,7 @@ class Buffer:
         def exchange(lists, staged):
             send = [eng.span(lo, hi) for lo, hi in lists[0]]
             return self._exchange(P.REGION_COMBINE, fmt, [P.as_bytes(x)], meta, src_index, send,
-                                  lambda d: [int(send[d].numel()), sig, 0, base.call, 0, 0], T, staged=staged)
+                                  lambda d: [int(send[d].numel()), sig, 0, paired, 0, 0], T, staged=staged)
 
         meta = P.fresh(topk_weights).view(torch.int32).view(-1, K * wsz) if K else None
         src_index = self.engine.arange(base.num_recv)
@@ -1584,7 +1602,7 @@ class Buffer:
                     eng.rearm(fmt, r)
 
         for (x_rows, toks, (a, b)), recv in self._exchanges(cap, lists_for, exchange):
-            self._check_pairing("combine", recv["ctrl"], base.call)
+            self._check_pairing("combine", recv["ctrl"], paired)
             expect = [t.numel() for t in toks]
             if recv["nrows"] != expect:
                 self._broken = "combine layout mismatch"
@@ -1986,7 +2004,9 @@ class Buffer:
         self._check_usable()
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook are exclusive")
+        exact = isinstance(handle, LowLatencyHandle)    # (see combine: a plain-tuple copy's dispatch is not sure)
         handle = self._as_ll_handle(handle)
+        paired = handle.pending.call if exact else 0
         if not handle.pending.done:
             raise ValueError("low_latency_combine got the handle of a low_latency_dispatch whose recv hook has "
                              "not run yet; call hook() first")
@@ -2080,7 +2100,7 @@ class Buffer:
             s = (me + i) % R
             peer = self._peer_mem[s]
             n, at = per_src[s].numel(), int(handle.return_slot[s])
-            payload = torch.tensor([n, sig, 0, handle.pending.call, E, N], dtype=torch.int64)
+            payload = torch.tensor([n, sig, 0, paired, E, N], dtype=torch.int64)
             sel = sels[s][:0] if s == me and own_direct else sels[s]
             job.dests.append(Destination(s, sel, region.rows(peer, half, 0, fmt, N * K)[at:at + n],
                                          region.ctrl(peer, half, me, nctrl), payload))
@@ -2106,7 +2126,7 @@ class Buffer:
                     self._broken = "layout mismatch"
                     raise UBEPError(f"rank {s} sent low-latency combine rows of a different layout")
             self._check_call_words(ctrl_words, "low_latency_combine")
-            self._check_pairing("low_latency_combine", ctrl_words, handle.pending.call)
+            self._check_pairing("low_latency_combine", ctrl_words, paired)
             per_host = handle.sent_counts.sum(1).tolist()
             nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
             if nrows != per_host:
@@ -2132,7 +2152,7 @@ class Buffer:
                     return pending_hosts
             self._wait("low_latency_combine: waiting for expert outputs", poll_rows)
             # slot (t, k) is row pos[t, k]; masked slots never reach the sum
-            with torch.inference_mode(result.is_inference()):    # (an inference out= is written in inference mode)
+            with _writing(result):
                 if own_direct:
                     eng.weighted_combine(fmt, rows, topk_idx, weights, result, pos, local=(xs, lo, hi, per_src[me]))
                 else:
@@ -2172,8 +2192,14 @@ def _add_stats(stats: torch.Tensor, values: List[int]) -> None:
     """``stats += values`` for a checked int32/int64 statistics tensor and Python ints of any size: the sum
     wraps like the tensor's own integer arithmetic (an int32 tensor of nanoseconds wraps after ~2.1 s)
     instead of failing after the exchange."""
-    with torch.inference_mode(stats.is_inference()):     # (an inference tensor is written in inference mode)
+    with _writing(stats):
         stats.add_(torch.tensor([P.wrap_int64(v) for v in values], dtype=torch.int64).to(stats.dtype))
+
+
+def _writing(t: torch.Tensor):
+    """The context in which a call writes into the caller's tensor ``t``: inference mode for an inference
+    tensor (only that mode may write one), else none (the call's own no-grad mode stays)."""
+    return torch.inference_mode() if t.is_inference() else contextlib.nullcontext()
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -69,6 +69,12 @@ class UBEPBrokenError(UBEPError):
     """The Buffer saw a timeout or a lost peer earlier and refuses further communication."""
 
 
+class UBEPUsageError(UBEPError, RuntimeError):
+    """A call this thread or process may not make on the Buffer now (another thread is inside a call, or the
+    process is not the one that built it), refused before anything was touched: the Buffer and its peers
+    are as they were, and no refusal is posted for them (it is not this rank's call that failed)."""
+
+
 def refusal(e: BaseException) -> bool:
     """Whether an error raised before a call reached the peers makes this rank leave the call in a way its
     peers should learn of (``Buffer._refuse``): bad input above all, also a failed allocation. Protocol

@@ -145,8 +145,9 @@ def run_torchrun(script: str, args: Optional[List[str]] = None, nproc: int = 2, 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), script] + list(args or [])
     with tempfile.TemporaryDirectory(prefix="ubep-torchrun-") as tmp:
-        full_env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=tmp)
+        full_env = dict(os.environ, OMP_NUM_THREADS="1")
         full_env.update(env or {})
+        full_env["TMPDIR"] = tmp
         proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
         try:
