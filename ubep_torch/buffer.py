@@ -81,7 +81,7 @@ def normal_buffer_bytes(num_tokens: int, hidden_bytes: int, num_ranks: int) -> i
 
 def _max_local_experts(extra_counts: int) -> int:
     """Local experts whose counts fit one control message next to ``extra_counts`` other counts."""
-    return P.MAX_CTRL_BLOCKS * P.CTRL_WORDS_PER_BLOCK - P.CTRL_COUNTS - extra_counts
+    return P.MAX_CTRL_COUNTS - extra_counts
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -1278,9 +1278,8 @@ class Buffer:
         R, me = self.group_size, self.rank
         region = self._region(rid)
         extra_ctrl = n_counts + (R if with_matrix else 0) + 1
-        if P.ctrl_blocks(extra_ctrl) > P.MAX_CTRL_BLOCKS:
-            raise ValueError(f"too many counts for one control message ({extra_ctrl}); at most "
-                             f"{P.MAX_CTRL_BLOCKS * P.CTRL_WORDS_PER_BLOCK - P.CTRL_COUNTS}")
+        if extra_ctrl > P.MAX_CTRL_COUNTS:
+            raise ValueError(f"too many counts for one control message ({extra_ctrl}); at most {P.MAX_CTRL_COUNTS}")
         epoch = self._next_epoch(rid)
         half = region.half(epoch)
         flag = P.flag_word(epoch, rid)

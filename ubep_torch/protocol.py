@@ -144,6 +144,8 @@ CTRL_COUNTS = 6
 
 #: Control blocks reserved for every control message (room for 474 words after the fixed six).
 MAX_CTRL_BLOCKS = 8
+#: Counts one control message carries at most, after its fixed words.
+MAX_CTRL_COUNTS = MAX_CTRL_BLOCKS * CTRL_WORDS_PER_BLOCK - CTRL_COUNTS
 
 
 def ctrl_blocks(num_counts: int) -> int:
