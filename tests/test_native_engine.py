@@ -16,7 +16,7 @@ import torch
 from tests import triton_rank_fns as F
 from ubep_torch import native_engine
 from ubep_torch import protocol as P
-from ubep_torch.engine import TorchEngine
+from ubep_torch.engine import Destination, SendJob, TorchEngine
 from ubep_torch.testing import RankPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -427,6 +427,107 @@ def test_control_messages_are_byte_identical(nctrl, nwords):
         out[name] = (dst, eng.read_ctrl_words(dst))
     assert torch.equal(out["torch"][0], out["native"][0])
     assert out["torch"][1] == out["native"][1] and out["native"][1][:nwords] == payload.tolist()
+
+
+def _send_job(eng, fmt, data, meta, sels, patches, payloads, flag, T):
+    """A SendJob of TFF rows to one destination per entry of ``sels`` (slots and control blocks of stale
+    bytes), as ``Buffer`` builds it."""
+    st, checked, sums = eng.stage_rows(fmt, data, meta, eng.arange(T), 2)
+    job = SendJob(fmt, st, checked, sums, flag)
+    for d, (sel, patch, words) in enumerate(zip(sels, patches, payloads)):
+        rows = torch.full((sel.numel() + 1, fmt.blocks, P.BLOCK_BYTES), 0xA5, dtype=torch.uint8)
+        ctrl = torch.full((2, P.BLOCK_BYTES), 0x5A, dtype=torch.uint8)
+        job.dests.append(Destination(d, sel, rows, ctrl, words, meta_patch=patch))
+    return job
+
+
+@needs_native
+@pytest.mark.parametrize("fields,meta_words", [((("x", 7168 * 2),), 16), ((("x", 1000), ("scales", 8 * 4)), 2)])
+def test_send_phase_is_byte_identical(fields, meta_words):
+    """The native send phase (every destination's control message, then its rows, in one call) stores the
+    same bytes as torch's, for control payloads given as lists or tensors, an empty destination and meta
+    patches of one or several items."""
+    fmt, data, meta, sel, _ = _rows_case(fields, meta_words, n=7, T=9)
+    g = torch.Generator().manual_seed(4)
+    sels = [sel, torch.tensor([], dtype=torch.int64), sel[:3].flip(0)]
+    patches = [None, None, torch.randint(0, 9, (3, min(2, meta_words)), dtype=torch.int32, generator=g)]
+    payloads = [[7, 1, 2, -3], torch.arange(61, dtype=torch.int64) - 30, [5] * 60 + [-1] * 10]
+    mem = {}
+    for name, eng in (("torch", TorchEngine()), ("native", native_engine.NativeEngine())):
+        job = _send_job(eng, fmt, data, meta, sels, patches, payloads, P.flag_word(9, P.REGION_COMBINE), 9)
+        eng.send_phase(job)
+        mem[name] = [(d.rows, d.ctrl) for d in job.dests]
+    for (rows_t, ctrl_t), (rows_n, ctrl_n) in zip(mem["torch"], mem["native"]):
+        assert torch.equal(rows_t, rows_n) and torch.equal(ctrl_t, ctrl_n)
+
+
+@needs_native
+def test_send_phase_checks_every_destination_before_any_store():
+    """A bad staging row in the last destination, or a payload too long for its blocks, raises before the
+    first destination's control message or rows are stored."""
+    fmt, data, meta, sel, _ = _rows_case((("x", 1000),), 1, n=4, T=4)
+    eng = native_engine.NativeEngine()
+    for sels, payloads, err in (([sel, torch.tensor([0, 4])], [[1], [2]], IndexError),
+                                ([sel, sel], [[1], list(range(121))], ValueError)):
+        job = _send_job(eng, fmt, data, meta, sels, [None, None], payloads, 5, 4)
+        before = [(d.rows.clone(), d.ctrl.clone()) for d in job.dests]
+        with pytest.raises(err):
+            eng.send_phase(job)
+        for d, (rows, ctrl) in zip(job.dests, before):
+            assert torch.equal(d.rows, rows) and torch.equal(d.ctrl, ctrl)
+
+
+@needs_native
+def test_poll_ctrl_reads_each_source_once_it_arrived():
+    """``poll_ctrl`` returns the sources whose control message is not complete (a block with another
+    call's flag counts as missing) and fills in the payload words of the others, as ``read_ctrl_words``."""
+    eng, flag = native_engine.NativeEngine(), 77
+    ctrl = torch.zeros(3, P.MAX_CTRL_BLOCKS, P.BLOCK_BYTES, dtype=torch.uint8)
+    for s in range(3):
+        eng.write_ctrl(ctrl[s, :2], torch.arange(100, dtype=torch.int64) * (s + 1), flag if s != 1 else flag - 1)
+    words = [None] * 3
+    assert eng.poll_ctrl(ctrl, 2, flag, words) == [1]
+    assert words[0] == eng.read_ctrl_words(ctrl[0, :2]) and words[2][:100] == list(range(0, 300, 3))
+    assert words[1] is None
+    eng.write_ctrl(ctrl[1, :2], torch.arange(5, dtype=torch.int64), flag)
+    ctrl.view(torch.int64)[1, 1, 0] = flag - 1          # its second block is still the older call's
+    assert eng.poll_ctrl(ctrl, 2, flag, words) == [1]
+    ctrl.view(torch.int64)[1, 1, 0] = flag
+    assert eng.poll_ctrl(ctrl, 2, flag, words) == [] and words[1][:6] == [0, 1, 2, 3, 4, 0]
+    assert eng.poll_ctrl(ctrl[:, :1].clone()[:, :0], 1, flag, words) is None     # not addressable: None
+
+
+@needs_native
+def test_reorder_sources_streams_runs_of_complete_rows():
+    """One ``reorder_sources`` step per poll: each source's complete rows are reordered once they reach its
+    last row or ``min_run`` rows, into the same bytes as ``unpack_rows``; finished sources are returned
+    once. A source whose rows would not fit the outputs raises IndexError before anything is written."""
+    eng = native_engine.NativeEngine()
+    fmt, data, meta, _, _ = _rows_case((("x", 1500),), 3, n=1, T=70)
+    st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(70), 1)
+    flag = P.flag_word(4, P.REGION_DISPATCH)
+    a = torch.zeros(20, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    b = torch.zeros(70, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    eng.write_rows(fmt, st, None, eng.arange(20), a, flag)
+    eng.write_rows(fmt, st, None, eng.arange(40), b[:40], flag)
+    x = torch.zeros(90, 1500, dtype=torch.uint8)
+    meta_out = torch.zeros(90, 3, dtype=torch.int32)
+    src = torch.full((90,), -1, dtype=torch.int32)
+    step = eng.reorder_sources(fmt, [x], meta_out, src, 32)
+    with pytest.raises(IndexError):
+        step([[a.data_ptr(), 20, 71, 0, 5]], flag)
+    assert int(x.count_nonzero()) == 0
+    sources = [[a.data_ptr(), 20, 70, 0, 5], [b.data_ptr(), 70, 0, 0, 6], [b.data_ptr(), 0, 0, 0, 7]]
+    assert step(sources, flag) == [5, 7]
+    assert [p[3] for p in sources] == [20, 40, 0]
+    eng.write_rows(fmt, st, None, eng.span(40, 50), b[40:50], flag)
+    assert step(sources[1:2], flag) == [] and sources[1][3] == 40          # 10 new rows: fewer than 32
+    eng.write_rows(fmt, st, None, eng.span(50, 70), b[50:], flag)
+    assert step(sources[1:2], flag) == [6] and sources[1][3] == 70
+    ref_x = torch.zeros(90, 1500, dtype=torch.uint8)
+    ref_meta = torch.cat([eng.unpack_rows(fmt, b, [ref_x[:70]]), eng.unpack_rows(fmt, a, [ref_x[70:]])])
+    assert torch.equal(x, ref_x) and torch.equal(meta_out, ref_meta)
+    assert torch.equal(src, torch.cat([torch.arange(70), torch.arange(20)]).to(torch.int32))
 
 
 @needs_native

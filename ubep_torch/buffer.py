@@ -620,6 +620,11 @@ class Buffer:
         """Wait (with the deadline) for every source's control message of this call; returns their words
         (``{source: [int, ...]}``: control data is read once, then handled as Python ints)."""
         local, eng, words = self._heap.local, self.engine, {}
+        if getattr(eng, "poll_ctrl", None) is not None:
+            ctrl, got = region.ctrl_sources(local, half), [None] * self.group_size
+            if eng.poll_ctrl(ctrl, nctrl, flag, [1] * self.group_size) is not None:   # (addressable here)
+                self._wait(phase, lambda: eng.poll_ctrl(ctrl, nctrl, flag, got))
+                return dict(enumerate(got))
 
         def poll():
             missing = []
@@ -687,6 +692,8 @@ class Buffer:
         R = self.group_size
         base = _ABORT_ROW * R
         words = self._aux_words[base:base + R].tolist()
+        if not any(words):
+            return
         aborted = P.blamed({r: P.abort_how(w) for r, w in enumerate(words)
                             if r != self.rank and P.abort_call(w) <= call})
         if aborted:
@@ -1098,7 +1105,7 @@ class Buffer:
             if scales is not None:
                 self._gather_own_rows(scales, sel, out["scales"], o)
             if meta is not None:
-                torch.index_select(meta, 0, sel, out=out["meta"][o:o + n])
+                self._gather_own_rows(meta, sel, out["meta"], o)
             out["src_idx"][o:o + n].copy_(sel)
 
         rows_from = self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, send_idx, exchange, allocate, local_copy)
@@ -1128,7 +1135,9 @@ class Buffer:
         for row in recv["ntpr_matrix"]:
             run = [a + b for a, b in zip(run, row)]
             prefix.append(run)
-        rank_prefix = torch.tensor(prefix, dtype=torch.int32).view(R, R)
+        # rank_prefix_matrix and the two channel matrices (below) made from one list: three views of one tensor
+        matrices = torch.tensor([c for row in prefix for c in row] + ntpr + off_l[:R], dtype=torch.int32)
+        rank_prefix = matrices[:R * R].view(R, R)
         if "send_head" not in derived:
             head = torch.full((T, R), -1, dtype=torch.int32)
             for d in range(R):
@@ -1136,8 +1145,8 @@ class Buffer:
             derived["send_head"] = head
         send_head = derived["send_head"].clone()
         # one channel per rank pair: tokens sent to each rank, and where each source's rows begin in recv_x
-        channel_prefix = torch.tensor(ntpr, dtype=torch.int32).view(R, 1)
-        recv_channel_prefix = torch.tensor(off_l[:R], dtype=torch.int32).view(R, 1)
+        channel_prefix = matrices[R * R:R * R + R].view(R, 1)
+        recv_channel_prefix = matrices[R * R + R:].view(R, 1)
         h = DispatchHandle(
             (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank.clone(), send_head),
             send_idx=send_idx, recv_counts=rows_from, recv_offsets=off_l, num_recv=num_recv, num_tokens=T,
@@ -1297,7 +1306,7 @@ class Buffer:
             # rows for this rank itself skip the slots: the receive side copies them straight from the source
             sel = none if d == me else send_idx[d]
             job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt), region.ctrl(peer, half, me, nctrl),
-                                         torch.tensor(ctrl_payload(d) + [num_tokens], dtype=torch.int64)))
+                                         ctrl_payload(d) + [num_tokens]))
         eng.send_phase(job)
         # receive the control messages of every source (verification of flags and counts)
         ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
@@ -1434,6 +1443,30 @@ class Buffer:
                     meta_part.copy_(meta)
                 if src_part is not None and hi > lo:
                     src_part.copy_(rows[:, 0, :].view(torch.int64)[:, 1])
+
+        step = None if reduce is not None else eng.reorder_sources(
+            fmt, outs, recv_meta if fmt.meta_words else None, recv_src_idx, _STREAM_ROWS) \
+            if getattr(eng, "reorder_sources", None) is not None else None
+        if step is not None:     # every source's newly complete rows in one engine call per poll
+            pending = []
+            for s in range(R):
+                n = recv["nrows"][s]
+                if s == self.rank:
+                    if n:
+                        local_copy(int(offsets[s]), n)
+                    self._send_ack(rid, s, epoch)
+                else:
+                    pending.append([region.rows(local, half, s, fmt, n).data_ptr(), n, int(offsets[s]), 0, s])
+
+            def poll_sources():
+                completed = step(pending, flag)
+                if completed:
+                    for s in completed:
+                        self._send_ack(rid, s, epoch)
+                    pending[:] = [p for p in pending if p[3] < p[1]]
+                return [p[4] for p in pending]
+            self._wait(f"{P.REGION_NAMES[rid]}: Token-Reordering (waiting for token blocks)", poll_sources)
+            return
 
         def poll():
             missing = []

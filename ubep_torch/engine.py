@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
@@ -37,9 +37,14 @@ class Destination:
     sel: torch.Tensor                 #: [n] int64 staging rows, in slot order
     rows: torch.Tensor                #: [m, blocks, 512] uint8 view of the peer's slots for this source
     ctrl: torch.Tensor                #: [nctrl, 512] uint8 view of the peer's control slot for this source
-    ctrl_payload: torch.Tensor        #: int64 control words (the DC checksum word is filled in by the engine)
+    ctrl_payload: Union[torch.Tensor, List[int]]   #: int64 control words (DC: the engine fills in the checksum)
     dst_index: Optional[torch.Tensor] = None   #: [n] slot of each row (None: slots 0..n-1)
     meta_patch: Optional[torch.Tensor] = None  #: [n] or [n, m] int32 written into meta items 0 (.. m-1) of each slot
+
+
+def payload_tensor(payload: Union[torch.Tensor, List[int]]) -> torch.Tensor:
+    """A control message's payload words (an int64 tensor or a list of ints) as an int64 tensor."""
+    return payload if isinstance(payload, torch.Tensor) else torch.tensor(payload, dtype=torch.int64)
 
 
 @dataclass
@@ -387,6 +392,8 @@ class TorchEngine:
         SyncAll, then flags and counts.
         """
         sync = job.fmt.sync
+        for d in job.dests:
+            d.ctrl_payload = payload_tensor(d.ctrl_payload)
         if sync == "sw":
             for d in job.dests:
                 self._send_rows(job, d)

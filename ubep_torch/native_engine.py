@@ -19,12 +19,12 @@ contents and outputs are bit-identical to ``TorchEngine`` (``tests/test_native_e
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from . import protocol as P
-from .engine import DirectRows, TorchEngine, check_ctrl_words
+from .engine import DirectRows, SendJob, TorchEngine, check_ctrl_words
 
 try:
     from . import _native
@@ -33,7 +33,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 18
+API_VERSION = 19
 
 
 def _matches() -> bool:
@@ -119,6 +119,92 @@ class NativeEngine(TorchEngine):
                            meta.data_ptr(), 0 if meta_patch is None else meta_patch.data_ptr(),
                            0 if meta_patch is None else meta_patch.shape[1], int(staging.rank),
                            int(flag), tuple(fields))
+
+    def send_phase(self, job: SendJob) -> None:
+        """TFF: the whole send phase (every destination's control message, then its rows) in one C call,
+        with the same stores as ``TorchEngine.send_phase``; other jobs take the inherited path."""
+        st, fmt = job.staging, job.fmt
+        usable = fmt.sync == "tff" and isinstance(st, DirectRows) and st.meta.is_contiguous() \
+            and st.meta.dim() == 2 and st.meta.shape[1] == P.BLOCK_BYTES
+        fields = []
+        if usable:
+            for off, full, data, rem in st.parts:
+                if not _rowwise(data) or data.shape[0] < st.meta.shape[0]:
+                    usable = False
+                    break
+                fields.append((data.data_ptr(), data.stride(0), full * P.TFF_PAYLOAD_BYTES + rem, off))
+        dests = []
+        for d in job.dests if usable else ():
+            n, sel, patch = d.sel.shape[0], d.sel, d.meta_patch
+            if d.dst_index is not None or n > d.rows.shape[0] or not _slots(d.rows, fmt) \
+                    or not d.ctrl.is_contiguous() or not 0 < d.ctrl.shape[0] <= P.MAX_CTRL_BLOCKS:
+                usable = False
+                break
+            if n and not _contiguous_int64(sel):
+                sel = sel.to(torch.int64).contiguous()
+            if patch is not None and n:
+                patch = patch[:n].to(torch.int32).contiguous()
+                if patch.dim() == 1:
+                    patch = patch.view(-1, 1)
+                if patch.shape[0] != n or patch.shape[1] > fmt.meta_words:
+                    usable = False
+                    break
+            words = d.ctrl_payload.tolist() if isinstance(d.ctrl_payload, torch.Tensor) else d.ctrl_payload
+            has_patch = patch is not None and n > 0
+            dests.append((d.rows.data_ptr(), n, sel.data_ptr() if n else 0, d.ctrl.data_ptr(), d.ctrl.shape[0],
+                          words, patch.data_ptr() if has_patch else 0, patch.shape[1] if has_patch else 0))
+        if not usable:
+            return super().send_phase(job)
+        # (the C loop checks every staging row, payload size and patch width before it stores anything)
+        _native.send_exchange(fmt.blocks, st.meta.shape[0], st.meta.data_ptr(), int(st.rank), int(job.flag),
+                              tuple(fields), tuple(dests))
+
+    def poll_ctrl(self, ctrl: torch.Tensor, nctrl: int, flag: int, words: list) -> Optional[list]:
+        """One poll of every source's control message: ``ctrl`` is every source's control blocks
+        ([R, max blocks, 512] uint8, as ``_Region.ctrl_sources``); ``words[s]`` (None until then) becomes
+        source s's payload words once its ``nctrl`` blocks carry ``flag``. Returns the sources still missing,
+        or None when the view is not addressable here (the caller polls source by source)."""
+        if not (ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and ctrl.is_contiguous()
+                and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1] and len(words) == ctrl.shape[0]):
+            return None
+        return _native.poll_ctrl(ctrl.data_ptr(), ctrl.stride(0), nctrl, int(flag), words)
+
+    def reorder_sources(self, fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]],
+                        meta_out: Optional[torch.Tensor], src_out: Optional[torch.Tensor],
+                        min_run: int) -> Optional[Callable[[list], list]]:
+        """Streaming Token-Reordering of several sources per poll: returns ``step(sources, flag)``, which takes
+        ``[[slots [n, blocks, 512] address, n, first output row, rows done, rank], ...]`` and reorders every
+        source's newly complete rows (runs of at least ``min_run`` rows, or up to its last row) into the
+        outputs (as ``unpack_to``), advancing "rows done"; it returns the ranks that completed. None when the
+        rows are not TFF or an output is not addressable row by row."""
+        if fmt.sync != "tff":
+            return None
+        fields, targets = [], []
+        for i, out in enumerate(outs):
+            if out is None or fmt.field_blocks[i] == 0:
+                continue
+            if not _rowwise(out) or out.dtype != torch.uint8 or out.shape[1] != fmt.fields[i][1]:
+                return None
+            fields.append((out.data_ptr(), out.stride(0), fmt.fields[i][1], fmt.field_offset_blocks(i)))
+            targets.append(out.shape[0])
+        meta_bytes = meta_stride = 0
+        if meta_out is not None:
+            if meta_out.dtype != torch.int32 or not _rowwise(meta_out) or meta_out.shape[1] > fmt.meta_words:
+                return None
+            meta_bytes, meta_stride = meta_out.shape[1] * 4, meta_out.stride(0) * 4
+            targets.append(meta_out.shape[0])
+        if src_out is not None:
+            if src_out.dtype != torch.int32 or not src_out.is_contiguous():
+                return None
+            targets.append(src_out.numel())
+        args = (fmt.blocks, min(targets) if targets else 0, 0 if meta_out is None else meta_out.data_ptr(),
+                meta_bytes, meta_stride, 0 if src_out is None else src_out.data_ptr(), tuple(fields))
+        blocks, room, rest = args[0], args[1], args[2:]
+
+        def step(sources: list, flag: int) -> list:
+            # (the C loop checks every source's output rows against the outputs before it writes)
+            return _native.reorder_sources(blocks, int(flag), int(min_run), room, *rest, sources)
+        return step
 
     def write_ctrl(self, dst: torch.Tensor, payload: torch.Tensor, flag: int) -> None:
         if not (dst.is_contiguous() and payload.dtype == torch.int64 and payload.is_contiguous()):

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import torch
 
 from . import protocol as P
-from .engine import SendJob, TorchEngine
+from .engine import SendJob, TorchEngine, payload_tensor
 from .errors import UBEPTimeoutError
 from .mapper import default_count_aivs
 from .topology import Topology
@@ -145,6 +145,8 @@ class TritonEngine(TorchEngine):
         D = len(dests)
         if D == 0:
             return
+        for d in dests:
+            d.ctrl_payload = payload_tensor(d.ctrl_payload)
         me = dests[0].rank
         world = max(d.rank for d in dests) + 1
         hop = Topology.for_ranks(world).hop_class(torch.full((D,), me, dtype=torch.int64),

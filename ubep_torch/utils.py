@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 from typing import Any, Optional, Tuple
 
 import torch
@@ -135,7 +136,6 @@ class TensorCache:
 
     @staticmethod
     def _refs(pool: list, i: int) -> int:
-        import sys
         return sys.getrefcount(pool[i])
 
     def _uses(self, pool: list, i: int) -> int:
@@ -150,22 +150,22 @@ class TensorCache:
             n *= int(d)
         if n == 0 or self._use_count is None:
             return torch.empty(*shape, dtype=dtype)
-        pool = self._entries.setdefault(dtype, [])
-        best = None
+        pool = self._entries.setdefault(dtype, [])      # kept in ascending size: the first free fit is the best
         for i in range(len(pool)):
-            size = pool[i].numel()
-            if size >= n and (best is None or size < pool[best].numel()) and self._free(pool, i):
-                best = i
-        if best is None:
-            if len(pool) >= self.max_entries:
-                victims = [i for i in range(len(pool)) if self._free(pool, i)]
-                if not victims:
-                    return torch.empty(*shape, dtype=dtype)
-                pool.pop(min(victims, key=lambda i: pool[i].numel()))
-            with torch.inference_mode(False):   # reused in any mode later: a plain tensor
-                pool.append(torch.empty(n + n // 4, dtype=dtype))
-            best = len(pool) - 1
-        return pool[best][:n].view(*shape)
+            if pool[i].numel() >= n and self._free(pool, i):
+                return pool[i][:n].view(*shape)
+        if len(pool) >= self.max_entries:
+            victims = [i for i in range(len(pool)) if self._free(pool, i)]
+            if not victims:
+                return torch.empty(*shape, dtype=dtype)
+            pool.pop(victims[0])                        # the smallest free one
+        with torch.inference_mode(False):   # reused in any mode later: a plain tensor
+            fresh = torch.empty(n + n // 4, dtype=dtype)
+        i = 0
+        while i < len(pool) and pool[i].numel() <= fresh.numel():
+            i += 1
+        pool.insert(i, fresh)
+        return fresh[:n].view(*shape)
 
     def zeros(self, shape, dtype: "torch.dtype") -> "torch.Tensor":
         return self.empty(shape, dtype).zero_()

@@ -36,7 +36,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 18             /* bumped whenever a function's arguments change */
+#define API_VERSION 19             /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -117,6 +117,38 @@ static int check_index(const int64_t *idx, Py_ssize_t n, int64_t limit, const ch
     return -1;
 }
 
+/* The stores of write_rows (below), for rows i in [0, n) of one destination. */
+static void store_rows(uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int64_t *sel, const uint8_t *meta,
+                       const int32_t *patch, Py_ssize_t patch_items, long long rank, long long flag,
+                       const field_t *f, int nf) {
+    const Py_ssize_t row_bytes = nb * BLOCK_BYTES;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t t = sel ? sel[i] : (int64_t)i;
+        const uint8_t *mblk = meta + t * BLOCK_BYTES;
+        int64_t token;
+        memcpy(&token, mblk + 8, 8);
+        uint8_t *row = dst + i * row_bytes;
+        copy_plain(row + 8, mblk + 8, BLOCK_BYTES - 8);
+        if (patch) memcpy(row + FLAG_BYTES, patch + i * patch_items, (size_t)patch_items * 4);
+        publish(row, flag);
+        for (int k = 0; k < nf; k++) {
+            const uint8_t *src = (const uint8_t *)f[k].ptr + t * f[k].stride;
+            Py_ssize_t left = f[k].nbytes;
+            for (Py_ssize_t b = f[k].block; left > 0; b++) {
+                uint8_t *blk = row + b * BLOCK_BYTES;
+                const int64_t head[3] = {token, (int64_t)b, (int64_t)rank};
+                memcpy(blk + 8, head, sizeof(head));
+                const Py_ssize_t take = left < PAYLOAD ? left : PAYLOAD;
+                copy_plain(blk + FLAG_BYTES, src, (size_t)take);
+                if (take < PAYLOAD) memset(blk + FLAG_BYTES + take, 0, (size_t)(PAYLOAD - take));
+                publish(blk, flag);
+                src += take;
+                left -= take;
+            }
+        }
+    }
+}
+
 /* write_rows(dst, n, nb, sel, limit, meta, meta_patch, patch_items, rank, flag, fields)
  *
  * The token group's stores: row i of the destination (``dst + i * nb * 512``) gets staging row
@@ -145,35 +177,9 @@ static PyObject *write_rows(PyObject *self, PyObject *args) {
         if (!sel) PyErr_SetString(PyExc_IndexError, "more rows than staging rows");
         return NULL;
     }
-    const uint8_t *meta = (const uint8_t *)(uintptr_t)meta_p;
-    const int32_t *patch = (const int32_t *)(uintptr_t)patch_p;
-    const Py_ssize_t row_bytes = nb * BLOCK_BYTES;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const int64_t t = sel ? sel[i] : (int64_t)i;
-        const uint8_t *mblk = meta + t * BLOCK_BYTES;
-        int64_t token;
-        memcpy(&token, mblk + 8, 8);
-        uint8_t *row = dst + i * row_bytes;
-        copy_plain(row + 8, mblk + 8, BLOCK_BYTES - 8);
-        if (patch) memcpy(row + FLAG_BYTES, patch + i * patch_items, (size_t)patch_items * 4);
-        publish(row, flag);
-        for (int k = 0; k < nf; k++) {
-            const uint8_t *src = (const uint8_t *)f[k].ptr + t * f[k].stride;
-            Py_ssize_t left = f[k].nbytes;
-            for (Py_ssize_t b = f[k].block; left > 0; b++) {
-                uint8_t *blk = row + b * BLOCK_BYTES;
-                const int64_t head[3] = {token, (int64_t)b, (int64_t)rank};
-                memcpy(blk + 8, head, sizeof(head));
-                const Py_ssize_t take = left < PAYLOAD ? left : PAYLOAD;
-                copy_plain(blk + FLAG_BYTES, src, (size_t)take);
-                if (take < PAYLOAD) memset(blk + FLAG_BYTES + take, 0, (size_t)(PAYLOAD - take));
-                publish(blk, flag);
-                src += take;
-                left -= take;
-            }
-        }
-    }
+    store_rows(dst, n, nb, sel, (const uint8_t *)(uintptr_t)meta_p, (const int32_t *)(uintptr_t)patch_p, patch_items,
+               rank, flag, f, nf);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -196,6 +202,20 @@ static PyObject *arrived(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
+/* The end r of the run of complete rows from ``start``: rows [start, r) carry ``flag`` in every block and
+ * row r (if r < n) does not. Each row's last block is probed first (see arrived). */
+static Py_ssize_t complete_run(const uint8_t *rows, Py_ssize_t n, Py_ssize_t nb, long long flag, Py_ssize_t start) {
+    Py_ssize_t r = start;
+    for (; r < n; r++) {
+        const uint8_t *row = rows + r * nb * BLOCK_BYTES;
+        if (flag_of(row + (nb - 1) * BLOCK_BYTES) != flag) break;
+        Py_ssize_t b = 0;
+        while (b < nb - 1 && flag_of(row + b * BLOCK_BYTES) == flag) b++;
+        if (b < nb - 1) break;
+    }
+    return r;
+}
+
 /* arrived_rows(rows, n, nb, flag, start) -> the end of the run of complete rows that begins at ``start``
  *
  * Rows [start, r) carry ``flag`` in every block and row r (if r < n) does not, so a receiver can reorder
@@ -206,16 +226,7 @@ static PyObject *arrived_rows(PyObject *self, PyObject *args) {
     Py_ssize_t n, nb, start;
     long long flag;
     if (!PyArg_ParseTuple(args, "KnnLn", &rows_p, &n, &nb, &flag, &start)) return NULL;
-    const uint8_t *rows = (const uint8_t *)(uintptr_t)rows_p;
-    Py_ssize_t r = start < 0 ? 0 : start;
-    for (; r < n; r++) {
-        const uint8_t *row = rows + r * nb * BLOCK_BYTES;
-        if (flag_of(row + (nb - 1) * BLOCK_BYTES) != flag) break;
-        Py_ssize_t b = 0;
-        while (b < nb - 1 && flag_of(row + b * BLOCK_BYTES) == flag) b++;
-        if (b < nb - 1) break;
-    }
-    return PyLong_FromSsize_t(r);
+    return PyLong_FromSsize_t(complete_run((const uint8_t *)(uintptr_t)rows_p, n, nb, flag, start < 0 ? 0 : start));
 }
 
 /* Every field's payload of one arrived TFF row (480 B per block, past each 32 B head) into row o of the
@@ -272,6 +283,80 @@ static PyObject *unpack(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+/* reorder_sources(nb, flag, min_run, room, meta_out, meta_bytes, meta_stride, src_out, fields, sources)
+ *
+ * One poll of streaming Token-Reordering over several sources: ``sources`` is a list of
+ * [rows, n, offset, done, rank] lists, one per source still sending (its slots, its row count, where its
+ * rows go in the outputs, the rows already reordered, its rank). For each, the run of complete rows from
+ * ``done`` (as arrived_rows finds it) is reordered, as unpack does with dst_index 0, into output rows
+ * offset + done.., once it reaches row n or holds at least min_run rows; ``done`` then advances. Every
+ * source's rows [offset, offset + n) are checked against ``room`` (the rows every output has) before
+ * anything is written. Returns the ranks of the sources that completed in this call. */
+static PyObject *reorder_sources(PyObject *self, PyObject *args) {
+    unsigned long long meta_p, src_p;
+    Py_ssize_t nb, min_run, room, meta_bytes, meta_stride;
+    long long flag;
+    PyObject *ftuple, *sources;
+    field_t f[MAX_FIELDS];
+    int nf = 0;
+    if (!PyArg_ParseTuple(args, "nLnnKnnKOO!", &nb, &flag, &min_run, &room, &meta_p, &meta_bytes, &meta_stride,
+                          &src_p, &ftuple, &PyList_Type, &sources))
+        return NULL;
+    if (parse_fields(ftuple, f, &nf) < 0) return NULL;
+    const Py_ssize_t ns = PyList_GET_SIZE(sources);
+    for (Py_ssize_t i = 0; i < ns; i++) {
+        PyObject *e = PyList_GET_ITEM(sources, i);
+        if (!PyList_Check(e) || PyList_GET_SIZE(e) != 5) {
+            PyErr_SetString(PyExc_TypeError, "reorder_sources: sources must be [rows, n, offset, done, rank] lists");
+            return NULL;
+        }
+        const Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(e, 1)), o = PyLong_AsSsize_t(PyList_GET_ITEM(e, 2)),
+                         done = PyLong_AsSsize_t(PyList_GET_ITEM(e, 3));
+        if (PyErr_Occurred()) return NULL;
+        if (n < 0 || o < 0 || done < 0 || done > n || o > room - n) {
+            PyErr_Format(PyExc_IndexError, "Token-Reordering rows [%lld, %lld) out of range [0, %lld)", (long long)o,
+                         (long long)(o + n), (long long)room);
+            return NULL;
+        }
+    }
+    uint8_t *meta_out = (uint8_t *)(uintptr_t)meta_p;
+    int32_t *src_out = (int32_t *)(uintptr_t)src_p;
+    PyObject *completed = PyList_New(0);
+    if (completed == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < ns; i++) {
+        PyObject *e = PyList_GET_ITEM(sources, i);
+        const uint8_t *rows = (const uint8_t *)(uintptr_t)PyLong_AsUnsignedLongLong(PyList_GET_ITEM(e, 0));
+        const Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(e, 1)), o = PyLong_AsSsize_t(PyList_GET_ITEM(e, 2)),
+                         done = PyLong_AsSsize_t(PyList_GET_ITEM(e, 3));
+        if (PyErr_Occurred()) goto fail;
+        const Py_ssize_t r = complete_run(rows, n, nb, flag, done);
+        if (r == n && r == done) {      /* nothing (left) to reorder */
+            if (PyList_Append(completed, PyList_GET_ITEM(e, 4)) < 0) goto fail;
+            continue;
+        }
+        if (r == done || (r < n && r - done < min_run)) continue;
+        for (Py_ssize_t k = done; k < r; k++) {
+            const uint8_t *row = rows + k * nb * BLOCK_BYTES;
+            const int64_t at = (int64_t)(o + k);
+            if (meta_out && meta_bytes) memcpy(meta_out + at * meta_stride, row + FLAG_BYTES, (size_t)meta_bytes);
+            if (src_out) {
+                int64_t token;
+                memcpy(&token, row + 8, 8);
+                src_out[at] = (int32_t)token;
+            }
+            copy_payload(row, f, nf, at);
+        }
+        PyObject *v = PyLong_FromSsize_t(r);
+        if (v == NULL) goto fail;
+        PyList_SetItem(e, 3, v);
+        if (r == n && PyList_Append(completed, PyList_GET_ITEM(e, 4)) < 0) goto fail;
+    }
+    return completed;
+fail:
+    Py_DECREF(completed);
+    return NULL;
 }
 
 /* unpack_items(rows, n, nb, K, base, cnt, E_local, room, info_out, k_out, fields)
@@ -561,6 +646,18 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
  * A control message is nctrl blocks, each a 32 B head (w0 = flag, w1..w3 = 0) and 60 int64 payload words. */
 #define CTRL_WORDS ((BLOCK_BYTES - FLAG_BYTES) / 8)
 
+/* One control message: payload words [0, nwords) into consecutive block bodies (the rest zero), every block
+ * published by its flag. */
+static void store_ctrl(uint8_t *dst, Py_ssize_t nctrl, const int64_t *payload, Py_ssize_t n, long long flag) {
+    for (Py_ssize_t b = 0; b < nctrl; b++) {
+        uint8_t *blk = dst + b * BLOCK_BYTES;
+        memset(blk + 8, 0, BLOCK_BYTES - 8);
+        const Py_ssize_t lo = b * CTRL_WORDS, hi = n < lo + CTRL_WORDS ? n : lo + CTRL_WORDS;
+        if (hi > lo) memcpy(blk + FLAG_BYTES, payload + lo, (size_t)(hi - lo) * 8);
+        publish(blk, flag);
+    }
+}
+
 /* write_ctrl(dst, nctrl, payload, n, flag): payload words [0, n) into consecutive block bodies (the rest
  * zero), every block published by its flag */
 static PyObject *write_ctrl(PyObject *self, PyObject *args) {
@@ -572,15 +669,7 @@ static PyObject *write_ctrl(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "control payload does not fit its blocks");
         return NULL;
     }
-    uint8_t *dst = (uint8_t *)(uintptr_t)dst_p;
-    const int64_t *payload = (const int64_t *)(uintptr_t)payload_p;
-    for (Py_ssize_t b = 0; b < nctrl; b++) {
-        uint8_t *blk = dst + b * BLOCK_BYTES;
-        memset(blk + 8, 0, BLOCK_BYTES - 8);
-        const Py_ssize_t lo = b * CTRL_WORDS, hi = n < lo + CTRL_WORDS ? n : lo + CTRL_WORDS;
-        if (hi > lo) memcpy(blk + FLAG_BYTES, payload + lo, (size_t)(hi - lo) * 8);
-        publish(blk, flag);
-    }
+    store_ctrl((uint8_t *)(uintptr_t)dst_p, nctrl, (const int64_t *)(uintptr_t)payload_p, n, flag);
     Py_RETURN_NONE;
 }
 
@@ -610,6 +699,146 @@ static PyObject *read_ctrl(PyObject *self, PyObject *args) {
         if (set_int(out, i, v) < 0) return NULL;
     }
     return out;
+}
+
+#define MAX_CTRL 8                  /* control blocks per message at most (protocol.MAX_CTRL_BLOCKS) */
+#define MAX_DESTS 1024
+
+/* One destination of send_exchange, parsed and checked before anything is stored. */
+typedef struct {
+    uint8_t *rows;
+    Py_ssize_t n;
+    const int64_t *sel;
+    uint8_t *ctrl;
+    const int32_t *patch;
+    Py_ssize_t nctrl, nwords, patch_items;
+    int64_t words[MAX_CTRL * CTRL_WORDS];
+} dest_t;
+
+/* send_exchange(nb, limit, meta, rank, flag, fields, dests)
+ *
+ * A TFF send phase in one call: ``dests`` is a tuple of (rows, n, sel, ctrl, nctrl, words, patch,
+ * patch_items) per destination, in send order: its slots, the number of rows and their staging rows (sel,
+ * or 0 for 0..n-1; each in [0, limit)), its control blocks, the control message's payload words (a
+ * sequence of ints) and write_rows' meta patch (0 for none). Every
+ * destination is parsed and checked first (an error stores nothing); then, as TorchEngine.send_phase
+ * does, every control message is stored, then every destination's rows (write_rows' stores). */
+static PyObject *send_exchange(PyObject *self, PyObject *args) {
+    unsigned long long meta_p;
+    Py_ssize_t nb, limit;
+    long long rank, flag;
+    PyObject *ftuple, *dtuple;
+    field_t f[MAX_FIELDS];
+    int nf = 0;
+    if (!PyArg_ParseTuple(args, "nnKLLOO!", &nb, &limit, &meta_p, &rank, &flag, &ftuple, &PyTuple_Type, &dtuple))
+        return NULL;
+    if (parse_fields(ftuple, f, &nf) < 0) return NULL;
+    const Py_ssize_t nd = PyTuple_GET_SIZE(dtuple);
+    if (nd > MAX_DESTS) {
+        PyErr_SetString(PyExc_ValueError, "send_exchange: too many destinations");
+        return NULL;
+    }
+    dest_t *d = PyMem_Calloc(nd ? (size_t)nd : 1, sizeof(dest_t));
+    if (d == NULL) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        unsigned long long rows_p, sel_p, ctrl_p, patch_p;
+        PyObject *words;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(dtuple, i), "KnKKnOKn", &rows_p, &d[i].n, &sel_p, &ctrl_p, &d[i].nctrl,
+                              &words, &patch_p, &d[i].patch_items))
+            goto fail;
+        d[i].patch = (const int32_t *)(uintptr_t)patch_p;
+        if (d[i].patch_items < 0 || d[i].patch_items > (BLOCK_BYTES - FLAG_BYTES) / 4) {
+            PyErr_SetString(PyExc_ValueError, "meta patch wider than a meta block");
+            goto fail;
+        }
+        d[i].rows = (uint8_t *)(uintptr_t)rows_p;
+        d[i].sel = (const int64_t *)(uintptr_t)sel_p;
+        d[i].ctrl = (uint8_t *)(uintptr_t)ctrl_p;
+        if (d[i].nctrl < 1 || d[i].nctrl > MAX_CTRL || d[i].n < 0) {
+            PyErr_SetString(PyExc_ValueError, "send_exchange: bad control block or row count");
+            goto fail;
+        }
+        PyObject *seq = PySequence_Fast(words, "control words must be a sequence of ints");
+        if (seq == NULL) goto fail;
+        d[i].nwords = PySequence_Fast_GET_SIZE(seq);
+        if (d[i].nwords > d[i].nctrl * CTRL_WORDS) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "control payload does not fit its blocks");
+            goto fail;
+        }
+        for (Py_ssize_t j = 0; j < d[i].nwords; j++) {
+            d[i].words[j] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, j));
+            if (d[i].words[j] == -1 && PyErr_Occurred()) {
+                Py_DECREF(seq);
+                goto fail;
+            }
+        }
+        Py_DECREF(seq);
+        if (d[i].sel ? check_index(d[i].sel, d[i].n, limit, "staging row") < 0 : d[i].n > limit) {
+            if (!d[i].sel) PyErr_SetString(PyExc_IndexError, "more rows than staging rows");
+            goto fail;
+        }
+    }
+    const uint8_t *meta = (const uint8_t *)(uintptr_t)meta_p;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < nd; i++) store_ctrl(d[i].ctrl, d[i].nctrl, d[i].words, d[i].nwords, flag);
+    for (Py_ssize_t i = 0; i < nd; i++)
+        store_rows(d[i].rows, d[i].n, nb, d[i].sel, meta, d[i].patch, d[i].patch_items, rank, flag, f, nf);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(d);
+    Py_RETURN_NONE;
+fail:
+    PyMem_Free(d);
+    return NULL;
+}
+
+/* poll_ctrl(base, stride, nctrl, flag, words) -> the sources still missing, as a list
+ *
+ * Source s's control message is the nctrl blocks at base + s * stride. For every s where words[s] (a list,
+ * one entry per source) is None: if all its blocks carry ``flag`` (acquire loads), words[s] becomes its
+ * payload words (nctrl * 60 ints), else s is missing. */
+static PyObject *poll_ctrl(PyObject *self, PyObject *args) {
+    unsigned long long base_p;
+    Py_ssize_t stride, nctrl;
+    long long flag;
+    PyObject *words;
+    if (!PyArg_ParseTuple(args, "KnnLO!", &base_p, &stride, &nctrl, &flag, &PyList_Type, &words)) return NULL;
+    const uint8_t *base = (const uint8_t *)(uintptr_t)base_p;
+    PyObject *missing = PyList_New(0);
+    if (missing == NULL) return NULL;
+    for (Py_ssize_t s = 0; s < PyList_GET_SIZE(words); s++) {
+        if (PyList_GET_ITEM(words, s) != Py_None) continue;
+        const uint8_t *src = base + s * stride;
+        Py_ssize_t b = 0;
+        while (b < nctrl && flag_of(src + b * BLOCK_BYTES) == flag) b++;
+        PyObject *item;
+        if (b < nctrl) {
+            item = PyLong_FromSsize_t(s);
+            if (item == NULL || PyList_Append(missing, item) < 0) {
+                Py_XDECREF(item);
+                Py_DECREF(missing);
+                return NULL;
+            }
+            Py_DECREF(item);
+            continue;
+        }
+        const Py_ssize_t n = nctrl * CTRL_WORDS;
+        item = PyList_New(n);
+        if (item == NULL) {
+            Py_DECREF(missing);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t v;
+            memcpy(&v, src + (i / CTRL_WORDS) * BLOCK_BYTES + FLAG_BYTES + (i % CTRL_WORDS) * 8, 8);
+            if (set_int(item, i, v) < 0) {
+                Py_DECREF(missing);
+                return NULL;
+            }
+        }
+        PyList_SetItem(words, s, item);   /* steals item, releases the None */
+    }
+    return missing;
 }
 
 /* ll_calcumsum(ctrl, R, stride, first, E_local, N, out, layout_range, recv_count) -> [rows per source]
@@ -959,9 +1188,12 @@ static PyMethodDef methods[] = {
     {"write_rows", write_rows, METH_VARARGS, "TFF token-group stores into a peer's slots"},
     {"write_ctrl", write_ctrl, METH_VARARGS, "count-group store of one control message"},
     {"read_ctrl", read_ctrl, METH_VARARGS, "payload words of an arrived control message"},
+    {"send_exchange", send_exchange, METH_VARARGS, "TFF send phase: every destination's counts, then rows"},
+    {"poll_ctrl", poll_ctrl, METH_VARARGS, "arrived control messages of every missing source"},
     {"arrived", arrived, METH_VARARGS, "whether every block of the rows carries the flag"},
     {"arrived_rows", arrived_rows, METH_VARARGS, "end of the run of complete rows from a start row"},
     {"unpack", unpack, METH_VARARGS, "copy arrived rows' payload, meta items and source tokens out"},
+    {"reorder_sources", reorder_sources, METH_VARARGS, "one poll of streaming Token-Reordering of several sources"},
     {"copy_rows", copy_rows, METH_VARARGS, "row gather-scatter between plain tensors"},
     {"pair_order", pair_order, METH_VARARGS, "low-latency (token, slot) pairs sorted by expert"},
     {"meta_items", meta_items, METH_VARARGS, "normal dispatch's meta items: expert ids and weight bits"},

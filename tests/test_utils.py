@@ -1,0 +1,47 @@
+"""``utils.TensorCache``: outputs are reused only once nothing outside the cache refers to them."""
+import torch
+
+from ubep_torch.utils import TensorCache
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_held_results_are_never_handed_out_again():
+    cache = TensorCache()
+    a = cache.empty((4, 8), torch.float32)
+    b = cache.empty((4, 8), torch.float32)
+    assert _ptr(a) != _ptr(b)
+    view = a[1:]
+    del a
+    c = cache.empty((4, 8), torch.float32)          # a's memory is still referenced by its view
+    assert _ptr(c) not in (_ptr(view), _ptr(b))
+    del view
+    d = cache.empty((4, 8), torch.float32)          # now it is free again
+    assert _ptr(d) not in (_ptr(b), _ptr(c))
+
+
+def test_dropped_results_are_reused_smallest_fit_first():
+    cache = TensorCache()
+    big = cache.empty((1000,), torch.bfloat16)
+    small = cache.empty((100,), torch.bfloat16)
+    ptr_big, ptr_small = _ptr(big), _ptr(small)
+    del big, small
+    assert _ptr(cache.empty((50,), torch.bfloat16)) == ptr_small
+    assert _ptr(cache.empty((500,), torch.bfloat16)) == ptr_big
+    kept = [cache.empty((60,), torch.bfloat16), cache.empty((60,), torch.bfloat16)]
+    assert ptr_small in [_ptr(t) for t in kept]
+    assert all(t.shape == (60,) and t.dtype == torch.bfloat16 for t in kept)
+
+
+def test_a_full_cache_evicts_a_free_entry_or_allocates_outside():
+    cache = TensorCache(max_entries=2)
+    held = [cache.empty((10,), torch.int32), cache.empty((20,), torch.int32)]
+    extra = cache.empty((30,), torch.int32)          # both entries held: a tensor of its own
+    assert _ptr(extra) not in [_ptr(t) for t in held]
+    del held[0]
+    fresh = cache.empty((40,), torch.int32)          # the free 10-entry makes room for a 40-entry
+    del fresh
+    assert _ptr(cache.empty((35,), torch.int32)) not in (_ptr(held[0]), _ptr(extra))
+    assert len(cache._entries[torch.int32]) == 2
