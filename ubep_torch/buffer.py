@@ -824,7 +824,8 @@ class Buffer:
         """``num_experts`` as an int: positive, divisible by the group size, and with few enough local experts
         that one control message carries their counts (and, in normal mode, the R token counts and the
         token total after them)."""
-        if isinstance(num_experts, bool) or not isinstance(num_experts, numbers.Integral) or num_experts <= 0:
+        if type(num_experts) is not int and (isinstance(num_experts, bool) or
+                                             not isinstance(num_experts, numbers.Integral)) or num_experts <= 0:
             raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
         num_experts, R = int(num_experts), self.group_size
         if num_experts % R:

@@ -237,19 +237,21 @@ class TorchEngine:
         keep = reusable and sync != "sp"
         items = fmt.meta_words if meta is not None else 0
         key = ("meta", n, nb, rank, sync, fmt.meta_words, items)
-        meta_blk = self._scratch.get(key) if keep else None
-        if meta_blk is None:
-            with torch.inference_mode(False):
+        kept = self._scratch.get(key) if keep else None
+        if kept is None:
+            with torch.inference_mode(False):   # (kept between calls: plain tensors and views, in any mode)
                 meta_blk = torch.zeros(n, P.BLOCK_BYTES, dtype=torch.uint8)
+                kept = meta_blk, meta_blk[:, P.FLAG_BYTES:].view(torch.int32)[:, :items]   # and its meta items
             mw = meta_blk.view(torch.int64)
             mw[:, 1] = src_index
             mw[:, 3] = rank
             if sync != "tff":
                 mw[:, 0] = P.ROW_MAGIC
             if keep:
-                self._scratch[key] = meta_blk
+                self._scratch[key] = kept
+        meta_blk, meta_items = kept
         if items:
-            meta_blk[:, P.FLAG_BYTES:].view(torch.int32)[:, :items] = meta
+            meta_items.copy_(meta)
         mw = meta_blk.view(torch.int64)
         parts = []          # per field: (first block, full blocks, data, bytes in the last partial block)
         for i, data in enumerate(fields):

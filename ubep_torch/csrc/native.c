@@ -294,6 +294,11 @@ static PyObject *unpack(PyObject *self, PyObject *args) {
  * offset + done.., once it reaches row n or holds at least min_run rows; ``done`` then advances. Every
  * source's rows [offset, offset + n) are checked against ``room`` (the rows every output has) before
  * anything is written. Returns the ranks of the sources that completed in this call. */
+typedef struct {
+    const uint8_t *rows;
+    Py_ssize_t n, offset, done, end;
+} stream_t;
+
 static PyObject *reorder_sources(PyObject *self, PyObject *args) {
     unsigned long long meta_p, src_p;
     Py_ssize_t nb, min_run, room, meta_bytes, meta_stride;
@@ -306,40 +311,36 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
         return NULL;
     if (parse_fields(ftuple, f, &nf) < 0) return NULL;
     const Py_ssize_t ns = PyList_GET_SIZE(sources);
+    stream_t *st = PyMem_Calloc(ns ? (size_t)ns : 1, sizeof(stream_t));
+    if (st == NULL) return PyErr_NoMemory();
+    PyObject *completed = NULL;
     for (Py_ssize_t i = 0; i < ns; i++) {
         PyObject *e = PyList_GET_ITEM(sources, i);
         if (!PyList_Check(e) || PyList_GET_SIZE(e) != 5) {
             PyErr_SetString(PyExc_TypeError, "reorder_sources: sources must be [rows, n, offset, done, rank] lists");
-            return NULL;
+            goto fail;
         }
-        const Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(e, 1)), o = PyLong_AsSsize_t(PyList_GET_ITEM(e, 2)),
-                         done = PyLong_AsSsize_t(PyList_GET_ITEM(e, 3));
-        if (PyErr_Occurred()) return NULL;
-        if (n < 0 || o < 0 || done < 0 || done > n || o > room - n) {
-            PyErr_Format(PyExc_IndexError, "Token-Reordering rows [%lld, %lld) out of range [0, %lld)", (long long)o,
-                         (long long)(o + n), (long long)room);
-            return NULL;
+        st[i].rows = (const uint8_t *)(uintptr_t)PyLong_AsUnsignedLongLong(PyList_GET_ITEM(e, 0));
+        st[i].n = PyLong_AsSsize_t(PyList_GET_ITEM(e, 1));
+        st[i].offset = PyLong_AsSsize_t(PyList_GET_ITEM(e, 2));
+        st[i].done = PyLong_AsSsize_t(PyList_GET_ITEM(e, 3));
+        if (PyErr_Occurred()) goto fail;
+        if (st[i].n < 0 || st[i].offset < 0 || st[i].done < 0 || st[i].done > st[i].n || st[i].offset > room - st[i].n) {
+            PyErr_Format(PyExc_IndexError, "Token-Reordering rows [%lld, %lld) out of range [0, %lld)",
+                         (long long)st[i].offset, (long long)(st[i].offset + st[i].n), (long long)room);
+            goto fail;
         }
     }
     uint8_t *meta_out = (uint8_t *)(uintptr_t)meta_p;
     int32_t *src_out = (int32_t *)(uintptr_t)src_p;
-    PyObject *completed = PyList_New(0);
-    if (completed == NULL) return NULL;
+    Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < ns; i++) {
-        PyObject *e = PyList_GET_ITEM(sources, i);
-        const uint8_t *rows = (const uint8_t *)(uintptr_t)PyLong_AsUnsignedLongLong(PyList_GET_ITEM(e, 0));
-        const Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(e, 1)), o = PyLong_AsSsize_t(PyList_GET_ITEM(e, 2)),
-                         done = PyLong_AsSsize_t(PyList_GET_ITEM(e, 3));
-        if (PyErr_Occurred()) goto fail;
-        const Py_ssize_t r = complete_run(rows, n, nb, flag, done);
-        if (r == n && r == done) {      /* nothing (left) to reorder */
-            if (PyList_Append(completed, PyList_GET_ITEM(e, 4)) < 0) goto fail;
-            continue;
-        }
+        const Py_ssize_t n = st[i].n, done = st[i].done, r = complete_run(st[i].rows, n, nb, flag, done);
+        st[i].end = done;
         if (r == done || (r < n && r - done < min_run)) continue;
         for (Py_ssize_t k = done; k < r; k++) {
-            const uint8_t *row = rows + k * nb * BLOCK_BYTES;
-            const int64_t at = (int64_t)(o + k);
+            const uint8_t *row = st[i].rows + k * nb * BLOCK_BYTES;
+            const int64_t at = (int64_t)(st[i].offset + k);
             if (meta_out && meta_bytes) memcpy(meta_out + at * meta_stride, row + FLAG_BYTES, (size_t)meta_bytes);
             if (src_out) {
                 int64_t token;
@@ -348,14 +349,25 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
             }
             copy_payload(row, f, nf, at);
         }
-        PyObject *v = PyLong_FromSsize_t(r);
-        if (v == NULL) goto fail;
-        PyList_SetItem(e, 3, v);
-        if (r == n && PyList_Append(completed, PyList_GET_ITEM(e, 4)) < 0) goto fail;
+        st[i].end = r;
     }
+    Py_END_ALLOW_THREADS
+    completed = PyList_New(0);
+    if (completed == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < ns; i++) {
+        PyObject *e = PyList_GET_ITEM(sources, i);
+        if (st[i].end != st[i].done) {
+            PyObject *v = PyLong_FromSsize_t(st[i].end);
+            if (v == NULL) goto fail;
+            PyList_SetItem(e, 3, v);
+        }
+        if (st[i].end == st[i].n && PyList_Append(completed, PyList_GET_ITEM(e, 4)) < 0) goto fail;
+    }
+    PyMem_Free(st);
     return completed;
 fail:
-    Py_DECREF(completed);
+    Py_XDECREF(completed);
+    PyMem_Free(st);
     return NULL;
 }
 
