@@ -4,8 +4,9 @@
 without a C compiler the package installs without it and ``"auto"`` means the torch path);
 ``backend="native"`` asks for it explicitly and fails when it is missing.
 
-What runs in C (``sync="tff"``, the default): the token group's stores into a peer's slots (each
-512 B DataBlock written and then published by a release store of its flag word), the arrival poll
+What runs in C (``sync="tff"``, the default): the send phase, every destination's control message and
+then its rows in one call (the token group's stores into a peer's slots: each 512 B DataBlock written
+and then published by a release store of its flag word), the arrival poll
 (acquire loads of the flag words), Token-Reordering (payload, meta items and source tokens copied out of
 the slots, scattered straight to their final rows), and the two bf16 reductions (normal combine of any
 number of sources, low-latency weighted combine), each one pass over the rows instead of several torch
