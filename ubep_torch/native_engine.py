@@ -77,6 +77,32 @@ def _source_spec(fmt: P.RowFormat, rows: torch.Tensor, tok: Optional[torch.Tenso
     return None
 
 
+def _reorder_outputs(fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]], meta_out: Optional[torch.Tensor],
+                     src_out: Optional[torch.Tensor]) -> Optional[tuple]:
+    """The outputs of Token-Reordering as the C loops take them: ``(fields, rows of every output, meta bytes,
+    meta row stride)``, or None when one is not addressable row by row. ``outs`` are [rows, nbytes] uint8
+    per field, ``meta_out`` [rows, m] int32 (the first m meta items), ``src_out`` [rows] int32."""
+    fields, targets = [], []                     # (the C loops check every target row against the rows)
+    for i, out in enumerate(outs):
+        if out is None or fmt.field_blocks[i] == 0:
+            continue
+        if not _rowwise(out) or out.dtype != torch.uint8 or out.shape[1] != fmt.fields[i][1]:
+            return None
+        fields.append((out.data_ptr(), out.stride(0), fmt.fields[i][1], fmt.field_offset_blocks(i)))
+        targets.append(out.shape[0])
+    meta_bytes = meta_stride = 0
+    if meta_out is not None:
+        if meta_out.dtype != torch.int32 or not _rowwise(meta_out) or meta_out.shape[1] > fmt.meta_words:
+            return None
+        meta_bytes, meta_stride = meta_out.shape[1] * 4, meta_out.stride(0) * 4
+        targets.append(meta_out.shape[0])
+    if src_out is not None:
+        if src_out.dtype != torch.int32 or not src_out.is_contiguous():
+            return None
+        targets.append(src_out.numel())
+    return fields, targets, meta_bytes, meta_stride
+
+
 class NativeEngine(TorchEngine):
     name = "native"
 
@@ -178,26 +204,10 @@ class NativeEngine(TorchEngine):
         source's newly complete rows (runs of at least ``min_run`` rows, or up to its last row) into the
         outputs (as ``unpack_to``), advancing "rows done"; it returns the ranks that completed. None when the
         rows are not TFF or an output is not addressable row by row."""
-        if fmt.sync != "tff":
+        spec = _reorder_outputs(fmt, outs, meta_out, src_out) if fmt.sync == "tff" else None
+        if spec is None:
             return None
-        fields, targets = [], []
-        for i, out in enumerate(outs):
-            if out is None or fmt.field_blocks[i] == 0:
-                continue
-            if not _rowwise(out) or out.dtype != torch.uint8 or out.shape[1] != fmt.fields[i][1]:
-                return None
-            fields.append((out.data_ptr(), out.stride(0), fmt.fields[i][1], fmt.field_offset_blocks(i)))
-            targets.append(out.shape[0])
-        meta_bytes = meta_stride = 0
-        if meta_out is not None:
-            if meta_out.dtype != torch.int32 or not _rowwise(meta_out) or meta_out.shape[1] > fmt.meta_words:
-                return None
-            meta_bytes, meta_stride = meta_out.shape[1] * 4, meta_out.stride(0) * 4
-            targets.append(meta_out.shape[0])
-        if src_out is not None:
-            if src_out.dtype != torch.int32 or not src_out.is_contiguous():
-                return None
-            targets.append(src_out.numel())
+        fields, targets, meta_bytes, meta_stride = spec
         args = (fmt.blocks, min(targets) if targets else 0, 0 if meta_out is None else meta_out.data_ptr(),
                 meta_bytes, meta_stride, 0 if src_out is None else src_out.data_ptr(), tuple(fields))
         blocks, room, rest = args[0], args[1], args[2:]
@@ -255,25 +265,10 @@ class NativeEngine(TorchEngine):
             return False
         if at is not None and (not _contiguous_int64(at) or at.numel() != n):
             return False
-        fields = []
-        targets = []                                 # rows of every output: the C loop checks targets against them
-        for i, out in enumerate(outs):
-            if out is None or fmt.field_blocks[i] == 0:
-                continue
-            if not _rowwise(out) or out.dtype != torch.uint8 or out.shape[1] != fmt.fields[i][1]:
-                return False
-            fields.append((out.data_ptr(), out.stride(0), fmt.fields[i][1], fmt.field_offset_blocks(i)))
-            targets.append(out.shape[0])
-        meta_bytes = meta_stride = 0
-        if meta_out is not None:
-            if meta_out.dtype != torch.int32 or not _rowwise(meta_out) or meta_out.shape[1] > fmt.meta_words:
-                return False
-            meta_bytes, meta_stride = meta_out.shape[1] * 4, meta_out.stride(0) * 4
-            targets.append(meta_out.shape[0])
-        if src_out is not None:
-            if src_out.dtype != torch.int32 or not src_out.is_contiguous():
-                return False
-            targets.append(src_out.numel())
+        spec = _reorder_outputs(fmt, outs, meta_out, src_out)
+        if spec is None:
+            return False
+        fields, targets, meta_bytes, meta_stride = spec
         if n:
             room = min(targets) if targets else n
             _native.unpack(rows.data_ptr(), n, fmt.blocks, 0 if at is None else at.data_ptr(), room,
