@@ -151,6 +151,7 @@ def test_streaming_token_reordering_same_bits(pool):
     results = pool.run(F.streaming_equivalence)
     F.assert_all_same(results)
     assert all(r["partial_runs"] > 4 for r in results), [r["partial_runs"] for r in results]
+    assert all(r["normal_partial_runs"] > 2 for r in results), [r["normal_partial_runs"] for r in results]
 
 
 @needs_native
@@ -462,6 +463,87 @@ def test_send_phase_is_byte_identical(fields, meta_words):
 
 
 @needs_native
+def test_send_phase_keeps_converted_indices_and_patches_alive():
+    """Staging rows given as int32 and meta patches as int64 are converted per destination; every converted
+    tensor lives until the stores, so later destinations do not overwrite earlier ones' (same bytes as
+    torch). Jobs the C call does not take (a destination without a row list, more destinations than it
+    holds, a control view narrower than a block) go the torch way, as they would on the torch engine."""
+    fmt, data, meta, _, _ = _rows_case((("x", 1000),), 2, n=7, T=9)
+    sels = [torch.tensor([0, 1, 2, 3, 4, 5, 6], dtype=torch.int32), torch.tensor([8, 7, 6, 5, 4, 3, 2])]
+    patches = [torch.arange(7, dtype=torch.int64), torch.arange(100, 107, dtype=torch.int64)]
+    mem = {}
+    for name, eng in (("torch", TorchEngine()), ("native", native_engine.NativeEngine())):
+        job = _send_job(eng, fmt, data, meta, sels, patches, [[1, 2, 3], [4, 5, 6]], 9, 9)
+        eng.send_phase(job)
+        mem[name] = [torch.cat([d.rows.view(-1), d.ctrl.view(-1)]) for d in job.dests]
+    assert all(torch.equal(a, b) for a, b in zip(mem["torch"], mem["native"]))
+    for jobs in ((2, None, 512), (1025, torch.tensor([0]), 512), (1, torch.tensor([0]), 64)):
+        out = {}
+        for name, eng in (("torch", TorchEngine()), ("native", native_engine.NativeEngine())):
+            st, checked, sums = eng.stage_rows(fmt, data, meta, eng.arange(9), 0)
+            job = SendJob(fmt, st, checked, sums, 5)
+            for d in range(jobs[0]):
+                job.dests.append(Destination(d, jobs[1], torch.zeros(10, fmt.blocks, 512, dtype=torch.uint8),
+                                             torch.zeros(1, jobs[2], dtype=torch.uint8), [d]))
+            try:
+                eng.send_phase(job)
+                out[name] = torch.stack([d.rows for d in job.dests[:3]])
+            except Exception as e:        # noqa: BLE001 - the same error on both engines
+                out[name] = type(e)
+        assert (out["torch"] == out["native"]) if isinstance(out["torch"], type) else \
+            torch.equal(out["torch"], out["native"])
+
+
+_HOSTILE_CALLS = """
+import sys, threading, time, torch
+from tests.test_native_engine import _rows_case, _send_job
+from ubep_torch import native_engine, protocol as P
+eng = native_engine.NativeEngine()
+
+class Shrinks:                     # converting this word empties the list it came in
+    def __init__(self, words):
+        self.words = words
+    def __index__(self):
+        self.words.clear()
+        return 1
+
+fmt, data, meta, sel, _ = _rows_case((("x", 1000),), 2, n=7, T=9)
+words = [0] * 60
+words[0] = Shrinks(words)
+job = _send_job(eng, fmt, data, meta, [sel], [None], [words], 5, 9)
+eng.send_phase(job)
+assert job.dests[0].ctrl.view(torch.int64)[0, 4:6].tolist() == [1, 0]
+
+fmt = P.row_format("tff", (("x", 14336),), 1)
+T = 2048
+st, _, _ = eng.stage_rows(fmt, [torch.randint(0, 256, (T, 14336), dtype=torch.uint8)], None, eng.arange(T), 1)
+slots = torch.zeros(T, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+eng.write_rows(fmt, st, None, eng.arange(T), slots, 7)
+step = eng.reorder_sources(fmt, [torch.zeros(T, 14336, dtype=torch.uint8)], None, None, 32)
+for _ in range(5):                 # another thread replaces the list while the copy runs without the GIL
+    sources = [[slots.data_ptr(), T, 0, 0, 7]] + [[slots.data_ptr(), 0, 0, 0, 8 + i] for i in range(50)]
+    th = threading.Thread(target=lambda: (time.sleep(0.002), sources.clear(), sources.append(None)))
+    th.start()
+    step(sources, 7)
+    th.join()
+print("ok")
+"""
+
+
+@needs_native
+def test_c_calls_survive_arguments_changed_under_them():
+    """A control word whose conversion empties its list, and a sources list that another thread replaces
+    while the C loop copies without the GIL, neither crash nor corrupt: the C calls read their own copies
+    and references. (In a subprocess: a crash must fail this test, not the run.)"""
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-X", "dev", "-c", _HOSTILE_CALLS], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), (res.returncode, res.stderr[-2000:])
+
+
+@needs_native
 def test_send_phase_checks_every_destination_before_any_store():
     """A bad staging row in the last destination, or a payload too long for its blocks, raises before the
     first destination's control message or rows are stored."""
@@ -494,7 +576,9 @@ def test_poll_ctrl_reads_each_source_once_it_arrived():
     assert eng.poll_ctrl(ctrl, 2, flag, words) == [1]
     ctrl.view(torch.int64)[1, 1, 0] = flag
     assert eng.poll_ctrl(ctrl, 2, flag, words) == [] and words[1][:6] == [0, 1, 2, 3, 4, 0]
-    assert eng.poll_ctrl(ctrl[:, :1].clone()[:, :0], 1, flag, words) is None     # not addressable: None
+    assert not eng.polls_ctrl(ctrl[:, :0], 1) and not eng.polls_ctrl(ctrl.transpose(0, 1), 1)
+    with pytest.raises(ValueError):                      # a view the C loop cannot address is refused
+        eng.poll_ctrl(ctrl[:, :0], 1, flag, words)
 
 
 @needs_native

@@ -620,11 +620,11 @@ class Buffer:
         """Wait (with the deadline) for every source's control message of this call; returns their words
         (``{source: [int, ...]}``: control data is read once, then handled as Python ints)."""
         local, eng, words = self._heap.local, self.engine, {}
-        if getattr(eng, "poll_ctrl", None) is not None:
-            ctrl, got = region.ctrl_sources(local, half), [None] * self.group_size
-            if eng.poll_ctrl(ctrl, nctrl, flag, [1] * self.group_size) is not None:   # (addressable here)
-                self._wait(phase, lambda: eng.poll_ctrl(ctrl, nctrl, flag, got))
-                return dict(enumerate(got))
+        ctrl = region.ctrl_sources(local, half)
+        if getattr(eng, "polls_ctrl", None) is not None and eng.polls_ctrl(ctrl, nctrl):   # every source at once
+            got = [None] * self.group_size
+            self._wait(phase, lambda: eng.poll_ctrl(ctrl, nctrl, flag, got))
+            return dict(enumerate(got))
 
         def poll():
             missing = []
@@ -1449,17 +1449,16 @@ class Buffer:
             fmt, outs, recv_meta if fmt.meta_words else None, recv_src_idx, _STREAM_ROWS) \
             if getattr(eng, "reorder_sources", None) is not None else None
         if step is not None:     # every source's newly complete rows in one engine call per poll
-            pending = []
-            for s in range(R):
-                n = recv["nrows"][s]
-                if s == self.rank:
-                    if n:
-                        local_copy(int(offsets[s]), n)
-                    self._send_ack(rid, s, epoch)
-                else:
-                    pending.append([region.rows(local, half, s, fmt, n).data_ptr(), n, int(offsets[s]), 0, s])
+            pending = [[region.rows(local, half, s, fmt, recv["nrows"][s]).data_ptr(), recv["nrows"][s],
+                        int(offsets[s]), 0, s] for s in range(R) if s != self.rank]
+            own_rows = [True]      # this rank's own rows, straight from the source: in the first poll
 
             def poll_sources():
+                if own_rows[0]:
+                    own_rows[0] = False
+                    if recv["nrows"][self.rank]:
+                        local_copy(int(offsets[self.rank]), recv["nrows"][self.rank])
+                    self._send_ack(rid, self.rank, epoch)
                 completed = step(pending, flag)
                 if completed:
                     for s in completed:

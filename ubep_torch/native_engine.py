@@ -77,6 +77,43 @@ def _source_spec(fmt: P.RowFormat, rows: torch.Tensor, tok: Optional[torch.Tenso
     return None
 
 
+#: destinations of one ``send_exchange`` call at most (native.c's MAX_DESTS)
+_MAX_DESTS = 1024
+
+
+def _ctrl_blocks(ctrl: torch.Tensor) -> bool:
+    """``ctrl`` is a control message's blocks as the C stores address them: [nctrl, 512] uint8, contiguous,
+    1 <= nctrl <= MAX_CTRL_BLOCKS."""
+    return (ctrl.dim() == 2 and ctrl.dtype == torch.uint8 and ctrl.shape[1] == P.BLOCK_BYTES
+            and 0 < ctrl.shape[0] <= P.MAX_CTRL_BLOCKS and ctrl.is_contiguous())
+
+
+def _payload_fields(st: DirectRows) -> Optional[tuple]:
+    """The payload fields of TFF :class:`DirectRows` as the C stores take them, or None when a field's rows
+    are not addressable row by row (or fewer than the staged rows)."""
+    if not (st.meta.dim() == 2 and st.meta.shape[1] == P.BLOCK_BYTES and st.meta.is_contiguous()):
+        return None
+    fields = []
+    for off, full, data, rem in st.parts:
+        if not _rowwise(data) or data.shape[0] < st.meta.shape[0]:
+            return None
+        fields.append((data.data_ptr(), data.stride(0), full * P.TFF_PAYLOAD_BYTES + rem, off))
+    return tuple(fields)
+
+
+def _patch_rows(fmt: P.RowFormat, patch: Optional[torch.Tensor], n: int) -> Optional[tuple]:
+    """``(patch, items)``: the meta patch of n rows as the C stores take it, int32 [n, items] (``(0, 0)``
+    when there is none), or None when it does not fit the rows' meta items."""
+    if patch is None or n == 0:
+        return 0, 0
+    patch = patch[:n].to(torch.int32).contiguous()
+    if patch.dim() == 1:
+        patch = patch.view(-1, 1)
+    if patch.dim() != 2 or patch.shape[0] != n or patch.shape[1] > fmt.meta_words:
+        return None
+    return patch, patch.shape[1]
+
+
 def _reorder_outputs(fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]], meta_out: Optional[torch.Tensor],
                      src_out: Optional[torch.Tensor]) -> Optional[tuple]:
     """The outputs of Token-Reordering as the C loops take them: ``(fields, rows of every output, meta bytes,
@@ -126,79 +163,66 @@ class NativeEngine(TorchEngine):
         if n == 0:
             return
         rows = dst[:n]
-        meta = staging.meta
-        fields = []
-        for off, full, data, rem in staging.parts:
-            if not _rowwise(data) or data.shape[0] < meta.shape[0]:
-                return super().write_rows(fmt, staging, checked, sel, dst, flag, dst_index, meta_patch)
-            fields.append((data.data_ptr(), data.stride(0), full * P.TFF_PAYLOAD_BYTES + rem, off))
+        fields = _payload_fields(staging)
+        patch = _patch_rows(fmt, meta_patch, n)
+        if fields is None or patch is None or rows.shape[0] != n or not _slots(rows, fmt):
+            return super().write_rows(fmt, staging, checked, sel, dst, flag, dst_index, meta_patch)
         if sel is not None and not _contiguous_int64(sel):
             sel = sel.to(torch.int64).contiguous()
-        if meta_patch is not None:
-            meta_patch = meta_patch[:n].to(torch.int32).contiguous()
-            if meta_patch.dim() == 1:
-                meta_patch = meta_patch.view(-1, 1)
-        if not (rows.shape[0] == n and _slots(rows, fmt) and meta.is_contiguous() and meta.shape[1] == P.BLOCK_BYTES
-                and (meta_patch is None or (meta_patch.shape[0] == n and meta_patch.shape[1] <= fmt.meta_words))):
-            return super().write_rows(fmt, staging, checked, sel, dst, flag, dst_index, meta_patch)
-        # (the C loop checks every staging row index against meta.shape[0] before it stores anything)
-        _native.write_rows(rows.data_ptr(), n, fmt.blocks, 0 if sel is None else sel.data_ptr(), meta.shape[0],
-                           meta.data_ptr(), 0 if meta_patch is None else meta_patch.data_ptr(),
-                           0 if meta_patch is None else meta_patch.shape[1], int(staging.rank),
-                           int(flag), tuple(fields))
+        patch_t, items = patch
+        # (the C loop checks every staging row index against the staged rows before it stores anything)
+        _native.write_rows(rows.data_ptr(), n, fmt.blocks, 0 if sel is None else sel.data_ptr(), staging.meta.shape[0],
+                           staging.meta.data_ptr(), patch_t.data_ptr() if items else 0, items, int(staging.rank),
+                           int(flag), fields)
 
     def send_phase(self, job: SendJob) -> None:
         """TFF: the whole send phase (every destination's control message, then its rows) in one C call,
         with the same stores as ``TorchEngine.send_phase``; other jobs take the inherited path."""
         st, fmt = job.staging, job.fmt
-        usable = fmt.sync == "tff" and isinstance(st, DirectRows) and st.meta.is_contiguous() \
-            and st.meta.dim() == 2 and st.meta.shape[1] == P.BLOCK_BYTES
-        fields = []
-        if usable:
-            for off, full, data, rem in st.parts:
-                if not _rowwise(data) or data.shape[0] < st.meta.shape[0]:
-                    usable = False
-                    break
-                fields.append((data.data_ptr(), data.stride(0), full * P.TFF_PAYLOAD_BYTES + rem, off))
-        dests = []
-        for d in job.dests if usable else ():
-            n, sel, patch = d.sel.shape[0], d.sel, d.meta_patch
-            if d.dst_index is not None or n > d.rows.shape[0] or not _slots(d.rows, fmt) \
-                    or not d.ctrl.is_contiguous() or not 0 < d.ctrl.shape[0] <= P.MAX_CTRL_BLOCKS:
-                usable = False
+        fields = _payload_fields(st) if fmt.sync == "tff" and isinstance(st, DirectRows) \
+            and len(job.dests) <= _MAX_DESTS else None
+        dests, alive = [], []      # (alive: converted index and patch tensors, until the C call returns)
+        for d in job.dests if fields is not None else ():
+            sel = d.sel
+            n = sel.shape[0] if isinstance(sel, torch.Tensor) and sel.dim() == 1 else -1
+            patch = _patch_rows(fmt, d.meta_patch, n) if n >= 0 else None
+            if patch is None or d.dst_index is not None or n > d.rows.shape[0] or not _slots(d.rows, fmt) \
+                    or not _ctrl_blocks(d.ctrl):
+                fields = None
                 break
             if n and not _contiguous_int64(sel):
                 sel = sel.to(torch.int64).contiguous()
-            if patch is not None and n:
-                patch = patch[:n].to(torch.int32).contiguous()
-                if patch.dim() == 1:
-                    patch = patch.view(-1, 1)
-                if patch.shape[0] != n or patch.shape[1] > fmt.meta_words:
-                    usable = False
-                    break
+            patch_t, items = patch
+            alive += [sel, patch_t]
             words = d.ctrl_payload.tolist() if isinstance(d.ctrl_payload, torch.Tensor) else d.ctrl_payload
-            has_patch = patch is not None and n > 0
             dests.append((d.rows.data_ptr(), n, sel.data_ptr() if n else 0, d.ctrl.data_ptr(), d.ctrl.shape[0],
-                          words, patch.data_ptr() if has_patch else 0, patch.shape[1] if has_patch else 0))
-        if not usable:
+                          words, patch_t.data_ptr() if items else 0, items))
+        if fields is None:
             return super().send_phase(job)
         # (the C loop checks every staging row, payload size and patch width before it stores anything)
         _native.send_exchange(fmt.blocks, st.meta.shape[0], st.meta.data_ptr(), int(st.rank), int(job.flag),
-                              tuple(fields), tuple(dests))
+                              fields, tuple(dests))
+        del alive
 
-    def poll_ctrl(self, ctrl: torch.Tensor, nctrl: int, flag: int, words: list) -> Optional[list]:
-        """One poll of every source's control message: ``ctrl`` is every source's control blocks
-        ([R, max blocks, 512] uint8, as ``_Region.ctrl_sources``); ``words[s]`` (None until then) becomes
-        source s's payload words once its ``nctrl`` blocks carry ``flag``. Returns the sources still missing,
-        or None when the view is not addressable here (the caller polls source by source)."""
-        if not (ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and ctrl.is_contiguous()
-                and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1] and len(words) == ctrl.shape[0]):
-            return None
+    @staticmethod
+    def polls_ctrl(ctrl: torch.Tensor, nctrl: int) -> bool:
+        """Whether ``poll_ctrl`` addresses these control blocks: every source's, [R, max blocks, 512] uint8
+        contiguous (``_Region.ctrl_sources``), of which each message takes the first ``nctrl``."""
+        return (ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and ctrl.is_contiguous()
+                and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1])
+
+    def poll_ctrl(self, ctrl: torch.Tensor, nctrl: int, flag: int, words: list) -> list:
+        """One poll of every source's control message (``ctrl``: see ``polls_ctrl``): ``words[s]`` (None until
+        then) becomes source s's payload words once its ``nctrl`` blocks carry ``flag``. Returns the sources
+        still missing."""
+        if not self.polls_ctrl(ctrl, nctrl) or len(words) != ctrl.shape[0]:
+            raise ValueError("poll_ctrl: the control blocks are not [sources, blocks, 512] uint8 in host memory, "
+                             "one entry of words per source")
         return _native.poll_ctrl(ctrl.data_ptr(), ctrl.stride(0), nctrl, int(flag), words)
 
     def reorder_sources(self, fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]],
                         meta_out: Optional[torch.Tensor], src_out: Optional[torch.Tensor],
-                        min_run: int) -> Optional[Callable[[list], list]]:
+                        min_run: int) -> Optional[Callable[[list, int], list]]:
         """Streaming Token-Reordering of several sources per poll: returns ``step(sources, flag)``, which takes
         ``[[slots [n, blocks, 512] address, n, first output row, rows done, rank], ...]`` and reorders every
         source's newly complete rows (runs of at least ``min_run`` rows, or up to its last row) into the
@@ -208,17 +232,18 @@ class NativeEngine(TorchEngine):
         if spec is None:
             return None
         fields, targets, meta_bytes, meta_stride = spec
-        args = (fmt.blocks, min(targets) if targets else 0, 0 if meta_out is None else meta_out.data_ptr(),
-                meta_bytes, meta_stride, 0 if src_out is None else src_out.data_ptr(), tuple(fields))
-        blocks, room, rest = args[0], args[1], args[2:]
+        room = min(targets) if targets else 0
+        outputs = (0 if meta_out is None else meta_out.data_ptr(), meta_bytes, meta_stride,
+                   0 if src_out is None else src_out.data_ptr(), tuple(fields))
 
-        def step(sources: list, flag: int) -> list:
-            # (the C loop checks every source's output rows against the outputs before it writes)
-            return _native.reorder_sources(blocks, int(flag), int(min_run), room, *rest, sources)
+        def step(sources: list, flag: int, _alive=(outs, meta_out, src_out)) -> list:
+            # (_alive: the outputs whose addresses ``outputs`` holds live as long as the step does; the C loop
+            # checks every source's output rows against them before it writes)
+            return _native.reorder_sources(fmt.blocks, int(flag), int(min_run), room, *outputs, sources)
         return step
 
     def write_ctrl(self, dst: torch.Tensor, payload: torch.Tensor, flag: int) -> None:
-        if not (dst.is_contiguous() and payload.dtype == torch.int64 and payload.is_contiguous()):
+        if not (_ctrl_blocks(dst) and payload.dtype == torch.int64 and payload.is_contiguous()):
             return super().write_ctrl(dst, payload, flag)
         _native.write_ctrl(dst.data_ptr(), dst.shape[0], payload.data_ptr(), payload.numel(), int(flag))
 

@@ -123,7 +123,8 @@ class TensorCache:
     that fills it. The cache keeps the flat tensors it handed out; one is reused only when nothing outside
     the cache refers to it any more: no Python reference to the tensor object and no other tensor (view,
     detach, numpy array) on its storage. That is exact under CPython reference counting, so a result the
-    caller still holds is never overwritten, and any number of results can be alive at once.
+    caller still holds is never overwritten, and any number of results can be alive at once. (A Python
+    ``untyped_storage()`` object or a raw ``data_ptr()`` alone does not count as a reference.)
     """
 
     def __init__(self, max_entries: int = 6):

@@ -295,6 +295,7 @@ static PyObject *unpack(PyObject *self, PyObject *args) {
  * source's rows [offset, offset + n) are checked against ``room`` (the rows every output has) before
  * anything is written. Returns the ranks of the sources that completed in this call. */
 typedef struct {
+    PyObject *entry;    /* the source's list, referenced until its update (the caller's list may change) */
     const uint8_t *rows;
     Py_ssize_t n, offset, done, end;
 } stream_t;
@@ -320,6 +321,8 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "reorder_sources: sources must be [rows, n, offset, done, rank] lists");
             goto fail;
         }
+        Py_INCREF(e);
+        st[i].entry = e;
         st[i].rows = (const uint8_t *)(uintptr_t)PyLong_AsUnsignedLongLong(PyList_GET_ITEM(e, 0));
         st[i].n = PyLong_AsSsize_t(PyList_GET_ITEM(e, 1));
         st[i].offset = PyLong_AsSsize_t(PyList_GET_ITEM(e, 2));
@@ -355,7 +358,11 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
     completed = PyList_New(0);
     if (completed == NULL) goto fail;
     for (Py_ssize_t i = 0; i < ns; i++) {
-        PyObject *e = PyList_GET_ITEM(sources, i);
+        PyObject *e = st[i].entry;      /* (referenced since the checks; another thread may have changed it) */
+        if (PyList_GET_SIZE(e) != 5) {
+            PyErr_SetString(PyExc_RuntimeError, "reorder_sources: a source's list changed during the call");
+            goto fail;
+        }
         if (st[i].end != st[i].done) {
             PyObject *v = PyLong_FromSsize_t(st[i].end);
             if (v == NULL) goto fail;
@@ -363,10 +370,12 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
         }
         if (st[i].end == st[i].n && PyList_Append(completed, PyList_GET_ITEM(e, 4)) < 0) goto fail;
     }
+    for (Py_ssize_t i = 0; i < ns; i++) Py_DECREF(st[i].entry);
     PyMem_Free(st);
     return completed;
 fail:
     Py_XDECREF(completed);
+    for (Py_ssize_t i = 0; i < ns; i++) Py_XDECREF(st[i].entry);
     PyMem_Free(st);
     return NULL;
 }
@@ -770,16 +779,16 @@ static PyObject *send_exchange(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "send_exchange: bad control block or row count");
             goto fail;
         }
-        PyObject *seq = PySequence_Fast(words, "control words must be a sequence of ints");
+        PyObject *seq = PySequence_Tuple(words);   /* a tuple of its own: converting an item cannot resize it */
         if (seq == NULL) goto fail;
-        d[i].nwords = PySequence_Fast_GET_SIZE(seq);
+        d[i].nwords = PyTuple_GET_SIZE(seq);
         if (d[i].nwords > d[i].nctrl * CTRL_WORDS) {
             Py_DECREF(seq);
             PyErr_SetString(PyExc_ValueError, "control payload does not fit its blocks");
             goto fail;
         }
         for (Py_ssize_t j = 0; j < d[i].nwords; j++) {
-            d[i].words[j] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, j));
+            d[i].words[j] = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, j));
             if (d[i].words[j] == -1 && PyErr_Occurred()) {
                 Py_DECREF(seq);
                 goto fail;
