@@ -621,7 +621,7 @@ class Buffer:
         (``{source: [int, ...]}``: control data is read once, then handled as Python ints)."""
         local, eng, words = self._heap.local, self.engine, {}
         ctrl = region.ctrl_sources(local, half)
-        if getattr(eng, "polls_ctrl", None) is not None and eng.polls_ctrl(ctrl, nctrl):   # every source at once
+        if eng.polls_ctrl(ctrl, nctrl):   # every source at once
             got = [None] * self.group_size
             self._wait(phase, lambda: eng.poll_ctrl(ctrl, nctrl, flag, got))
             return dict(enumerate(got))
@@ -714,10 +714,11 @@ class Buffer:
         self._in_call = True
 
     def _refuse(self) -> None:
-        """Bad input (ValueError or TypeError) in a collective call, or in a step that leads to one
-        (``get_dispatch_layout``, ``ubep_torch.functional``), before it reached the peers: post the refusal
-        of the call they may be waiting in (see ``_post_refusal``). Only the process that built the Buffer,
-        and not while another thread is inside a call (its call is the one the peers wait in)."""
+        """An error in a collective call (bad input, a failed allocation: see ``errors.refusal``), or in a step
+        that leads to one (``get_dispatch_layout``, ``ubep_torch.functional``), before it reached the peers:
+        post the refusal of the call they may be waiting in (see ``_post_refusal``). Only the process that
+        built the Buffer, and not while another thread is inside a call (its call is the one the peers wait
+        in)."""
         if self._pid != os.getpid() or not self._call_lock.acquire(blocking=False):
             return
         try:
@@ -824,8 +825,7 @@ class Buffer:
         """``num_experts`` as an int: positive, divisible by the group size, and with few enough local experts
         that one control message carries their counts (and, in normal mode, the R token counts and the
         token total after them)."""
-        if type(num_experts) is not int and (isinstance(num_experts, bool) or
-                                             not isinstance(num_experts, numbers.Integral)) or num_experts <= 0:
+        if isinstance(num_experts, bool) or not isinstance(num_experts, numbers.Integral) or num_experts <= 0:
             raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
         num_experts, R = int(num_experts), self.group_size
         if num_experts % R:
@@ -1446,16 +1446,16 @@ class Buffer:
                     src_part.copy_(rows[:, 0, :].view(torch.int64)[:, 1])
 
         step = None if reduce is not None else eng.reorder_sources(
-            fmt, outs, recv_meta if fmt.meta_words else None, recv_src_idx, _STREAM_ROWS) \
-            if getattr(eng, "reorder_sources", None) is not None else None
+            fmt, outs, recv_meta if fmt.meta_words else None, recv_src_idx, _STREAM_ROWS)
         if step is not None:     # every source's newly complete rows in one engine call per poll
             pending = [[region.rows(local, half, s, fmt, recv["nrows"][s]).data_ptr(), recv["nrows"][s],
                         int(offsets[s]), 0, s] for s in range(R) if s != self.rank]
-            own_rows = [True]      # this rank's own rows, straight from the source: in the first poll
+            own_rows = True      # this rank's own rows, straight from the source: in the first poll
 
             def poll_sources():
-                if own_rows[0]:
-                    own_rows[0] = False
+                nonlocal own_rows
+                if own_rows:
+                    own_rows = False
                     if recv["nrows"][self.rank]:
                         local_copy(int(offsets[self.rank]), recv["nrows"][self.rank])
                     self._send_ack(rid, self.rank, epoch)

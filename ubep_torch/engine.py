@@ -448,6 +448,22 @@ class TorchEngine:
         """The payload words of an arrived control message, as Python ints."""
         return self.read_ctrl(ctrl).tolist()
 
+    def polls_ctrl(self, ctrl: torch.Tensor, nctrl: int) -> bool:
+        """Whether :meth:`poll_ctrl` polls every source's control message (``ctrl``: [R, max blocks, 512]
+        uint8, of which each message takes the first ``nctrl``) in one step; else callers poll source by
+        source with :meth:`ctrl_arrived` (this engine)."""
+        return False
+
+    def poll_ctrl(self, ctrl: torch.Tensor, nctrl: int, flag: int, words: list) -> list:
+        raise NotImplementedError("this engine polls control messages source by source (polls_ctrl is False)")
+
+    def reorder_sources(self, fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]],
+                        meta_out: Optional[torch.Tensor], src_out: Optional[torch.Tensor],
+                        min_run: int) -> Optional[Callable[[list, int], list]]:
+        """A step that reorders the newly complete rows of several sources per poll (see the native engine),
+        or None where rows are reordered source by source (this engine)."""
+        return None
+
     def rows_arrived(self, fmt: P.RowFormat, rows: torch.Tensor, flag: int, expected_sum: int = 0,
                      index: Optional[torch.Tensor] = None) -> bool:
         """Did every block of ``rows`` ([n, blocks, 512] local view) arrive? (``index``: only those rows)."""

@@ -204,8 +204,7 @@ class NativeEngine(TorchEngine):
                               fields, tuple(dests))
         del alive
 
-    @staticmethod
-    def polls_ctrl(ctrl: torch.Tensor, nctrl: int) -> bool:
+    def polls_ctrl(self, ctrl: torch.Tensor, nctrl: int) -> bool:
         """Whether ``poll_ctrl`` addresses these control blocks: every source's, [R, max blocks, 512] uint8
         contiguous (``_Region.ctrl_sources``), of which each message takes the first ``nctrl``."""
         return (ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and ctrl.is_contiguous()
