@@ -13,6 +13,11 @@ the combine), as in an MoE forward pass, for every path alike; the combine loops
 outputs.
 
 * ``ubep normal``: ``dispatch`` (with ``get_dispatch_layout``'s outputs) and ``combine``.
+* ``ubep normal, new routing every call`` (first backend only): ``get_dispatch_layout``, ``dispatch`` and
+  ``combine`` of a routing that differs from the previous call's (eight routings in turn), as in training
+  and serving, where every step routes anew. The other ubep rows repeat one routing, which the Buffer
+  recognises and does not lay out again; the naive EPs compute their send lists from the routing on every
+  call.
 * ``ubep low_latency``: ``low_latency_dispatch`` (bf16) and ``low_latency_combine``.
 * Both once per ``--backends`` entry (default ``auto,torch``: the engine ``backend="auto"`` picks, which is
   the C data path where it was built, then the vectorized torch path), in the same run.
@@ -243,6 +248,17 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
 
         paths[buf.backend] = (disp, comb, lld, llc)
 
+    routes = [torch.randn(T, E).softmax(-1).topk(K, dim=-1) for _ in range(8)]
+    turn = [0]
+
+    def new_routing_rt(buf=bufs[0]):
+        w_i, topk_i = routes[turn[0] % len(routes)]
+        turn[0] += 1
+        ntpr_i, _, ntpe_i, itr_i, _ = buf.get_dispatch_layout(topk_i, E)
+        d = buf.dispatch(x, num_tokens_per_rank=ntpr_i, is_token_in_rank=itr_i, num_tokens_per_expert=ntpe_i,
+                         topk_idx=topk_i, topk_weights=w_i)
+        return buf.combine(d[0], d[4])
+
     def naive_n():
         return naive_rank_rows(x, topk, E, R)
 
@@ -252,7 +268,7 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
     for disp, comb, lld, llc in paths.values():        # warm up every path once
         d, ll = disp(), lld()
         comb(d), llc(ll)
-    naive_n(), naive_l()
+    naive_n(), naive_l(), new_routing_rt()
     recv_bytes = d[0].numel() * 2
     ll_bytes = int(ll[1].sum()) * H * 2
     del d, ll
@@ -289,7 +305,7 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
 
     keys = [f"{b}:{k}" for b in paths for k in ("disp", "comb", "rt", "lld", "llc", "llrt")]
     keys += [f"floor_{v}_{k}" for v in floors for k in ("disp", "comb", "rt")]
-    res = {k: [] for k in keys + ["naive_n", "naive_l", "copy", "bigcopy", "cross"]}
+    res = {k: [] for k in keys + ["new_routing_rt", "naive_n", "naive_l", "copy", "bigcopy", "cross"]}
     for _ in range(rounds):
         for b, (disp, comb, lld, llc) in paths.items():
             res[f"{b}:disp"].append(_loop(disp, iters))
@@ -302,6 +318,7 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
             res[f"{b}:llc"].append(_loop(lambda c=llc, ll=ll: c(ll), iters))
             del ll
             res[f"{b}:llrt"].append(_loop(lambda d=lld, c=llc: c(d()), iters))
+        res["new_routing_rt"].append(_loop(new_routing_rt, iters))
         for v, (floor_disp, floor_comb) in floors.items():
             res[f"floor_{v}_disp"].append(_loop(floor_disp, iters))
             recv = floor_disp()
@@ -369,6 +386,8 @@ def main() -> None:
         for name, d, c, rt, nbytes, naive in rows:
             print(f"{name:<28}{d * 1e3:>12.3f}{c * 1e3:>12.3f}{rt * 1e3:>12.3f}{nbytes / 1e6:>9.2f}"
                   f"{nbytes / d / 1e9:>11.2f}{naive / rt:>9.1f}x")
+    print(f"{'ubep normal, new routing':<28}{'':>24}{t['new_routing_rt'] * 1e3:>12.3f}{'':>9}{'':>11}"
+          f"{t['naive_n'] / t['new_routing_rt']:>9.1f}x   <- every call: get_dispatch_layout, dispatch, combine")
     print(f"{'naive gloo (rank rows)':<28}{'':>24}{t['naive_n'] * 1e3:>12.3f}{recv_bytes / 1e6:>9.2f}"
           f"{'':>11}{'1.0x':>10}   <- baseline of ubep normal")
     print(f"{'naive gloo (expert rows)':<28}{'':>24}{t['naive_l'] * 1e3:>12.3f}{ll_bytes / 1e6:>9.2f}"

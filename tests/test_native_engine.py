@@ -214,6 +214,46 @@ def test_pair_order_refuses_bad_routing(topk, msg):
 
 
 @needs_native
+@pytest.mark.parametrize("T,K,E,R", [(0, 2, 4, 2), (1, 1, 2, 1), (9, 3, 8, 4), (128, 8, 16, 2), (33, 6, 12, 3),
+                                     (20, 0, 8, 2)])
+@pytest.mark.parametrize("repeats", [False, True])
+def test_routing_layout_same_on_both_engines(T, K, E, R, repeats):
+    """The C layout pass gives the torch path's counts, ranks and send lists; a token that names an expert in
+    several slots counts once for it, and one whose slots are all -1 goes nowhere."""
+    topk = _routing(T, K, E, seed=T + K + R)
+    if repeats and T and K > 1:
+        topk[::2, 1] = topk[::2, 0]          # the same expert (or -1) twice
+        topk[1::3] = -1
+    ref_lo, ref_hi, ref = TorchEngine().routing_layout(topk, E, R)
+    lo, hi, got = native_engine.NativeEngine().routing_layout(topk, E, R)
+    assert (lo, hi) == (ref_lo, ref_hi)
+    for a, b in zip(ref[:3] + (ref[4],), got[:3] + (got[4],)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert len(got[3]) == R and all(torch.equal(a, b) for a, b in zip(ref[3], got[3]))
+    # against the definitions
+    hit = torch.zeros(T, E, dtype=torch.bool)
+    for t in range(T):
+        for e in topk[t].tolist():
+            if e >= 0:
+                hit[t, e] = True
+    assert torch.equal(got[1], hit.sum(0).to(torch.int32))
+    in_rank = hit.view(T, R, E // R).any(-1)
+    assert torch.equal(got[2], in_rank) and torch.equal(got[0], in_rank.sum(0).to(torch.int32))
+    for r in range(R):
+        assert got[3][r].tolist() == [t for t in range(T) if in_rank[t, r]]
+        assert got[4][:, r].tolist() == [got[3][r].tolist().index(t) if in_rank[t, r] else -1 for t in range(T)]
+
+
+@needs_native
+@pytest.mark.parametrize("bad,lo,hi", [(8, -1, 8), (-2, -2, 7), (99, -1, 99)])
+def test_routing_layout_reports_ids_out_of_range(bad, lo, hi):
+    """An id outside [-1, E) gives no layout, only the smallest and largest id, on both engines."""
+    topk = torch.tensor([[0, 7], [3, -1], [5, bad]], dtype=torch.int64)
+    for eng in (TorchEngine(), native_engine.NativeEngine()):
+        assert eng.routing_layout(topk, 8, 2) == (lo, hi, None)
+
+
+@needs_native
 @pytest.mark.parametrize("wdtype", [None, torch.float32, torch.float64])
 @pytest.mark.parametrize("T,K", [(0, 4), (1, 1), (37, 8)])
 def test_meta_items_same_on_both_engines(wdtype, T, K):

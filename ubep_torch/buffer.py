@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import protocol as P
 from . import ugas
-from .engine import Destination, SendJob, make_engine
+from .engine import Destination, SendJob, make_engine, send_lists
 from .errors import (
     UBEPBrokenError,
     UBEPError,
@@ -52,6 +52,7 @@ _SYNC_ROW, _ABORT_ROW, _REFUSED_ROW, _REFUSED_AT_ROW = _ACK_WORDS, _ACK_WORDS + 
 _AUX_ROWS = _ACK_WORDS + 4
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FP8 = getattr(torch, "float8_e4m3fn", None)
+_TOPK_RANGE = "{name} values must be in [-1, {E}); got min {lo}, max {hi} (rank {rank})"
 _LL_MAX_TOPK = 16         # top-k the low-latency size hint provisions for
 _RECENT_HANDLES = 16      # handles recognised from their plain-tuple copies (per mode)
 # what a handle's tuple entries do not say, and two handles with equal entries must agree on to be exchangeable
@@ -473,7 +474,7 @@ class Buffer:
         self._active_call = 0        # the call whose work runs now (a recv hook's own), named by aborts
         self._destroyed = False
         self._out = TensorCache()   # output tensors are reused once the caller has dropped them
-        self._layout_cache = None   # (key, layout, watched tensors and their versions) of the last routing
+        self._layout_cache = None   # (num_experts, layout, routing snapshot, derived send lists) of the last routing
         self.delay_hook: Optional[Callable[[str], None]] = None  # test-only: called at every protocol step
 
     # ================================================================== housekeeping
@@ -817,8 +818,7 @@ class Buffer:
         if values and topk_idx.numel():
             lo, hi = int(topk_idx.min()), int(topk_idx.max())
             if lo < -1 or hi >= num_experts:
-                raise ValueError(f"{name} values must be in [-1, {num_experts}); got min {lo}, max {hi} "
-                                 f"(rank {self.rank})")
+                raise ValueError(_TOPK_RANGE.format(name=name, E=num_experts, lo=lo, hi=hi, rank=self.rank))
         return topk_idx
 
     def _check_num_experts(self, num_experts, low_latency: bool = False) -> int:
@@ -917,21 +917,16 @@ class Buffer:
         hit = self._layout_cache
         if hit is not None and hit[0] == E and _same_routing(topk_idx, hit[2]):
             return hit[1], hit[2]
-        checked = self._check_topk(topk_idx, E)
-        R = self.group_size
-        T = checked.shape[0]
+        checked = self._check_topk(topk_idx, E, values=False)
         with torch.inference_mode(False):   # kept between calls: plain tensors, whatever the caller's mode
             topk_idx = checked.clone()      # a snapshot: the caller may change its own tensor later
-            # column 0 collects the -1 slots, so a masked slot can never clear a real expert's bit
-            per_expert = torch.zeros(T, E + 1, dtype=torch.bool)
-            if T and topk_idx.shape[1]:
-                per_expert.scatter_(1, topk_idx + 1, True)
-            per_expert = per_expert[:, 1:]
-            num_tokens_per_expert = per_expert.sum(0).to(torch.int32)
-            is_token_in_rank = per_expert.view(T, R, E // R).any(-1)
-            num_tokens_per_rank = is_token_in_rank.sum(0).to(torch.int32)
-        result = (num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank)
-        self._layout_cache = (E, result, topk_idx, {})
+            lo, hi, layout = self.engine.routing_layout(topk_idx, E, self.group_size)
+        if layout is None:
+            raise ValueError(_TOPK_RANGE.format(name="topk_idx", E=E, lo=lo, hi=hi, rank=self.rank))
+        ntpr, ntpe, itr, send_idx, send_head = layout
+        result = (ntpr, None, ntpe, itr)
+        # (dispatch's send lists, kept with the layout: see ``derived`` there)
+        self._layout_cache = (E, result, topk_idx, {"send_idx": send_idx, "send_head": send_head})
         return result, topk_idx
 
     # ================================================================== normal dispatch
@@ -1056,7 +1051,7 @@ class Buffer:
         lc = self._layout_cache
         derived = lc[3] if topk_idx is not None and lc is not None and lc[1][3] is is_token_in_rank else {}
         if "send_idx" not in derived:
-            derived["send_idx"] = [is_token_in_rank[:, d].nonzero().squeeze(1) for d in range(R)]
+            derived["send_idx"], derived["send_head"] = send_lists(is_token_in_rank)
         send_idx = derived["send_idx"]
         # meta items: the K global expert ids, then the weights' bits
         meta = self.engine.meta_items(topk_idx, weights) if K else None
@@ -1139,11 +1134,6 @@ class Buffer:
         # rank_prefix_matrix and the two channel matrices (below) made from one list: three views of one tensor
         matrices = torch.tensor([c for row in prefix for c in row] + ntpr + off_l[:R], dtype=torch.int32)
         rank_prefix = matrices[:R * R].view(R, R)
-        if "send_head" not in derived:
-            head = torch.full((T, R), -1, dtype=torch.int32)
-            for d in range(R):
-                head[send_idx[d], d] = torch.arange(send_idx[d].numel(), dtype=torch.int32)
-            derived["send_head"] = head
         send_head = derived["send_head"].clone()
         # one channel per rank pair: tokens sent to each rank, and where each source's rows begin in recv_x
         channel_prefix = matrices[R * R:R * R + R].view(R, 1)

@@ -90,6 +90,18 @@ def _pair_targets(meta: torch.Tensor, K: int, base: torch.Tensor, cnt: torch.Ten
     return row, target, k
 
 
+def send_lists(is_token_in_rank: torch.Tensor) -> tuple:
+    """Normal dispatch's send lists of a [T, R] bool routing: ``(send_idx, send_head)``, where ``send_idx[r]``
+    holds the tokens that go to rank r in order (int64) and ``send_head[t, r]`` (int32) is token t's place in
+    it, -1 where it does not go."""
+    T, R = is_token_in_rank.shape
+    send_idx = [is_token_in_rank[:, d].nonzero().squeeze(1) for d in range(R)]
+    head = torch.full((T, R), -1, dtype=torch.int32)
+    for d in range(R):
+        head[send_idx[d], d] = torch.arange(send_idx[d].numel(), dtype=torch.int32)
+    return send_idx, head
+
+
 def check_ctrl_words(first: int, n: int, nctrl: int) -> None:
     """ValueError unless payload words [first, first + n) lie in ``nctrl`` control blocks."""
     if first < 0 or n < 0 or first + n > nctrl * P.CTRL_WORDS_PER_BLOCK:
@@ -540,6 +552,23 @@ class TorchEngine:
         pos = torch.zeros(T, K, dtype=torch.int64)
         pos[t_idx, k_idx] = torch.arange(t_idx.numel(), dtype=torch.int64)
         return t_idx, k_idx, g, torch.bincount(g, minlength=E), pos
+
+    def routing_layout(self, topk_idx: torch.Tensor, E: int, R: int) -> tuple:
+        """Normal-mode layout of a [T, K] int64 routing: ``(lo, hi, layout)``, its smallest and largest id (0, 0
+        without any) and, when they lie in [-1, E), ``layout = (num_tokens_per_rank [R] int32,
+        num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, send_idx, send_head)`` (see
+        :func:`send_lists`); else None. A token that names an expert in several slots counts once for it."""
+        T = topk_idx.shape[0]
+        lo, hi = (int(topk_idx.min()), int(topk_idx.max())) if topk_idx.numel() else (0, 0)
+        if lo < -1 or hi >= E:
+            return lo, hi, None
+        per_expert = torch.zeros(T, E + 1, dtype=torch.bool)    # column 0 collects the -1 slots
+        if T and topk_idx.shape[1]:
+            per_expert.scatter_(1, topk_idx + 1, True)
+        per_expert = per_expert[:, 1:]
+        is_token_in_rank = per_expert.view(T, R, E // R).any(-1)
+        return lo, hi, (is_token_in_rank.sum(0).to(torch.int32), per_expert.sum(0).to(torch.int32),
+                        is_token_in_rank) + send_lists(is_token_in_rank)
 
     def meta_items(self, topk_idx: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         """Normal dispatch's [T, K + K * w] int32 meta items: the [T, K] int64 expert ids as int32, then the

@@ -34,7 +34,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 19
+API_VERSION = 20
 
 
 def _matches() -> bool:
@@ -311,6 +311,19 @@ class NativeEngine(TorchEngine):
                                pairs[2].data_ptr(), pos.data_ptr(), counts.data_ptr())
         t_idx, k_idx, g = pairs[:, :n]
         return t_idx, k_idx, g, counts, pos
+
+    def routing_layout(self, topk_idx: torch.Tensor, E: int, R: int) -> tuple:
+        if not (_contiguous_int64(topk_idx) and topk_idx.dim() == 2):
+            return super().routing_layout(topk_idx, E, R)
+        T, K = topk_idx.shape
+        ntpr, ntpe = torch.empty(R, dtype=torch.int32), torch.empty(E, dtype=torch.int32)
+        itr, head = torch.empty(T, R, dtype=torch.bool), torch.empty(T, R, dtype=torch.int32)
+        send_idx = torch.empty(R, T, dtype=torch.int64)
+        lo, hi = _native.routing_layout(topk_idx.data_ptr(), T, K, E, R, ntpe.data_ptr(), itr.data_ptr(),
+                                        ntpr.data_ptr(), send_idx.data_ptr(), head.data_ptr())
+        if lo < -1 or hi >= E:
+            return lo, hi, None
+        return lo, hi, (ntpr, ntpe, itr, [send_idx[r, :n] for r, n in enumerate(ntpr.tolist())], head)
 
     def meta_items(self, topk_idx: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         if not (_contiguous_int64(topk_idx) and topk_idx.dim() == 2 and (weights is None or (

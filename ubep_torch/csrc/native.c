@@ -36,7 +36,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 19             /* bumped whenever a function's arguments change */
+#define API_VERSION 20             /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -497,6 +497,64 @@ static PyObject *pair_order(PyObject *self, PyObject *args) {
         }
     PyMem_Free(next);
     return PyLong_FromLongLong(n);
+}
+
+/* routing_layout(topk, T, K, E, R, ntpe, itr, ntpr, send_idx, send_head) -> (min id, max id)
+ *
+ * Normal-mode layout of a routing in one pass. topk is [T, K] int64. When every id lies in [-1, E) (E a
+ * multiple of R), the outputs get: ntpe (int32, E) the tokens per expert (a token that names an expert in
+ * several slots counts once), itr ([T, R] bool) whether each token goes to each rank (any of its experts
+ * there), ntpr (int32, R) the tokens per rank, send_idx ([R, T] int64) rank r's tokens in order in its
+ * first ntpr[r] entries (the rest untouched), send_head ([T, R] int32) each token's place in that list, -1
+ * where it does not go. Returns the smallest and largest id (0, 0 when there are none); when one lies
+ * outside [-1, E), nothing is written and the caller raises. */
+static PyObject *routing_layout(PyObject *self, PyObject *args) {
+    unsigned long long topk_p, ntpe_p, itr_p, ntpr_p, idx_p, head_p;
+    Py_ssize_t T, K, E, R;
+    if (!PyArg_ParseTuple(args, "KnnnnKKKKK", &topk_p, &T, &K, &E, &R, &ntpe_p, &itr_p, &ntpr_p, &idx_p, &head_p))
+        return NULL;
+    if (T < 0 || K < 0 || R < 1 || E < R || E % R) {
+        PyErr_SetString(PyExc_ValueError, "routing_layout: bad sizes");
+        return NULL;
+    }
+    const int64_t *topk = (const int64_t *)(uintptr_t)topk_p;
+    int64_t lo = 0, hi = 0;
+    for (Py_ssize_t i = 0; i < T * K; i++) {
+        if (i == 0 || topk[i] < lo) lo = topk[i];
+        if (i == 0 || topk[i] > hi) hi = topk[i];
+    }
+    if (lo < -1 || hi >= E) return Py_BuildValue("LL", (long long)lo, (long long)hi);
+    int32_t *ntpe = (int32_t *)(uintptr_t)ntpe_p, *ntpr = (int32_t *)(uintptr_t)ntpr_p;
+    int32_t *head = (int32_t *)(uintptr_t)head_p;
+    uint8_t *itr = (uint8_t *)(uintptr_t)itr_p;
+    int64_t *send_idx = (int64_t *)(uintptr_t)idx_p;
+    /* seen[e] = 1 + the last token counted for expert e */
+    int64_t *seen = PyMem_Calloc((size_t)E, sizeof(int64_t));
+    if (seen == NULL) return PyErr_NoMemory();
+    const Py_ssize_t per_rank = E / R;
+    memset(ntpe, 0, sizeof(int32_t) * (size_t)E);
+    memset(ntpr, 0, sizeof(int32_t) * (size_t)R);
+    memset(itr, 0, (size_t)(T * R));
+    for (Py_ssize_t t = 0; t < T; t++) {
+        uint8_t *in_rank = itr + t * R;
+        for (Py_ssize_t k = 0; k < K; k++) {
+            const int64_t e = topk[t * K + k];
+            if (e < 0 || seen[e] == t + 1) continue;
+            seen[e] = t + 1;
+            ntpe[e]++;
+            in_rank[e / per_rank] = 1;
+        }
+        for (Py_ssize_t r = 0; r < R; r++) {
+            if (in_rank[r]) {
+                send_idx[r * T + ntpr[r]] = t;
+                head[t * R + r] = ntpr[r]++;
+            } else {
+                head[t * R + r] = -1;
+            }
+        }
+    }
+    PyMem_Free(seen);
+    return Py_BuildValue("LL", (long long)lo, (long long)hi);
 }
 
 /* meta_items(topk, T, K, w, wsz, out): normal dispatch's meta items of T tokens, K + K * wsz int32 words
@@ -1217,6 +1275,7 @@ static PyMethodDef methods[] = {
     {"reorder_sources", reorder_sources, METH_VARARGS, "one poll of streaming Token-Reordering of several sources"},
     {"copy_rows", copy_rows, METH_VARARGS, "row gather-scatter between plain tensors"},
     {"pair_order", pair_order, METH_VARARGS, "low-latency (token, slot) pairs sorted by expert"},
+    {"routing_layout", routing_layout, METH_VARARGS, "normal-mode layout of a routing: counts, ranks, send lists"},
     {"meta_items", meta_items, METH_VARARGS, "normal dispatch's meta items: expert ids and weight bits"},
     {"local_topk", local_topk, METH_VARARGS, "received global expert ids and weights to this rank's"},
     {"segment_rows", segment_rows, METH_VARARGS, "row indices of segments laid end to end"},
