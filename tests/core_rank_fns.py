@@ -125,6 +125,10 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     recv_x, recv_count, handle, _, hk = buf.low_latency_dispatch(
         x, topk, N, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8, return_recv_hook=hook)
     if hook:
+        # the call has read x: the caller may reuse its memory before the hook (every row, its own rank's too,
+        # must be x as it was at the call)
+        x_at_call, x = x, x.clone()
+        x_at_call.fill_(-7.0)
         # the handle is not usable before the recv hook ran: a clear error, nothing sent, nothing broken
         try:
             buf.low_latency_combine(torch.zeros(E // R, R * N, H, dtype=torch.bfloat16), topk, w, handle)

@@ -60,6 +60,7 @@ def test_dispatch_variants(pool2, sync):
 def test_low_latency_roundtrip(pool2, sync):
     pool2.run(F.ll_roundtrip, sync)
     pool2.run(F.ll_roundtrip, sync, use_fp8=True, hook=True, zero_copy=True, seed=4)
+    pool2.run(F.ll_roundtrip, sync, hook=True, seed=6)
 
 
 def test_low_latency_buffer_without_normal_region(pool2):
@@ -195,6 +196,7 @@ def test_deepep_semantics_with_torch_backend(pool2, sync):
     pool2.run(F.smoke, sync, backend="torch")
     pool2.run(F.ll_roundtrip, sync, backend="torch")
     pool2.run(F.ll_roundtrip, sync, use_fp8=True, hook=True, zero_copy=True, seed=4, backend="torch")
+    pool2.run(F.ll_roundtrip, sync, hook=True, seed=6, backend="torch")
     pool2.run(F.dispatch_variants, sync, backend="torch")
 
 

@@ -1736,8 +1736,10 @@ class Buffer:
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending"))
         # torch and C paths: this rank's own rows skip the slots (the receive side copies them straight from
-        # x); the kernels' decomposed receive reads every source from the slots
-        local_direct = eng.direct_rows
+        # x, or from its fp8 copy); the kernels' decomposed receive reads every source from the slots. Not
+        # bf16 rows with a recv hook: the caller may write x before the hook runs, and the rows must be those
+        # of the call
+        local_direct = eng.direct_rows and (use_fp8 or not return_recv_hook)
         none = eng.span(0, 0)
         for i in range(R):
             d = (me + i) % R
