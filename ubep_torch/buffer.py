@@ -1732,7 +1732,7 @@ class Buffer:
         sig = fmt.signature()
 
         def ctrl_payload(d):
-            return torch.tensor([nrows_l[d], sig, 0, bounds[d], E, N] + counts_l[d], dtype=torch.int64)
+            return [nrows_l[d], sig, 0, bounds[d], E, N] + counts_l[d]
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending"))
         # torch and C paths: this rank's own rows skip the slots (the receive side copies them straight from
@@ -2120,11 +2120,12 @@ class Buffer:
         sig = fmt.signature()
         job = SendJob(fmt, staging, checked, row_sums, flag,
                       sync_all=lambda: self._sync_all("low_latency_combine: SyncAll after Token-Sending"))
+        return_slot = handle.return_slot.tolist()
         for i in range(R):
             s = (me + i) % R
             peer = self._peer_mem[s]
-            n, at = per_src[s].numel(), int(handle.return_slot[s])
-            payload = torch.tensor([n, sig, 0, paired, E, N], dtype=torch.int64)
+            n, at = per_src[s].numel(), return_slot[s]
+            payload = [n, sig, 0, paired, E, N]
             sel = sels[s][:0] if s == me and own_direct else sels[s]
             job.dests.append(Destination(s, sel, region.rows(peer, half, 0, fmt, N * K)[at:at + n],
                                          region.ctrl(peer, half, me, nctrl), payload))
