@@ -287,10 +287,25 @@ def dispatch_variants(ctx, sync, seed=1, backend="auto"):
     y = ex * ew.unsqueeze(1).to(ex.dtype)
     ec, _, _ = buf.combine(y, eh)
     assert torch.equal(buf.combine(y, list(eh))[0], ec), "plain-list expert-major handle"
+    # a copy of its entries kept past the handles the Buffer remembers still has the expert-major order (its
+    # seventh entry)
+    old = tuple(t.clone() for t in eh)
+    assert len(old) == 7 and torch.equal(old[6], eh.row_index)
     ref = x * torch.where(topk >= 0, w, torch.zeros_like(w)).sum(1, keepdim=True)
     assert torch.allclose(ec, ref, atol=1e-5), (ec - ref).abs().max()
     cx, *_ = buf.dispatch(x, handle=eh)
     assert torch.equal(cx, ex)
+    for _ in range(17):
+        buf.dispatch(x, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk, expert_alignment=3)
+    assert torch.equal(buf.combine(y, old)[0], ec), "old plain-tuple expert-major handle"
+    assert torch.equal(buf.dispatch(x, handle=old)[0], ex), "cached dispatch with an old expert-major tuple"
+    bad = old[:6] + (old[6] + ex.shape[0],)
+    try:
+        buf.combine(y, bad)
+    except ValueError as e:
+        assert "row_index" in str(e), e
+    else:
+        raise AssertionError("an expert-major tuple whose row_index is out of range was taken")
     # fp8 payload in the expert-major layout
     (eq, esc), *_ = buf.dispatch((q, sc), is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk,
                                  topk_weights=w, layout="expert_major", expert_alignment=2)

@@ -170,9 +170,11 @@ class DispatchHandle(tuple):
     """Normal-mode handle. Tuple positions follow DeepEP's intranode handle, with one channel:
     ``(rank_prefix_matrix [R, R] int32, channel_prefix_matrix [R, 1] int32 (tokens this rank sent to
     each rank), recv_channel_prefix_matrix [R, 1] int32 (where each source's rows begin in recv_x),
-    recv_src_idx [N_recv] int32, is_token_in_rank [T, R] bool, send_head [T, R] int32)``.
-    Attributes carry the rest of the layout: send lists per destination, and the rows received from each
-    source and where they begin in recv_x (``recv_counts`` [R], ``recv_offsets`` [R + 1], as Python ints)."""
+    recv_src_idx [N_recv] int32, is_token_in_rank [T, R] bool, send_head [T, R] int32)``; an expert-major
+    handle has a seventh entry, ``row_index`` [rows] int64: the rank-major row of each expert-major row (-1
+    for padding), so a plain-tuple copy of it keeps its order. Attributes carry the rest of the layout: send
+    lists per destination, and the rows received from each source and where they begin in recv_x
+    (``recv_counts`` [R], ``recv_offsets`` [R + 1], as Python ints)."""
 
     def __new__(cls, items, **attrs):
         obj = super().__new__(cls, items)
@@ -181,11 +183,22 @@ class DispatchHandle(tuple):
 
     @classmethod
     def from_tuple(cls, items, rank: int, num_ranks: int) -> "DispatchHandle":
-        """Rebuild a rank-major handle from its six tuple entries alone (a handle that went through code
-        which keeps plain tuples). Checks that the entries agree with each other."""
+        """Rebuild a handle from its tuple entries alone (a handle that went through code which keeps plain
+        tuples): six for a rank-major one, seven (``row_index`` last) for an expert-major one. Checks that the
+        entries agree with each other."""
         items = tuple(items)
-        if len(items) != 6 or not all(isinstance(t, torch.Tensor) for t in items):
-            raise TypeError("a dispatch handle is the tuple of six tensors returned by Buffer.dispatch")
+        if len(items) not in (6, 7) or not all(isinstance(t, torch.Tensor) for t in items):
+            raise TypeError("a dispatch handle is the tuple of six tensors returned by Buffer.dispatch (seven for "
+                            "layout='expert_major')")
+        if len(items) == 7:
+            base = cls.from_tuple(items[:6], rank, num_ranks)
+            row_index = items[6]
+            if row_index.dtype != torch.int64 or row_index.dim() != 1 or (row_index.numel() and (
+                    int(row_index.min()) < -1 or int(row_index.max()) >= base.num_recv)):
+                raise ValueError(f"handle entries disagree: an expert-major handle's row_index must be int64 rows "
+                                 f"in [-1, {base.num_recv})")
+            return cls(items, **{**base.__dict__, "layout": "expert_major", "row_index": row_index,
+                                 "base_handle": base})
         rank_prefix, channel_prefix, _, recv_src_idx, itr, _ = items
         R = num_ranks
         if tuple(rank_prefix.shape) != (R, R) or itr.dim() != 2 or itr.shape[1] != R or itr.dtype != torch.bool \
@@ -1194,8 +1207,8 @@ class Buffer:
             return g
 
         em_x = (gather(out_x[0]), gather(out_x[1])) if isinstance(out_x, tuple) else gather(out_x)
-        em_h = DispatchHandle(tuple(h), **{**h.__dict__, "layout": "expert_major", "row_index": row_index,
-                                           "base_handle": h})
+        em_h = DispatchHandle(tuple(h) + (row_index,), **{**h.__dict__, "layout": "expert_major",
+                                                          "row_index": row_index, "base_handle": h})
         em_w = torch.cat(weight_list) if recv_topk_weights is not None else None
         return (em_x, torch.cat(expert_list), em_w, counts, em_h, EventOverlap(None))
 
