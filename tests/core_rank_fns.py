@@ -172,6 +172,14 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     assert torch.equal(again, out), "low_latency_combine with a plain-tuple handle differs"
     copied = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in handle)   # entries copied
     assert torch.equal(buf.low_latency_combine(y, topk, w, copied)[0], out), "copied plain-tuple handle"
+    for i in (2, 3, 4):         # its own tensors with N, H or E edited: refused, not ignored
+        edited = tuple(handle[j] + 1 if j == i else handle[j] for j in range(5))
+        try:
+            buf.low_latency_combine(y, topk, w, edited)
+        except (TypeError, ValueError):
+            pass
+        else:
+            raise AssertionError(f"a plain-tuple handle with entry {i} edited was taken")
     return recv_count.tolist()
 
 

@@ -703,3 +703,58 @@ def swapped_combines(ctx, mode):
         result = (type(e).__name__, str(e))
     buf.destroy()
     return result
+
+
+def dropped_buffers_release_memory(ctx):
+    """With the cycle collector off: a Buffer dropped without ``destroy()`` is freed by reference counting
+    alone, its segments unmapped; ``destroy()`` releases the shared memory even while views of it live
+    (a kept ``get_local_buffer_tensor``, the frames of a kept exception), and such a view stays writable.
+    Returns (segment mappings while a Buffer lives, after dropping it, whether it was freed, after destroy()
+    with the views kept, the kept view's sum after writing it, the kept error's type)."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+
+    def segments():     # mappings of segment files, and descriptors open on them
+        with open("/proc/self/maps") as f:
+            n = sum("/ubep-" in line for line in f)
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += "/ubep-" in os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                pass
+        return n
+
+    T, H, E = 4, 128, 4
+    x, topk = torch.ones(T, H).bfloat16(), torch.tensor([[0, 3]] * T)
+    gc.disable()
+    try:
+        base = segments()
+        buf = Buffer(dist.group.WORLD, 1 << 22, 1 << 22, low_latency_mode=True, timeout_s=20.0)
+        out = buf.dispatch(x, topk_idx=topk, num_experts=E)
+        buf.combine(out[0], out[4])
+        buf.low_latency_dispatch(x, topk, T, E, use_fp8=False, return_recv_hook=True)[-1]()
+        alive = segments() - base
+        ref = weakref.ref(buf)
+        del buf, out
+        dropped, freed = segments() - base, ref() is None
+        dist.barrier()
+        buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
+        kept, error = buf.get_local_buffer_tensor(), None
+        if ctx.rank == 0:
+            try:
+                buf.dispatch(x, topk_idx=topk, num_experts=E)     # rank 1 destroys its Buffer instead
+            except Exception as e:  # noqa: BLE001
+                error = e
+        buf.destroy()
+        after = segments() - base
+        kept[:8] = 2
+        total = int(kept[:8].sum())
+        dist.barrier()
+        return alive, dropped, freed, after, total, type(error).__name__
+    finally:
+        gc.enable()

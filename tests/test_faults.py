@@ -274,6 +274,34 @@ def test_destroy_leaves_live_views_and_ends_waits():
     assert waited[0] == "UBEPBrokenError" and waited[1] < 3.0 and "destroyed while waiting" in waited[2], waited
 
 
+def test_dropped_and_destroyed_buffers_release_their_memory():
+    """(former bugs: a Buffer dropped without destroy() stayed mapped until the cycle collector ran, through
+    a reference cycle of its own; after destroy(), a kept view or a kept exception's frames kept every
+    segment mapped, so each such Buffer held its shared memory)"""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        res = pool.run(FR.dropped_buffers_release_memory, timeout_s=60)
+    for rank, (alive, dropped, freed, after, total, error) in enumerate(res):
+        assert alive >= 2 and dropped == 0 and freed, (rank, alive, dropped, freed)
+        assert after == 0 and total == 16, (rank, after, total)
+    assert res[0][5] == "UBEPPeerLostError" and res[1][5] == "NoneType", res
+
+
+def test_failed_setup_unlinks_the_segment_of_a_peer_still_exiting(tmp_path, monkeypatch):
+    """(former bug: a peer killed during set-up whose connection had already closed but whose process was not
+    yet seen dead kept its segment until a later set-up swept it)"""
+    heap = ugas.SymmetricHeap.__new__(ugas.SymmetricHeap)
+    heap.rank, heap.directory, heap.peer_pids = 0, str(tmp_path), [os.getpid(), 4242]
+    path = str(tmp_path / f"ubep-4242-{ugas._pid_namespace()}-{'ab' * 16}")
+    open(path, "w").close()
+    seen = []
+    monkeypatch.setattr(heap, "peer_alive", lambda r: len(seen.append(r) or seen) < 4, raising=False)
+    heap._unlink_dead_peers([None, path], lost=())          # not named lost: checked once, still alive
+    assert os.path.exists(path) and len(seen) == 2
+    heap._unlink_dead_peers([None, path], lost=(1,))        # named lost: seen dead within the grace
+    assert not os.path.exists(path)
+
+
 def test_settings_from_the_environment_are_checked_and_named(monkeypatch, tmp_path):
     """(former bugs: a bad UBEP_SPIN_S failed ``import ubep_torch``; a trailing slash in the shared-memory
     directory broke every set-up; a missing directory gave a bare OSError; a Path was refused)"""

@@ -478,7 +478,11 @@ class Buffer:
         # the latest handles of each mode, to recognise copies kept as plain tuples
         self._recent_handles: Deque["DispatchHandle"] = collections.deque(maxlen=_RECENT_HANDLES)
         self._recent_ll_handles: Deque["LowLatencyHandle"] = collections.deque(maxlen=_RECENT_HANDLES)
-        self._waiter = P.Waiter(self.rank, self.timeout_s, self._heap.peer_alive, self._peer_aborted)
+        # (through a weak reference: a Buffer dropped without destroy() is freed, and its shared memory
+        # unmapped, as soon as the last reference goes, not when the cycle collector next runs)
+        this = weakref.ref(self)
+        self._waiter = P.Waiter(self.rank, self.timeout_s, self._heap.peer_alive,
+                                lambda r: this()._peer_aborted(r) if this() is not None else P.ABORT_DESTROYED)
         self._waiter.world_size = R
         self._in_call = False
         self._pid = os.getpid()      # calls are refused in any other process (a fork's child)
@@ -2289,13 +2293,14 @@ def _equal_values(given: torch.Tensor, expected: torch.Tensor) -> bool:
 def _recent_copy_of(items, recent, layout_keys: Sequence[str], loose_keys: Sequence[str] = ()) -> Optional[tuple]:
     """The handle in ``recent`` that a plain tuple ``items`` was made from, else None.
 
-    First by identity (the handle's own tensors, entry for entry), then by content (copies of them: equal
-    entries). Several recent handles can have equal entries (the same routing on every layer); the newest
+    First by identity (the handle's own tensors, entry for entry, and equal other entries), then by content
+    (copies of them: equal entries). Several recent handles can have equal entries (the same routing on every layer); the newest
     is taken when they also agree on every attribute in ``layout_keys`` (what the entries do not say),
     else the tuple is ambiguous and TypeError asks for the handle object. An attribute in ``loose_keys``
     on which they differ is set to None (unknown) in a copy of the newest."""
     for h in reversed(recent):
-        if len(items) == len(h) and all(a is b for a, b in zip(items, h) if isinstance(b, torch.Tensor)):
+        if len(items) == len(h) and all(a is b if isinstance(b, torch.Tensor) else _same_value(a, b)
+                                        for a, b in zip(items, h)):
             return h
     same = [h for h in reversed(recent) if len(items) == len(h) and all(_same_value(a, b) for a, b in zip(items, h))]
     if not same:

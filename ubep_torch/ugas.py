@@ -176,6 +176,7 @@ class SymmetricHeap:
         self.nbytes = check_count("nbytes", nbytes)
         self.segment_bytes = HEADER_BYTES + _round_up(self.nbytes, 4096)
         self._maps: List[mmap.mmap] = []
+        self._files: List[tuple] = []     # (st_dev, st_ino) of each mapping's file, in _maps order
         self._views: Dict[int, torch.Tensor] = {}
         sweep_stale_segments(self.directory)
 
@@ -235,14 +236,8 @@ class SymmetricHeap:
             for r, p in enumerate(paths):
                 if r != self.rank:
                     _unlink_quietly(p)
-        except BaseException:
-            # a peer that died during set-up cannot unlink its segment any more: do it for it (its name
-            # was announced before it was created)
-            for r, p in enumerate(paths):
-                if r != self.rank and isinstance(p, str) and not self.peer_alive(r):
-                    m = _NAME_RE.match(os.path.basename(p))
-                    if m and int(m.group(1)) == self.peer_pids[r] and os.path.dirname(p) == self.directory:
-                        _unlink_quietly(p)
+        except BaseException as e:
+            self._unlink_dead_peers(paths, getattr(e, "dead_ranks", ()))
             raise
         finally:
             # 4. everyone has mapped everything (or failed): the name is no longer needed.
@@ -259,14 +254,33 @@ class SymmetricHeap:
         return not self._watchable[r] or _pid_alive(self.peer_pids[r])
 
     def close(self) -> None:
+        """Unmap every segment. A mapping that a tensor view still uses (one the caller kept, or one held by
+        the frames of a kept exception) cannot be unmapped yet: its pages are replaced by private zero pages
+        at the same addresses, so the shared memory is released now and the view stays valid (it no longer
+        reaches any rank's memory); the mapping goes with the last view."""
         self._views = {}
         self.local = None
-        for m in self._maps:
+        for m, file in zip(self._maps, self._files):
             try:
                 m.close()
             except BufferError:
-                pass  # a tensor view still exists; the mapping goes when it is garbage collected
-        self._maps = []
+                _detach(m, file)
+        self._maps, self._files = [], []
+
+    def _unlink_dead_peers(self, paths: List[str], lost=()) -> None:
+        """After a failed set-up: a peer that died during it cannot unlink its segment any more, so do it for
+        it (its name was announced before it was created). A peer whose connection broke (``lost``) may
+        still be exiting (its sockets close before it is seen dead): it gets up to half a second."""
+        for r, p in enumerate(paths):
+            if r == self.rank or not isinstance(p, str):
+                continue
+            deadline = time.monotonic() + (0.5 if r in lost else 0.0)
+            while self.peer_alive(r) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if not self.peer_alive(r):
+                m = _NAME_RE.match(os.path.basename(p))
+                if m and int(m.group(1)) == self.peer_pids[r] and os.path.dirname(p) == self.directory:
+                    _unlink_quietly(p)
 
     # ------------------------------------------------------------------ internals
     def _too_little(self, total: int, free: int) -> RuntimeError:
@@ -290,6 +304,7 @@ class SymmetricHeap:
                     raise
                 raise self._too_little(self.world_size * self.segment_bytes, _free_bytes(self.directory)) from e
             m = mmap.mmap(fd, self.segment_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            st = os.fstat(fd)
         except BaseException:
             _unlink_quietly(path)
             _PENDING.pop(path, None)
@@ -300,6 +315,7 @@ class SymmetricHeap:
                              self.segment_bytes)
         m[: len(header)] = header
         self._maps.append(m)
+        self._files.append((st.st_dev, st.st_ino))
         self._views[self.rank] = _pinned_view(m)
         return path
 
@@ -325,7 +341,42 @@ class SymmetricHeap:
             raise RuntimeError(f"ubep_torch: refusing to map {path}: its header does not belong to rank {r} "
                                f"of this group")
         self._maps.append(m)
+        self._files.append((st.st_dev, st.st_ino))
         self._views[r] = _pinned_view(m)
+
+
+def _detach(m: mmap.mmap, file: tuple) -> bool:
+    """Replace the pages of mapping ``m`` by private anonymous ones at the same addresses (Linux ``mmap`` with
+    ``MAP_FIXED``), and point the descriptor of the file ``m`` keeps open (Python's mmap holds a duplicate
+    of it; ``file`` is its ``(st_dev, st_ino)``) at /dev/null: the shared memory is released once no other
+    process maps it, while tensors over ``m`` stay valid. ``m`` unmaps the range and closes that descriptor
+    when it is collected. False where this cannot be done (then the shared pages stay until the last view
+    goes)."""
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            for name in os.listdir("/proc/self/fd"):
+                try:
+                    st = os.fstat(int(name))
+                except (OSError, ValueError):
+                    continue
+                if (st.st_dev, st.st_ino) == file:
+                    os.dup2(null, int(name))
+        finally:
+            os.close(null)
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        probe = ctypes.c_char.from_buffer(m)        # (an export of m, for its address only)
+        addr = ctypes.addressof(probe)
+        del probe
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10   # MAP_FIXED
+        got = libc.mmap(addr, len(m), mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+        return got == addr
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
 
 
 def _pinned_view(m: mmap.mmap) -> torch.Tensor:
