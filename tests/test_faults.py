@@ -281,7 +281,7 @@ def test_dropped_and_destroyed_buffers_release_their_memory():
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with RankPool(2, env=env) as pool:
         res = pool.run(FR.dropped_buffers_release_memory, timeout_s=60)
-    for rank, (alive, dropped, freed, after, total, error) in enumerate(res):
+    for rank, (alive, dropped, freed, after, total, _) in enumerate(res):
         assert alive >= 2 and dropped == 0 and freed, (rank, alive, dropped, freed)
         assert after == 0 and total == 16, (rank, after, total)
     assert res[0][5] == "UBEPPeerLostError" and res[1][5] == "NoneType", res

@@ -2293,11 +2293,12 @@ def _equal_values(given: torch.Tensor, expected: torch.Tensor) -> bool:
 def _recent_copy_of(items, recent, layout_keys: Sequence[str], loose_keys: Sequence[str] = ()) -> Optional[tuple]:
     """The handle in ``recent`` that a plain tuple ``items`` was made from, else None.
 
-    First by identity (the handle's own tensors, entry for entry, and equal other entries), then by content
-    (copies of them: equal entries). Several recent handles can have equal entries (the same routing on every layer); the newest
-    is taken when they also agree on every attribute in ``layout_keys`` (what the entries do not say),
-    else the tuple is ambiguous and TypeError asks for the handle object. An attribute in ``loose_keys``
-    on which they differ is set to None (unknown) in a copy of the newest."""
+    First by identity (the handle's own tensors, entry for entry, and equal other entries), then by
+    content (copies of them: equal entries). Several recent handles can have equal entries (the same
+    routing on every layer); the newest is taken when they also agree on every attribute in
+    ``layout_keys`` (what the entries do not say), else the tuple is ambiguous and TypeError asks for the
+    handle object. An attribute in ``loose_keys`` on which they differ is set to None (unknown) in a copy
+    of the newest."""
     for h in reversed(recent):
         if len(items) == len(h) and all(a is b if isinstance(b, torch.Tensor) else _same_value(a, b)
                                         for a, b in zip(items, h)):
