@@ -227,3 +227,35 @@ def test_single_node_streams_pay_no_two_hop_latency(sync):
     assert a["ubep"].total_us == pytest.approx(b["ubep"].total_us)
     c = run_case("combine", 64, 16, 1024, 8, 64, sync=sync, params=slow)    # four nodes: it does count
     assert c["ubep"].total_us > run_case("combine", 64, 16, 1024, 8, 64, sync=sync)["ubep"].total_us + 50
+
+
+_TK = make_routing(4, 8, 2, 8, seed=1)          # [4 ranks, 8 tokens, top-2] over 8 experts
+
+
+@pytest.mark.parametrize("call,err,match", [
+    (lambda: simulate("dispatch", "ubep", _TK.float(), 8, 100), TypeError, "integer expert ids"),
+    (lambda: simulate("dispatch", "ubep", _TK[0, 0], 8, 100), ValueError, "shape"),
+    (lambda: simulate("dispatch", "ubep", _TK, 0, 100), ValueError, "num_experts"),
+    (lambda: simulate("dispatch", "ubep", _TK, 10, 100), ValueError, "multiple of world_size"),
+    (lambda: simulate("dispatch", "ubep", _TK, 4, 100), ValueError, r"values must be in \[-1, 4\)"),
+    (lambda: simulate("dispatch", "ubep", _TK, 8, 0), ValueError, "bytes_per_token"),
+    (lambda: simulate("dispatch", "ubep", _TK, 8, -100), ValueError, "bytes_per_token"),
+    (lambda: simulate("dispatch", "ubep", _TK, 8, 100, world_size=0), ValueError, "world_size"),
+    (lambda: simulate("dispatch", "ubep", _TK[:2], 8, 100, world_size=4, src_ranks=[0, 7]), ValueError,
+     "src_ranks"),
+    (lambda: simulate("dispatch", "ubep", _TK, 8, 100, n_aivs=0), ValueError, "n_aivs"),
+    (lambda: simulate("dispatch", "ubep", _TK, 8, 100, mapping="no"), TypeError, "mapping"),
+    (lambda: simulate("dispatch", "ubep", _TK, 8, 100, topology=Topology.for_ranks(2, 2)), ValueError,
+     "dies"),
+    (lambda: dispatch_bytes_per_token(-1), ValueError, "hidden"),
+    (lambda: dispatch_bytes_per_token(7168, "foo"), ValueError, "dtype"),
+    (lambda: CostModel().report("dispatch", 4, 4, _TK[0], 8, 128), ValueError, "rank"),
+    (lambda: CostModel().report("dispatch", 0, 0, _TK[0], 8, 128), ValueError, "world_size"),
+    (lambda: run_case("dispatch", 4, 8, 1 << 40, 2, 8), ValueError, "hidden"),
+    (lambda: run_case("dispatch", 4, 8, 128, 2, 8, seed=1 << 70), ValueError, "seed"),
+    (lambda: run_case("dispatch", 8, 8, 128, 2, 8, routing=_TK), ValueError, "routing has shape"),
+])
+def test_bad_arguments_are_named(call, err, match):
+    """(former bugs: these raised deep inside the model, or returned a latency for a meaningless call)"""
+    with pytest.raises(err, match=match):
+        call()

@@ -429,17 +429,33 @@ def simulate(
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if sync not in SYNC_MODES:
         raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+    if not isinstance(mapping, (bool, np.bool_)):
+        raise TypeError(f"mapping must be True or False, got {mapping!r}")
     tk = topk_idx.detach().cpu().numpy() if isinstance(topk_idx, torch.Tensor) else np.asarray(topk_idx)
+    if tk.dtype.kind not in "iu":
+        raise TypeError(f"topk_idx must hold integer expert ids, got {tk.dtype}")
+    if tk.ndim not in (2, 3):
+        raise ValueError(f"topk_idx must be [ranks, batch, topk] (or [batch, topk]), got shape {tk.shape}")
     tk = tk.astype(np.int64, copy=False)
     if tk.ndim == 2:
         tk = tk[None]
     S, B, K = tk.shape
-    R = int(world_size) if world_size is not None else S
+    R = _count("world_size", world_size if world_size is not None else S, 1)
+    E = _count("num_experts", num_experts, 1)
+    bytes_per_token = _count("bytes_per_token", bytes_per_token, 1)
+    if E % R:
+        raise ValueError(f"num_experts={E} must be a multiple of world_size={R}")
+    if tk.size and (int(tk.min()) < -1 or int(tk.max()) >= E):
+        raise ValueError(f"topk_idx values must be in [-1, {E}); got min {int(tk.min())}, max {int(tk.max())}")
     src = np.arange(S, dtype=np.int64) if src_ranks is None else np.asarray(src_ranks, dtype=np.int64)
+    if src.shape != (S,) or (S and (int(src.min()) < 0 or int(src.max()) >= R)) or len(set(src.tolist())) != S:
+        raise ValueError(f"src_ranks must name {S} distinct ranks in [0, {R}) (one per row of topk_idx), got "
+                         f"{src.tolist()}")
     full = S == R and bool(np.array_equal(src, np.arange(R)))
     topo = topology or Topology.for_ranks(R)
-    n = int(n_aivs or params.aivs_per_die)
-    E = int(num_experts)
+    if topo.num_dies < R:
+        raise ValueError(f"the topology has {topo.num_dies} dies, fewer than world_size={R}")
+    n = params.aivs_per_die if n_aivs is None else _count("n_aivs", n_aivs, 2)
     c = _copies(kind, tk, src, R, E, full)
     if schedule == "cann_ep":
         total, phases, sr = _cann(kind, c, B, K, R, E, bytes_per_token, topo, params, n)
@@ -483,10 +499,23 @@ def compare(kind: str, topk_idx, num_experts: int, bytes_per_token: int, **kw) -
 
 
 def dispatch_bytes_per_token(hidden: int, dtype: str = "int8") -> int:
-    """Payload of one dispatched token: ``hidden`` values plus one fp32 scale per 128 for int8/fp8."""
+    """Payload of one dispatched token: ``hidden`` values plus one fp32 scale per 128 for int8/fp8, two bytes
+    per value for bf16/fp16."""
+    hidden = _count("hidden", hidden, 1)
     if dtype in ("int8", "fp8"):
-        return int(hidden) + 4 * (-(-int(hidden) // 128))
-    return 2 * int(hidden)
+        return hidden + 4 * (-(-hidden // 128))
+    if dtype in ("bf16", "fp16"):
+        return 2 * hidden
+    raise ValueError(f"dtype must be 'int8', 'fp8', 'bf16' or 'fp16', got {dtype!r}")
+
+
+def _count(name: str, value, minimum: int) -> int:
+    """``value`` as an int of at least ``minimum`` (a bool is not a count); else TypeError/ValueError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
 
 
 class CostModel:
@@ -530,7 +559,12 @@ class CostModel:
         Returns:
             ``{"ubep": Report, "cann_ep": Report, "reduction": float, "kind": str, "rank": int}``.
         """
-        nbytes = int(bytes_per_token) if bytes_per_token is not None else 2 * int(hidden)
+        world_size = _count("world_size", world_size, 1)
+        rank = _count("rank", rank, 0)
+        if rank >= world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        nbytes = _count("bytes_per_token", bytes_per_token, 1) if bytes_per_token is not None else \
+            2 * _count("hidden", hidden, 1)
         tk = topk_idx.detach().to("cpu", torch.int64).numpy() if isinstance(topk_idx, torch.Tensor) \
             else np.asarray(topk_idx, dtype=np.int64)
         topo = Topology.for_ranks(world_size, min(self.ranks_per_node, max(2, world_size + world_size % 2)))

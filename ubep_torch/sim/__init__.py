@@ -21,6 +21,7 @@ from ..utils import check_count
 MAX_RANKS = 4096
 MAX_EXPERTS = 65536
 MAX_COPIES = 1 << 26
+MAX_HIDDEN = 1 << 20
 
 __all__ = [
     "PRESETS",
@@ -146,6 +147,13 @@ def run_case(kind: str, ranks: int, batch: int, hidden: int, topk: int, experts:
         raise ValueError(f"experts={experts} must be a multiple (or divisor) of ranks={ranks}")
     if experts < ranks:
         raise ValueError(f"need at least one expert per rank: experts={experts} < ranks={ranks}")
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"hidden={hidden}: the model covers hidden sizes up to {MAX_HIDDEN}")
+    if not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    if routing is not None and tuple(routing.shape) != (ranks, batch, topk):
+        raise ValueError(f"routing has shape {tuple(routing.shape)}; ranks, batch and topk say "
+                         f"{(ranks, batch, topk)}")
     tk = routing if routing is not None else make_routing(ranks, batch, topk, experts, hot_experts, zipf,
                                                           seed=seed)
     if bytes_per_token is None:
