@@ -175,8 +175,7 @@ class SymmetricHeap:
         self.directory = shm_dir(directory)
         self.nbytes = check_count("nbytes", nbytes)
         self.segment_bytes = HEADER_BYTES + _round_up(self.nbytes, 4096)
-        self._maps: List[mmap.mmap] = []
-        self._files: List[tuple] = []     # (st_dev, st_ino) of each mapping's file, in _maps order
+        self._maps: List[tuple] = []      # (mmap, (st_dev, st_ino) of its file) of every mapped segment
         self._views: Dict[int, torch.Tensor] = {}
         sweep_stale_segments(self.directory)
 
@@ -260,12 +259,12 @@ class SymmetricHeap:
         reaches any rank's memory); the mapping goes with the last view."""
         self._views = {}
         self.local = None
-        for m, file in zip(self._maps, self._files):
+        for m, file in self._maps:
             try:
                 m.close()
             except BufferError:
                 _detach(m, file)
-        self._maps, self._files = [], []
+        self._maps = []
 
     def _unlink_dead_peers(self, paths: List[str], lost=()) -> None:
         """After a failed set-up: a peer that died during it cannot unlink its segment any more, so do it for
@@ -314,8 +313,7 @@ class SymmetricHeap:
         header = struct.pack(_HEADER_FMT, _MAGIC, _VERSION, group_token, self.rank, self.world_size,
                              self.segment_bytes)
         m[: len(header)] = header
-        self._maps.append(m)
-        self._files.append((st.st_dev, st.st_ino))
+        self._maps.append((m, (st.st_dev, st.st_ino)))
         self._views[self.rank] = _pinned_view(m)
         return path
 
@@ -340,8 +338,7 @@ class SymmetricHeap:
             m.close()
             raise RuntimeError(f"ubep_torch: refusing to map {path}: its header does not belong to rank {r} "
                                f"of this group")
-        self._maps.append(m)
-        self._files.append((st.st_dev, st.st_ino))
+        self._maps.append((m, (st.st_dev, st.st_ino)))
         self._views[r] = _pinned_view(m)
 
 
