@@ -259,3 +259,32 @@ def test_bad_arguments_are_named(call, err, match):
     """(former bugs: these raised deep inside the model, or returned a latency for a meaningless call)"""
     with pytest.raises(err, match=match):
         call()
+
+
+def _count_group_reports(ctx):
+    from ubep_torch import Buffer, Config
+    T, H, E = 16, 256, 16
+    topk = make_routing(1, T, 4, E, seed=ctx.rank)[0]
+    x = torch.ones(T, H, dtype=torch.bfloat16)
+    out = []
+    for n in (None, 4):
+        buf = Buffer(ctx.group, 1 << 22, Buffer.get_low_latency_rdma_size_hint(T, H, 1, E), low_latency_mode=True,
+                     cost_model=CostModel(), num_count_aivs=n)
+        buf.dispatch(x, topk_idx=topk, num_experts=E)
+        out.append(buf.last_report["ubep"].n_count)
+        buf.dispatch(x, topk_idx=topk, num_experts=E, config=Config(num_count_aivs=6))
+        out.append(buf.last_report["ubep"].n_count)
+        buf.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+        out.append(buf.last_report["ubep"].n_count)
+        buf.destroy()
+    return out
+
+
+def test_buffer_reports_model_its_count_group() -> None:
+    """(former bug: a Buffer's ``num_count_aivs``, or a call's ``Config(num_count_aivs=...)``, was not passed to
+    the cost model, whose report then modelled a count group of its own choice)"""
+    from ubep_torch.testing import RankPool
+    with RankPool(1) as pool:
+        (got,) = pool.run(_count_group_reports)
+    default = got[0]
+    assert got == [default, 6, default, 4, 6, 4], got

@@ -429,6 +429,7 @@ class Buffer:
             raise ValueError(f"num_count_aivs must be a positive int, got {num_count_aivs!r}")
         self.engine = make_engine(backend, num_count_aivs)
         self._default_n_count = getattr(self.engine, "n_count", None)   # includes UBEP_TRITON_COUNT_AIVS
+        self._num_count_aivs = self._call_count_aivs = num_count_aivs  # the count group the cost model reports
         self.backend = self.engine.name
         self.cost_model = self.on_report = None
         self.set_cost_model(cost_model, on_report)
@@ -579,9 +580,10 @@ class Buffer:
     def _apply_config(self, config: Optional[Config]) -> None:
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be a ubep_torch.Config, got {type(config).__name__}")
+        given = config.num_count_aivs if config is not None and config.num_count_aivs else None
+        self._call_count_aivs = given or self._num_count_aivs
         if hasattr(self.engine, "n_count"):
-            n = config.num_count_aivs if config is not None and config.num_count_aivs else self._default_n_count
-            self.engine.n_count = n
+            self.engine.n_count = given or self._default_n_count
 
     def _region(self, rid: int) -> _Region:
         if rid not in self._regions:
@@ -809,8 +811,11 @@ class Buffer:
         if self.cost_model is None or topk_idx is None:
             return
         try:
+            # (the count group the Buffer or a normal call's Config names, else the model's own choice)
+            n = self._call_count_aivs if kind in ("dispatch", "combine") else self._num_count_aivs
+            n_count = {} if n is None else {"n_count": n}
             rep = self.cost_model.report(kind, self.rank, self.group_size, topk_idx, num_experts, hidden,
-                                         bytes_per_token, sync=self.sync)
+                                         bytes_per_token, sync=self.sync, **n_count)
             self.last_report = rep
             if self.on_report is not None:
                 self.on_report(kind, rep)

@@ -17,7 +17,8 @@ from ..mapper import default_count_aivs
 from ..topology import CM384, CM384Params, Topology
 from ..utils import check_count
 
-#: bounds of what ``run_case`` models (a CloudMatrix384 has 384 dies; the paper goes to 256 experts)
+#: bounds of what ``run_case`` models (a CloudMatrix384 has 768 dies, 384 NPUs of two; the paper goes to 256
+#: experts; beyond 768 dies the topology adds nodes of the same kind)
 MAX_RANKS = 4096
 MAX_EXPERTS = 65536
 MAX_COPIES = 1 << 26
