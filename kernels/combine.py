@@ -47,7 +47,7 @@ def combine_accumulate_kernel(rows_addr_ptr, index_ptr, acc_ptr, wacc_ptr, nbloc
         x = daf.load_payload(row, h.to(tl.int64) * ELEM_BYTES, m, field_block0, 0, meta_words, SYNC, X_DTYPE,
                              ELEM_BYTES)
         a = tl.load(acc_ptr + t * hidden + h, mask=m, other=0)
-        tl.store(acc_ptr + t * hidden + h, a + x.to(ACC_DTYPE), mask=m)
+        tl.store(acc_ptr + t * hidden + h, a + widen(x, X_DTYPE, ACC_DTYPE), mask=m)
     if HAS_W:
         k = tl.arange(0, K_BLOCK)
         km = k < n_weights
@@ -57,15 +57,29 @@ def combine_accumulate_kernel(rows_addr_ptr, index_ptr, acc_ptr, wacc_ptr, nbloc
 
 
 @triton.jit
+def widen(x, X_DTYPE: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    """``x`` (of ``X_DTYPE``) as ``ACC_DTYPE``, exactly. bf16 goes by its bits, the upper half of a float32:
+    the CPU interpreter's ``.to(tl.float32)`` flushes bf16 subnormals to zero."""
+    if X_DTYPE == tl.bfloat16:
+        y = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True).to(ACC_DTYPE)
+    else:
+        y = x.to(ACC_DTYPE)
+    return y
+
+
+@triton.jit
 def f32_to_bf16_bits(x):
-    """float32 -> bfloat16 bit pattern (int16), rounded to nearest even like torch (finite inputs).
+    """float32 -> bfloat16 bit pattern (int16), rounded to nearest even like torch, every NaN stored as
+    0xFFFF (what torch's vectorized conversion and the C path store).
 
     Done with integer ops because the CPU interpreter's ``.to(tl.bfloat16)`` truncates, while
     compiled kernels and torch round to nearest even; this gives the same bits on both.
     """
     bits = x.to(tl.int32, bitcast=True)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    bits = tl.where(nan, 0, bits)          # (a NaN's rounding would overflow int32)
     rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (rounded >> 16).to(tl.int16)
+    return tl.where(nan, -1, rounded >> 16).to(tl.int16)
 
 
 @triton.jit
@@ -88,7 +102,7 @@ def weighted_combine_kernel(rows_addr_ptr, topk_ptr, pos_ptr, w_ptr, out_ptr, n_
             row = base + slot * nblocks * daf.BLOCK_BYTES
             x = daf.load_payload(row, h.to(tl.int64) * 2, m, field_block0, 0, meta_words, SYNC,
                                  tl.bfloat16, 2)
-            x = tl.where(valid, x.to(tl.float32), 0.0)
+            x = tl.where(valid, widen(x, tl.bfloat16, tl.float32), 0.0)
             acc += x * tl.where(valid, w, 0.0)
         tl.store(out_ptr + t * hidden + h, f32_to_bf16_bits(acc), mask=m)
 

@@ -55,3 +55,11 @@ def test_one_launch_emulates_the_aivs(pool, sync):
         assert shape["n_count"] == (0 if sync == "sw" else shape["n_count"]) and shape["n_token"] >= 1
         if sync != "sw":
             assert shape["n_count"] >= 1
+
+
+def test_mixed_backends(pool):
+    """(former bug: ranks mixing the kernels with another engine built a low-latency Buffer whose first call
+    failed with a layout mismatch and broke it)"""
+    for r in pool.run(F.mixed_backends):
+        assert r["normal_ok"], r
+        assert "low-latency rows" in r["ll"] and "triton" in r["ll"] and "(token, expert)" in r["ll"], r

@@ -272,3 +272,39 @@ def test_ll_receive_times_out_instead_of_hanging():
     rows = torch.zeros(1, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
     with pytest.raises(UBEPTimeoutError):
         eng.ll_receive(fmt, [ctrl], [rows], 5, 2, torch.zeros(2, 4, 256, dtype=torch.bfloat16))
+
+
+def _special_bf16(n: int, H: int, seed: int) -> torch.Tensor:
+    """bf16 rows with subnormals, zeros of both signs, infinities and NaNs among normal values."""
+    x = torch.randn(n, H, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    bits = x.view(torch.int16)
+    special = [0x0001, -0x7FFF, 0x007F, -0x7F81, 0x0000, -0x8000, 0x7F80, -0x0080, 0x7FC0, -0x0001]
+    bits[:, :len(special)] = torch.tensor(special, dtype=torch.int16)
+    return x
+
+
+def test_combine_kernels_keep_special_values_bit_for_bit():
+    """(former bugs: the interpreter flushed bf16 subnormals to zero when widening them, and a NaN sum was
+    stored as 0x7FC0 where the other engines store 0xFFFF) Both combine kernels against the torch engine,
+    bit for bit, on rows with subnormals, signed zeros, infinities and NaNs."""
+    T, K, H = 4, 3, 256
+    fmt = P.RowFormat("tff", (("x", H * 2),), 0)
+    x = _special_bf16(T * K, H, seed=8)
+    staging, checked, _ = TorchEngine().pack_rows(fmt, [P.as_bytes(x)], None, torch.arange(T * K), 0)
+    rows = torch.zeros(T * K, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    TorchEngine().write_rows(fmt, staging, checked, None, rows, 1)
+    # normal combine: each source's rows into float32 sums
+    sel = torch.tensor([0, 1, 2, 3])
+    for src in range(K):
+        part = rows[src * T:(src + 1) * T]
+        want, got = torch.zeros(T, H), torch.zeros(T, H)
+        TorchEngine().combine_accumulate(fmt, part, sel, want, torch.bfloat16)
+        TE.TritonEngine().combine_accumulate(fmt, part, sel, got, torch.bfloat16)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), src
+    # low-latency weighted combine into bf16 (weights 1 keep subnormal sums subnormal)
+    topk = torch.tensor([[0, 1, 2], [3, -1, 4], [5, 6, 7], [8, 9, 10]])
+    for w in (torch.ones(T, K), torch.rand(T, K, generator=torch.Generator().manual_seed(9))):
+        want, got = torch.empty(T, H, dtype=torch.bfloat16), torch.empty(T, H, dtype=torch.bfloat16)
+        TorchEngine().weighted_combine(fmt, rows, topk, w, want)
+        TE.TritonEngine().weighted_combine(fmt, rows, topk, w, got)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -252,3 +252,28 @@ def streaming_equivalence(ctx, step: int = 3, T: int = 40, H: int = 1000, K: int
             del b.engine.reorder_sources
     return {"same": {k: _same(ref[k], got[k]) for k in ref}, "partial_runs": partial[0],
             "normal_partial_runs": normal_partial}
+
+
+def mixed_backends(ctx, T: int = 4, H: int = 256, E: int = 4) -> dict:
+    """Rank 0 on the kernels, rank 1 on the torch path. Normal mode mixes (same rows); a low-latency Buffer is
+    refused on every rank at construction, naming the row layouts (the kernels send one row per (token,
+    expert), the others one per (token, rank)), instead of failing its first call. Returns what happened."""
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    backend = "triton" if ctx.rank == 0 else "torch"
+    topk = torch.tensor([[0, 3], [1, -1], [2, 3], [3, 0]])
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(ctx.rank)).bfloat16()
+    buf = Buffer(dist.group.WORLD, 1 << 22, backend=backend)
+    recv, *_, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+    out = buf.combine(recv, handle)[0]
+    ranks = torch.tensor([len({int(e) // (E // 2) for e in row if e >= 0}) for row in topk], dtype=torch.float32)
+    normal_ok = torch.allclose(out.float(), x.float() * ranks.unsqueeze(1), rtol=0.02, atol=0.02)
+    buf.destroy()
+    try:
+        Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(T, H, 2, E), low_latency_mode=True,
+               backend=backend)
+        ll = "built"
+    except ValueError as e:
+        ll = str(e)
+    return {"normal_ok": normal_ok, "ll": ll}

@@ -462,7 +462,9 @@ class Buffer:
         self._heap = SymmetricHeap(group, base, directory=shm_dir, timeout_s=self.timeout_s,
                                    agree={"num_nvl_bytes": self.num_nvl_bytes,
                                           "num_rdma_bytes": self.num_rdma_bytes,
-                                          "low_latency_mode": self.low_latency_mode, "sync": sync})
+                                          "low_latency_mode": self.low_latency_mode, "sync": sync,
+                                          **({"low-latency rows": _ll_rows(self.engine)} if low_latency_mode
+                                             else {})})
         # views of every rank's memory and aux words, made once; the aux words (acks, SyncAll counters,
         # abort flags) as numpy arrays, whose single-word loads and stores cost far less than a tensor's
         self._aux_words = self._heap.local[:aux].view(torch.int64).numpy()
@@ -2233,6 +2235,12 @@ class Buffer:
         self._begin_call()
         self._sync_all("clean_low_latency_buffer: SyncAll")
         self._call_complete("clean_low_latency_buffer")
+
+
+def _ll_rows(engine) -> str:
+    """The low-latency row layout an engine sends (every rank of a group must send the same)."""
+    return ("one per (token, destination rank) (backend 'torch' or 'native')" if engine.direct_rows else
+            "one per (token, expert) (backend 'triton')")
 
 
 def _add_stats(stats: torch.Tensor, values: List[int]) -> None:
