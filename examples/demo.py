@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ubep_torch import Buffer
-from ubep_torch.utils import int_at_least
+from ubep_torch.utils import int_at_least, require_torchrun
 
 
 def main() -> None:
@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int_at_least(1), default=5)
     args = ap.parse_args()
 
+    require_torchrun("examples/demo.py")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()

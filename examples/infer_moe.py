@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train_moe as T
 
-from ubep_torch.utils import int_at_least
+from ubep_torch.utils import int_at_least, require_torchrun
 
 try:
     from ubep_torch.cost_model import CostModel, format_report
@@ -106,6 +106,7 @@ def dense_logits(dense, seqs: torch.Tensor) -> torch.Tensor:
 def run(args) -> dict:
     distributed = not args.single
     if distributed:
+        require_torchrun("examples/infer_moe.py", "python examples/infer_moe.py --single (dense, one process)")
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     else:

@@ -31,7 +31,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ubep_torch import nn as unn
-from ubep_torch.utils import int_at_least
+from ubep_torch.utils import int_at_least, require_torchrun
 
 # ----------------------------------------------------------------------------- data
 _SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child", "the teacher"]
@@ -187,6 +187,7 @@ def lm_loss(model: MoETransformerLM, batch: torch.Tensor, aux_weight: float = 1.
 def train(args) -> list:
     distributed = not args.single
     if distributed:
+        require_torchrun("examples/train_moe.py", "python examples/train_moe.py --single --world 2 (one process)")
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     else:

@@ -124,9 +124,13 @@ def test_sums_benchmark_prints_every_path():
     (["examples/infer_moe.py", "--single", "--ckpt", "README.md"], "not a checkpoint"),
     (["benchmarks/bench_buffer.py", "--ranks", "0"], "--ranks"),
     (["benchmarks/bench_sums.py", "--hidden", "0"], "--hidden"),
+    (["examples/demo.py"], "torchrun"),                 # (not under torchrun)
+    (["examples/train_moe.py", "--tiny"], "--single"),
+    (["examples/infer_moe.py"], "--single"),
 ])
 def test_bad_options_give_one_line_errors(cmd, what):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
                           check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import operator
+import os
 import sys
 from typing import Any, Optional, Tuple
 
@@ -28,6 +29,16 @@ def check_count(name: str, value, minimum: int = 0) -> int:
     if v < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {v}")
     return v
+
+
+def require_torchrun(script: str, instead: str = "") -> None:
+    """Exit with a one-line message when this process was not started by torchrun (no ``RANK`` and
+    ``WORLD_SIZE`` in the environment), where ``init_process_group("gloo")`` would fail with a bare
+    rendezvous error. ``instead`` names a way to run the script without it."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        hint = f", or {instead}" if instead else ""
+        raise SystemExit(f"{script}: start it with torchrun, e.g. torchrun --standalone --nproc-per-node 2 "
+                         f"{script}{hint}")
 
 
 def int_at_least(minimum: int):
