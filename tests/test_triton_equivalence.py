@@ -62,4 +62,4 @@ def test_mixed_backends(pool):
     failed with a layout mismatch and broke it)"""
     for r in pool.run(F.mixed_backends):
         assert r["normal_ok"], r
-        assert "low-latency rows" in r["ll"] and "triton" in r["ll"] and "(token, expert)" in r["ll"], r
+        assert "low_latency_rows" in r["ll"] and "triton" in r["ll"] and "(token, expert)" in r["ll"], r

@@ -463,7 +463,7 @@ class Buffer:
                                    agree={"num_nvl_bytes": self.num_nvl_bytes,
                                           "num_rdma_bytes": self.num_rdma_bytes,
                                           "low_latency_mode": self.low_latency_mode, "sync": sync,
-                                          **({"low-latency rows": _ll_rows(self.engine)} if low_latency_mode
+                                          **({"low_latency_rows": _ll_rows(self.engine)} if low_latency_mode
                                              else {})})
         # views of every rank's memory and aux words, made once; the aux words (acks, SyncAll counters,
         # abort flags) as numpy arrays, whose single-word loads and stores cost far less than a tensor's
