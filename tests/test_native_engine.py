@@ -655,6 +655,40 @@ def test_reorder_sources_streams_runs_of_complete_rows():
 
 
 @needs_native
+def test_reorder_step_copies_own_rows_from_their_sources():
+    """A step made with ``own_src`` copies the receiving rank's own rows (payload fields, meta items, source
+    row as source token) straight from the source tensors in the same call as the peers' rows, into the same
+    bytes as reordering them through slots would; an own row outside the source, or own rows past the
+    outputs, raise IndexError before anything is written."""
+    eng = native_engine.NativeEngine()
+    fmt, data, meta, sel, _ = _rows_case((("x", 1000), ("scales", 8 * 4)), 3, n=5, T=9)
+    st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(9), 2)
+    flag = P.flag_word(3, P.REGION_DISPATCH)
+    peer = torch.zeros(4, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    eng.write_rows(fmt, st, None, eng.arange(4), peer, flag)
+    own_slots = torch.zeros(5, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    eng.write_rows(fmt, st, None, sel, own_slots, flag)
+    outs = [torch.zeros(9, 1000, dtype=torch.uint8), torch.zeros(9, 32, dtype=torch.uint8)]
+    meta_out = torch.zeros(9, 3, dtype=torch.int32)
+    src = torch.full((9,), -1, dtype=torch.int32)
+    step = eng.reorder_sources(fmt, outs, meta_out, src, 32, own_src=(data, meta))
+    assert step.copies_own
+    for bad_sel, offset in ((torch.tensor([0, 9]), 0), (sel, 5)):
+        with pytest.raises(IndexError):
+            step([[peer.data_ptr(), 4, 5, 0, 1]], flag, (bad_sel, offset))
+        assert all(int(t.count_nonzero()) == 0 for t in outs + [meta_out]) and bool((src == -1).all())
+    sources = [[peer.data_ptr(), 4, 5, 0, 1]]
+    assert step(sources, flag, (sel, 0)) == [1] and sources[0][3] == 4
+    ref = [torch.zeros(9, 1000, dtype=torch.uint8), torch.zeros(9, 32, dtype=torch.uint8)]
+    ref_meta = torch.cat([eng.unpack_rows(fmt, own_slots, [r[:5] for r in ref]),
+                          eng.unpack_rows(fmt, peer, [r[5:] for r in ref])])
+    assert all(torch.equal(a, b) for a, b in zip(outs, ref)) and torch.equal(meta_out, ref_meta)
+    assert torch.equal(src, torch.cat([sel, torch.arange(4)]).to(torch.int32))
+    # sources the C loop cannot address: the step takes no own rows and the caller copies them
+    assert not eng.reorder_sources(fmt, outs, meta_out, src, 32, own_src=(data, meta[:, :2])).copies_own
+
+
+@needs_native
 def test_out_of_range_indices_are_refused_before_any_store():
     """The C loops write where indices say: an index outside its tensor raises IndexError and writes nothing."""
     fmt, data, meta, sel, patch = _rows_case((("x", 1000),), 1, n=4, T=4)

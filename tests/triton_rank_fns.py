@@ -215,14 +215,14 @@ def streaming_equivalence(ctx, step: int = 3, T: int = 40, H: int = 1000, K: int
 
     def throttled_sources(real):
         # the engine's per-poll reorder of several sources sees at most ``step`` more rows of each per poll
-        def reorder_sources(fmt, outs, meta_out, src_out, min_run):
-            one_poll = real(fmt, outs, meta_out, src_out, min_run)
+        def reorder_sources(fmt, outs, meta_out, src_out, min_run, own_src=None):
+            one_poll = real(fmt, outs, meta_out, src_out, min_run, own_src)
             if one_poll is None:
                 return None
 
-            def throttled_poll(sources, flag):
+            def throttled_poll(sources, flag, own=None):
                 seen = [[p[0], min(p[1], p[3] + step), p[2], p[3], p[4]] for p in sources]
-                one_poll(seen, flag)
+                one_poll(seen, flag, own)
                 completed = []
                 for p, v in zip(sources, seen):
                     if v[3] > p[3] and v[3] < p[1]:
@@ -231,6 +231,7 @@ def streaming_equivalence(ctx, step: int = 3, T: int = 40, H: int = 1000, K: int
                     if p[3] == p[1]:
                         completed.append(p[4])
                 return completed
+            throttled_poll.copies_own = getattr(one_poll, "copies_own", False)
             return throttled_poll
         return reorder_sources
 

@@ -517,6 +517,7 @@ class Buffer:
         self._aux_words = np.zeros_like(self._aux_words)   # (what a call still running reads from now on)
         for region in self._regions.values():
             region.forget_views()
+        self.engine.forget()     # (its kept send phases view the peers' memory)
         self._heap.close()
 
     def is_available(self) -> bool:
@@ -1128,7 +1129,8 @@ class Buffer:
                 self._gather_own_rows(meta, sel, out["meta"], o)
             out["src_idx"][o:o + n].copy_(sel)
 
-        rows_from = self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, send_idx, exchange, allocate, local_copy)
+        rows_from = self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, send_idx, exchange, allocate, local_copy,
+                                          own_src=(fields_data, meta))
         self._call_complete("dispatch")
         off_l = list(accumulate(rows_from, initial=0))
         num_recv, recv = off_l[-1], out["recv"]
@@ -1273,7 +1275,8 @@ class Buffer:
             if recv_scales is not None:
                 self._gather_own_rows(scales, sel, recv_scales, o)
 
-        self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, base.send_idx, exchange, allocate, local_copy)
+        self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, base.send_idx, exchange, allocate, local_copy,
+                              own_src=(fields_data, None))
         self._call_complete("cached dispatch")
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         if handle.layout == "expert_major":
@@ -1312,17 +1315,23 @@ class Buffer:
         staging, checked, row_sums = staged
         self._wait_acks(rid, epoch)
         nctrl = P.ctrl_blocks(extra_ctrl)
-        job = SendJob(fmt, staging, checked, row_sums, flag,
-                      sync_all=lambda: self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after Token-Sending"))
+        order = [(me + i) % R for i in range(R)]
+        words = [tuple(ctrl_payload(d)) + (num_tokens,) for d in order]
         none = eng.span(0, 0)
-        for i in range(R):
-            d = (me + i) % R
-            peer = self._peer_mem[d]
-            # rows for this rank itself skip the slots: the receive side copies them straight from the source
-            sel = none if d == me else send_idx[d]
-            job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt), region.ctrl(peer, half, me, nctrl),
-                                         ctrl_payload(d) + [num_tokens]))
-        eng.send_phase(job)
+        # rows for this rank itself skip the slots: the receive side copies them straight from the source
+        sels = [none if d == me else send_idx[d] for d in order]
+        # (everything the destinations are made of: the slots and control blocks of (region, half, nctrl) in
+        # every peer's memory, fixed for the Buffer's life, the row lists the engine keeps alive with them,
+        # and the control words)
+        key = (rid, half, nctrl, fmt.blocks, tuple(map(id, sels)), tuple(words))
+        if not eng.send_again(key, fmt, staging, flag):
+            job = SendJob(fmt, staging, checked, row_sums, flag,
+                          sync_all=lambda: self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after Token-Sending"))
+            for d, sel, w in zip(order, sels, words):
+                peer = self._peer_mem[d]
+                job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt),
+                                             region.ctrl(peer, half, me, nctrl), list(w)))
+            eng.send_phase(job, key)
         # receive the control messages of every source (verification of flags and counts)
         ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
                                      f"{P.REGION_NAMES[rid]}: TokenCnt (waiting for the count messages)")
@@ -1396,13 +1405,15 @@ class Buffer:
         return list(announced)
 
     def _dispatch_rounds(self, rid: int, fmt: P.RowFormat, cap: int, T: int, send_idx: List[torch.Tensor],
-                         exchange: Callable, allocate: Callable, local_copy: Callable) -> List[int]:
+                         exchange: Callable, allocate: Callable, local_copy: Callable,
+                         own_src: Optional[tuple] = None) -> List[int]:
         """The exchanges of one dispatch, each reordered as it arrives (see ``_more_rounds``).
 
         ``exchange(lists, staged)`` sends this rank's rows ``lists[d]`` (sorted staging rows) to every rank d
         (see ``_exchanges``); ``allocate(recv)`` sizes the outputs from the first one and returns (rows from
         each source in all, the outputs' byte views, meta and source-token outputs); this rank's own rows
-        come from ``local_copy(at, rows)``. Returns the rows from each source."""
+        come from ``local_copy(at, rows)``, or in the engine's reordering step from ``own_src`` (see
+        ``_receive_rows``). Returns the rows from each source."""
         R, me = self.group_size, self.rank
         rows_from = None
         for lists, recv in self._exchanges(
@@ -1417,7 +1428,8 @@ class Buffer:
                 raise UBEPError(f"{P.REGION_NAMES[rid]} on rank {me}: sources sent {nrows} more rows after {done} "
                                 f"of {rows_from} (corrupted control message or mismatched handles)")
             self._receive_rows(rid, fmt, recv, [off[s] + done[s] for s in range(R)], outs, recv_meta, recv_src_idx,
-                               local_copy=lambda o, n, own=lists[me]: local_copy(o, own))
+                               local_copy=lambda o, n, own=lists[me]: local_copy(o, own),
+                               own=None if own_src is None else (own_src, lists[me]))
             done = [a + b for a, b in zip(done, nrows)]
         if done != rows_from:
             self._broken = "bad row counts"
@@ -1426,12 +1438,14 @@ class Buffer:
 
     def _receive_rows(self, rid: int, fmt: P.RowFormat, recv: dict, offsets: Sequence[int], outs, recv_meta,
                       recv_src_idx, reduce: Optional[Callable] = None,
-                      local_copy: Optional[Callable] = None) -> None:
+                      local_copy: Optional[Callable] = None, own: Optional[tuple] = None) -> None:
         """Token-Reordering: copy each source's rows out as they arrive.
 
         Runs of complete rows are copied while the source still writes the rest where the engine can tell
         them apart (see ``_next_run``); otherwise a source's rows once all its blocks are there. This rank's
-        own rows never went through the slots: ``local_copy(offset, n)`` takes them from the source tensors.
+        own rows never went through the slots: ``local_copy(offset, n)`` takes them from the source tensors,
+        or, where the engine's streaming step copies them, ``own = ((fields, meta), rows)`` names the source
+        tensors (see ``reorder_sources``) and the rows of them.
         ``reduce(rows)`` replaces the copies (combine): it gets every source's rows at once, in rank order
         (None for this rank's own), once all have arrived, so a reduction reads each token's rows in one
         pass and its result does not depend on the sync mode or the arrival order.
@@ -1460,20 +1474,29 @@ class Buffer:
                     src_part.copy_(rows[:, 0, :].view(torch.int64)[:, 1])
 
         step = None if reduce is not None else eng.reorder_sources(
-            fmt, outs, recv_meta if fmt.meta_words else None, recv_src_idx, _STREAM_ROWS)
+            fmt, outs, recv_meta if fmt.meta_words else None, recv_src_idx, _STREAM_ROWS,
+            None if own is None else own[0])
         if step is not None:     # every source's newly complete rows in one engine call per poll
-            pending = [[region.rows(local, half, s, fmt, recv["nrows"][s]).data_ptr(), recv["nrows"][s],
-                        int(offsets[s]), 0, s] for s in range(R) if s != self.rank]
+            # (each source's slots from their first row: the exchange checked that its rows fit them)
+            pending = [[region.rows(local, half, s, fmt).data_ptr(), recv["nrows"][s], int(offsets[s]), 0, s]
+                       for s in range(R) if s != self.rank]
             own_rows = True      # this rank's own rows, straight from the source: in the first poll
+            me = self.rank
 
             def poll_sources():
                 nonlocal own_rows
                 if own_rows:
                     own_rows = False
-                    if recv["nrows"][self.rank]:
-                        local_copy(int(offsets[self.rank]), recv["nrows"][self.rank])
-                    self._send_ack(rid, self.rank, epoch)
-                completed = step(pending, flag)
+                    n = recv["nrows"][me]
+                    if n and own is not None and getattr(step, "copies_own", False):
+                        completed = step(pending, flag, (own[1], int(offsets[me])))
+                    else:
+                        if n:
+                            local_copy(int(offsets[me]), n)
+                        completed = step(pending, flag)
+                    self._send_ack(rid, me, epoch)
+                else:
+                    completed = step(pending, flag)
                 if completed:
                     for s in completed:
                         self._send_ack(rid, s, epoch)

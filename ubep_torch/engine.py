@@ -398,12 +398,12 @@ class TorchEngine:
             else:
                 w0.index_copy_(0, dst_index, vals)
 
-    def send_phase(self, job: SendJob) -> None:
+    def send_phase(self, job: SendJob, key: Optional[tuple] = None) -> None:
         """Run the token group and the count group of one call.
 
         TFF/SP: counts first (they do not depend on the tokens), then every destination's rows; DC: each
         destination's rows, then its checksum-carrying control message; SW (BSP baseline): all rows,
-        SyncAll, then flags and counts.
+        SyncAll, then flags and counts. (``key``: see ``send_again``; this engine keeps nothing.)
         """
         sync = job.fmt.sync
         for d in job.dests:
@@ -425,6 +425,13 @@ class TorchEngine:
                 if d.sel.numel():
                     payload[P.CTRL_CHECKSUM] = P.wrapping_sum(job.row_sums.index_select(0, d.sel))
                 self.write_ctrl(d.ctrl, payload, job.flag)
+
+    def send_again(self, key: tuple, fmt: P.RowFormat, staging, flag: int) -> bool:
+        """Repeat a kept send phase for new rows (see ``NativeEngine.send_again``): this engine keeps none."""
+        return False
+
+    def forget(self) -> None:
+        """Drop what the engine keeps of a Buffer's memory (its Buffer is being destroyed)."""
 
     def _send_rows(self, job: SendJob, d: Destination) -> None:
         self.write_rows(job.fmt, job.staging, job.checked, d.sel, d.rows, job.flag, dst_index=d.dst_index,
@@ -471,7 +478,7 @@ class TorchEngine:
 
     def reorder_sources(self, fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]],
                         meta_out: Optional[torch.Tensor], src_out: Optional[torch.Tensor],
-                        min_run: int) -> Optional[Callable[[list, int], list]]:
+                        min_run: int, own_src: Optional[tuple] = None) -> Optional[Callable[..., list]]:
         """A step that reorders the newly complete rows of several sources per poll (see the native engine),
         or None where rows are reordered source by source (this engine)."""
         return None

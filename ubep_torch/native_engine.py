@@ -34,7 +34,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 20
+API_VERSION = 21
 
 
 def _matches() -> bool:
@@ -79,6 +79,7 @@ def _source_spec(fmt: P.RowFormat, rows: torch.Tensor, tok: Optional[torch.Tenso
 
 #: destinations of one ``send_exchange`` call at most (native.c's MAX_DESTS)
 _MAX_DESTS = 1024
+_MAX_PLANS = 64       # kept send phases (see NativeEngine.send_again)
 
 
 def _ctrl_blocks(ctrl: torch.Tensor) -> bool:
@@ -140,6 +141,33 @@ def _reorder_outputs(fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]], m
     return fields, targets, meta_bytes, meta_stride
 
 
+def _own_sources(fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]], meta_bytes: int,
+                 own_src: tuple) -> Optional[tuple]:
+    """The own rows' sources of ``reorder_sources`` as the C loop takes them: ``(rows, meta address, meta row
+    stride, ((address, row stride) per output field))``, or None when one is not addressable row by row or
+    is narrower than what its output takes."""
+    fields_src, meta_src = own_src
+    srcs, rows = [], []
+    for i, out in enumerate(outs):
+        if out is None or fmt.field_blocks[i] == 0:
+            continue
+        src = fields_src[i] if i < len(fields_src) else None
+        if not _rowwise(src) or src.dtype != torch.uint8 or src.shape[1] != fmt.fields[i][1]:
+            return None
+        srcs.append((src.data_ptr(), src.stride(0)))
+        rows.append(src.shape[0])
+    meta_p = meta_stride = 0
+    if meta_bytes:
+        if meta_src is None or meta_src.dtype != torch.int32 or not _rowwise(meta_src) \
+                or meta_src.shape[1] * 4 < meta_bytes:
+            return None
+        meta_p, meta_stride = meta_src.data_ptr(), meta_src.stride(0) * 4
+        rows.append(meta_src.shape[0])
+    if not rows:
+        return None
+    return min(rows), meta_p, meta_stride, tuple(srcs)
+
+
 class NativeEngine(TorchEngine):
     name = "native"
 
@@ -151,6 +179,7 @@ class NativeEngine(TorchEngine):
             raise RuntimeError("ubep_torch._native was built from other sources than this package; reinstall it "
                                "(make install, or pip install -e .)")
         super().__init__()
+        self._send_plans: dict = {}
 
     # ------------------------------------------------------------------ sender side
     def write_rows(self, fmt: P.RowFormat, staging, checked: Optional[torch.Tensor], sel: Optional[torch.Tensor],
@@ -175,13 +204,14 @@ class NativeEngine(TorchEngine):
                            staging.meta.data_ptr(), patch_t.data_ptr() if items else 0, items, int(staging.rank),
                            int(flag), fields)
 
-    def send_phase(self, job: SendJob) -> None:
+    def send_phase(self, job: SendJob, key: Optional[tuple] = None) -> None:
         """TFF: the whole send phase (every destination's control message, then its rows) in one C call,
-        with the same stores as ``TorchEngine.send_phase``; other jobs take the inherited path."""
+        with the same stores as ``TorchEngine.send_phase``; other jobs take the inherited path. With a
+        ``key`` (see ``send_again``), the checked destinations are kept for later calls of that key."""
         st, fmt = job.staging, job.fmt
         fields = _payload_fields(st) if fmt.sync == "tff" and isinstance(st, DirectRows) \
             and len(job.dests) <= _MAX_DESTS else None
-        dests, alive = [], []      # (alive: converted index and patch tensors, until the C call returns)
+        dests, alive = [], []      # (alive: converted index and patch tensors, as long as their addresses are used)
         for d in job.dests if fields is not None else ():
             sel = d.sel
             n = sel.shape[0] if isinstance(sel, torch.Tensor) and sel.dim() == 1 else -1
@@ -193,16 +223,41 @@ class NativeEngine(TorchEngine):
             if n and not _contiguous_int64(sel):
                 sel = sel.to(torch.int64).contiguous()
             patch_t, items = patch
-            alive += [sel, patch_t]
+            alive += [d.sel, sel, patch_t, d.rows, d.ctrl]
             words = d.ctrl_payload.tolist() if isinstance(d.ctrl_payload, torch.Tensor) else d.ctrl_payload
             dests.append((d.rows.data_ptr(), n, sel.data_ptr() if n else 0, d.ctrl.data_ptr(), d.ctrl.shape[0],
-                          words, patch_t.data_ptr() if items else 0, items))
+                          tuple(words), patch_t.data_ptr() if items else 0, items))
         if fields is None:
             return super().send_phase(job)
+        dests = tuple(dests)
         # (the C loop checks every staging row, payload size and patch width before it stores anything)
         _native.send_exchange(fmt.blocks, st.meta.shape[0], st.meta.data_ptr(), int(st.rank), int(job.flag),
-                              fields, tuple(dests))
-        del alive
+                              fields, dests)
+        if key is not None:
+            if len(self._send_plans) >= _MAX_PLANS:
+                self._send_plans.clear()
+            self._send_plans[key] = (dests, alive)
+
+    def forget(self) -> None:
+        self._send_plans.clear()
+
+    def send_again(self, key: tuple, fmt: P.RowFormat, staging, flag: int) -> bool:
+        """The send phase of a call whose destinations (slots, control blocks, rows to send, control words)
+        are those of an earlier ``send_phase(job, key)``, for the rows ``staging`` holds now; False (nothing
+        sent) when no send phase of that key is kept, or the rows are not TFF rows the C stores take.
+
+        ``key`` must name everything the destinations are made of: the caller builds it from the identity
+        of the row-index tensors it sends from (kept alive here with the plan), the slots and control
+        blocks (fixed addresses) and the control words."""
+        plan = self._send_plans.get(key)
+        if plan is None or fmt.sync != "tff" or not isinstance(staging, DirectRows):
+            return False
+        fields = _payload_fields(staging)
+        if fields is None:
+            return False
+        _native.send_exchange(fmt.blocks, staging.meta.shape[0], staging.meta.data_ptr(), int(staging.rank),
+                              int(flag), fields, plan[0])
+        return True
 
     def polls_ctrl(self, ctrl: torch.Tensor, nctrl: int) -> bool:
         """Whether ``poll_ctrl`` addresses these control blocks: every source's, [R, max blocks, 512] uint8
@@ -221,12 +276,18 @@ class NativeEngine(TorchEngine):
 
     def reorder_sources(self, fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]],
                         meta_out: Optional[torch.Tensor], src_out: Optional[torch.Tensor],
-                        min_run: int) -> Optional[Callable[[list, int], list]]:
-        """Streaming Token-Reordering of several sources per poll: returns ``step(sources, flag)``, which takes
-        ``[[slots [n, blocks, 512] address, n, first output row, rows done, rank], ...]`` and reorders every
-        source's newly complete rows (runs of at least ``min_run`` rows, or up to its last row) into the
-        outputs (as ``unpack_to``), advancing "rows done"; it returns the ranks that completed. None when the
-        rows are not TFF or an output is not addressable row by row."""
+                        min_run: int, own_src: Optional[tuple] = None) -> Optional[Callable[..., list]]:
+        """Streaming Token-Reordering of several sources per poll: returns ``step(sources, flag, own=None)``,
+        which takes ``[[slots [n, blocks, 512] address, n, first output row, rows done, rank], ...]`` and
+        reorders every source's newly complete rows (runs of at least ``min_run`` rows, or up to its last row)
+        into the outputs (as ``unpack_to``), advancing "rows done"; it returns the ranks that completed. None
+        when the rows are not TFF or an output is not addressable row by row.
+
+        ``own_src``: ``(fields, meta)``, the tensors this rank's own rows come from ([T, bytes] rows per field
+        of ``outs``, [T, m] int32 meta items or None), which never go through the slots; ``step(..., own=(sel,
+        offset))`` then first copies their rows ``sel`` (int64) to output rows offset.. (payload, meta items,
+        and the source row as source token), in the same C call. A step made without them (or whose sources
+        the C loop cannot address) takes no ``own``: the caller copies those rows itself."""
         spec = _reorder_outputs(fmt, outs, meta_out, src_out) if fmt.sync == "tff" else None
         if spec is None:
             return None
@@ -234,11 +295,24 @@ class NativeEngine(TorchEngine):
         room = min(targets) if targets else 0
         outputs = (0 if meta_out is None else meta_out.data_ptr(), meta_bytes, meta_stride,
                    0 if src_out is None else src_out.data_ptr(), tuple(fields))
+        own_spec = _own_sources(fmt, outs, meta_bytes, own_src) if own_src is not None else None
 
-        def step(sources: list, flag: int, _alive=(outs, meta_out, src_out)) -> list:
-            # (_alive: the outputs whose addresses ``outputs`` holds live as long as the step does; the C loop
-            # checks every source's output rows against them before it writes)
-            return _native.reorder_sources(fmt.blocks, int(flag), int(min_run), room, *outputs, sources)
+        def step(sources: list, flag: int, own: Optional[tuple] = None,
+                 _alive=(outs, meta_out, src_out, own_src)) -> list:
+            # (_alive: the outputs and sources whose addresses ``outputs`` and ``own_spec`` hold live as long as
+            # the step does; the C loop checks every source's output rows against them before it writes)
+            if own is None:
+                return _native.reorder_sources(fmt.blocks, int(flag), int(min_run), room, *outputs, sources)
+            sel, offset = own
+            if own_spec is None:
+                raise ValueError("reorder_sources: this step has no own rows to copy (see own_src)")
+            if not _contiguous_int64(sel):
+                sel = sel.to(torch.int64).contiguous()
+            limit, meta_p, meta_stride_src, srcs = own_spec
+            return _native.reorder_sources(fmt.blocks, int(flag), int(min_run), room, *outputs, sources,
+                                           (sel.data_ptr(), sel.numel(), limit, int(offset), meta_p,
+                                            meta_stride_src, srcs))
+        step.copies_own = own_spec is not None
         return step
 
     def write_ctrl(self, dst: torch.Tensor, payload: torch.Tensor, flag: int) -> None:

@@ -137,7 +137,7 @@ class TritonEngine(TorchEngine):
         """Packed staging rows (``pack_rows``): the send kernel reads whole staged rows."""
         return self.pack_rows(fmt, fields, meta, src_index, rank)
 
-    def send_phase(self, job: SendJob) -> None:
+    def send_phase(self, job: SendJob, key: tuple | None = None) -> None:
         """Token group + count group of one call in one launch (two launches and SyncAll for "sw")."""
         fmt = job.fmt
         sync = fmt.sync

@@ -36,7 +36,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
-#define API_VERSION 20             /* bumped whenever a function's arguments change */
+#define API_VERSION 21             /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -293,7 +293,13 @@ static PyObject *unpack(PyObject *self, PyObject *args) {
  * ``done`` (as arrived_rows finds it) is reordered, as unpack does with dst_index 0, into output rows
  * offset + done.., once it reaches row n or holds at least min_run rows; ``done`` then advances. Every
  * source's rows [offset, offset + n) are checked against ``room`` (the rows every output has) before
- * anything is written. Returns the ranks of the sources that completed in this call. */
+ * anything is written. Returns the ranks of the sources that completed in this call.
+ *
+ * ``own`` (None, or (sel, n, limit, offset, meta_src, meta_src_stride, field_srcs)): the receiving rank's
+ * own rows, which never went through the slots, copied first straight from the source tensors: output row
+ * offset + i gets source row t = sel[i] (every t in [0, limit)) of every field (field_srcs: a (address,
+ * row stride) per field, in the order of ``fields``), its meta items from ``meta_src + t * meta_src_stride``
+ * (meta_bytes of them) and t as its source token. Checked with the sources, before anything is written. */
 typedef struct {
     PyObject *entry;    /* the source's list, referenced until its update (the caller's list may change) */
     const uint8_t *rows;
@@ -307,10 +313,41 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
     PyObject *ftuple, *sources;
     field_t f[MAX_FIELDS];
     int nf = 0;
-    if (!PyArg_ParseTuple(args, "nLnnKnnKOO!", &nb, &flag, &min_run, &room, &meta_p, &meta_bytes, &meta_stride,
-                          &src_p, &ftuple, &PyList_Type, &sources))
+    PyObject *own = Py_None;
+    if (!PyArg_ParseTuple(args, "nLnnKnnKOO!|O", &nb, &flag, &min_run, &room, &meta_p, &meta_bytes, &meta_stride,
+                          &src_p, &ftuple, &PyList_Type, &sources, &own))
         return NULL;
     if (parse_fields(ftuple, f, &nf) < 0) return NULL;
+    /* the own rows: sel, n, limit, offset, meta source and its row stride, one (address, stride) per field */
+    unsigned long long own_sel_p = 0, own_meta_p = 0;
+    Py_ssize_t own_n = 0, own_limit = 0, own_offset = 0, own_meta_stride = 0;
+    field_t own_f[MAX_FIELDS];
+    if (own != Py_None) {
+        PyObject *srcs;
+        if (!PyArg_ParseTuple(own, "KnnnKnO!", &own_sel_p, &own_n, &own_limit, &own_offset, &own_meta_p,
+                              &own_meta_stride, &PyTuple_Type, &srcs))
+            return NULL;
+        if (PyTuple_GET_SIZE(srcs) != nf) {
+            PyErr_SetString(PyExc_ValueError, "reorder_sources: own rows need one source per field");
+            return NULL;
+        }
+        for (int k = 0; k < nf; k++) {
+            unsigned long long fp;
+            if (!PyArg_ParseTuple(PyTuple_GET_ITEM(srcs, k), "Kn", &fp, &own_f[k].stride)) return NULL;
+            own_f[k].ptr = (uintptr_t)fp;
+            own_f[k].nbytes = f[k].nbytes;
+        }
+        if (own_n < 0 || own_offset < 0 || own_offset > room - own_n) {
+            PyErr_Format(PyExc_IndexError, "Token-Reordering own rows [%lld, %lld) out of range [0, %lld)",
+                         (long long)own_offset, (long long)(own_offset + own_n), (long long)room);
+            return NULL;
+        }
+        if (own_sel_p ? check_index((const int64_t *)(uintptr_t)own_sel_p, own_n, own_limit, "own source row") < 0
+                      : own_n > own_limit) {
+            if (!own_sel_p) PyErr_SetString(PyExc_IndexError, "more own rows than the source has");
+            return NULL;
+        }
+    }
     const Py_ssize_t ns = PyList_GET_SIZE(sources);
     stream_t *st = PyMem_Calloc(ns ? (size_t)ns : 1, sizeof(stream_t));
     if (st == NULL) return PyErr_NoMemory();
@@ -337,6 +374,19 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
     uint8_t *meta_out = (uint8_t *)(uintptr_t)meta_p;
     int32_t *src_out = (int32_t *)(uintptr_t)src_p;
     Py_BEGIN_ALLOW_THREADS
+    if (own_n) {
+        const int64_t *sel = (const int64_t *)(uintptr_t)own_sel_p;
+        const uint8_t *msrc = (const uint8_t *)(uintptr_t)own_meta_p;
+        for (Py_ssize_t i = 0; i < own_n; i++) {
+            const int64_t t = sel ? sel[i] : (int64_t)i, at = (int64_t)(own_offset + i);
+            if (meta_out && meta_bytes && msrc) memcpy(meta_out + at * meta_stride, msrc + t * own_meta_stride,
+                                                       (size_t)meta_bytes);
+            if (src_out) src_out[at] = (int32_t)t;
+            for (int k = 0; k < nf; k++)
+                memcpy((uint8_t *)f[k].ptr + at * f[k].stride, (const uint8_t *)own_f[k].ptr + t * own_f[k].stride,
+                       (size_t)f[k].nbytes);
+        }
+    }
     for (Py_ssize_t i = 0; i < ns; i++) {
         const Py_ssize_t n = st[i].n, done = st[i].done, r = complete_run(st[i].rows, n, nb, flag, done);
         st[i].end = done;
