@@ -600,6 +600,12 @@ class Buffer:
     def _wait(self, phase: str, poll: Callable[[], Sequence[int]]) -> None:
         if self.delay_hook is not None:
             self.delay_hook(phase)
+        try:
+            if not self._destroyed and not poll():    # (most waits are over at the first poll)
+                return
+        except UBEPError as e:
+            self._fail(e)
+            raise
 
         def poll_unless_destroyed():   # (destroy() from a signal handler or another thread ends the wait)
             if self._destroyed:
@@ -627,6 +633,8 @@ class Buffer:
         R = self.group_size
         half = region.half(epoch)
         base = self._ack_base(rid, half)
+        if self.delay_hook is None and min(words[base:base + R].tolist()) >= need:
+            return            # (the usual case: every peer consumed that half long ago)
 
         def poll():
             acks = words[base:base + R].tolist()
@@ -1157,13 +1165,14 @@ class Buffer:
         for row in recv["ntpr_matrix"]:
             run = [a + b for a, b in zip(run, row)]
             prefix.append(run)
-        # rank_prefix_matrix and the two channel matrices (below) made from one list: three views of one tensor
-        matrices = torch.tensor([c for row in prefix for c in row] + ntpr + off_l[:R], dtype=torch.int32)
-        rank_prefix = matrices[:R * R].view(R, R)
+        # rank_prefix_matrix and the two channel matrices (below) made from one list (numpy slices of a few
+        # ints, then tensors sharing their memory, cost a fraction of tensor slicing)
+        matrices = np.array([c for row in prefix for c in row] + ntpr + off_l[:R], dtype=np.int32)
+        rank_prefix = torch.from_numpy(matrices[:R * R].reshape(R, R))
         send_head = derived["send_head"].clone()
         # one channel per rank pair: tokens sent to each rank, and where each source's rows begin in recv_x
-        channel_prefix = matrices[R * R:R * R + R].view(R, 1)
-        recv_channel_prefix = matrices[R * R + R:].view(R, 1)
+        channel_prefix = torch.from_numpy(matrices[R * R:R * R + R].reshape(R, 1))
+        recv_channel_prefix = torch.from_numpy(matrices[R * R + R:].reshape(R, 1))
         h = DispatchHandle(
             (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank.clone(), send_head),
             send_idx=send_idx, recv_counts=rows_from, recv_offsets=off_l, num_recv=num_recv, num_tokens=T,
@@ -1321,10 +1330,9 @@ class Buffer:
         # rows for this rank itself skip the slots: the receive side copies them straight from the source
         sels = [none if d == me else send_idx[d] for d in order]
         # (everything the destinations are made of: the slots and control blocks of (region, half, nctrl) in
-        # every peer's memory, fixed for the Buffer's life, the row lists the engine keeps alive with them,
-        # and the control words)
-        key = (rid, half, nctrl, fmt.blocks, tuple(map(id, sels)), tuple(words))
-        if not eng.send_again(key, fmt, staging, flag):
+        # every peer's memory, fixed for the Buffer's life, and the row lists the engine keeps alive with them)
+        key = (rid, half, nctrl, fmt.blocks, tuple(map(id, sels)))
+        if not eng.send_again(key, fmt, staging, flag, words):
             job = SendJob(fmt, staging, checked, row_sums, flag,
                           sync_all=lambda: self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after Token-Sending"))
             for d, sel, w in zip(order, sels, words):

@@ -236,27 +236,29 @@ class NativeEngine(TorchEngine):
         if key is not None:
             if len(self._send_plans) >= _MAX_PLANS:
                 self._send_plans.clear()
-            self._send_plans[key] = (dests, alive)
+            self._send_plans[key] = (tuple(d[:5] for d in dests), tuple(d[6:] for d in dests), alive)
 
     def forget(self) -> None:
         self._send_plans.clear()
 
-    def send_again(self, key: tuple, fmt: P.RowFormat, staging, flag: int) -> bool:
-        """The send phase of a call whose destinations (slots, control blocks, rows to send, control words)
-        are those of an earlier ``send_phase(job, key)``, for the rows ``staging`` holds now; False (nothing
-        sent) when no send phase of that key is kept, or the rows are not TFF rows the C stores take.
+    def send_again(self, key: tuple, fmt: P.RowFormat, staging, flag: int, words: Sequence[Sequence[int]]) -> bool:
+        """The send phase of a call whose destinations (slots, control blocks, rows to send) are those of an
+        earlier ``send_phase(job, key)``, for the rows ``staging`` holds now, with control words ``words``
+        (one sequence per destination, in the job's order); False (nothing sent) when no send phase of that
+        key is kept, or the rows are not TFF rows the C stores take.
 
         ``key`` must name everything the destinations are made of: the caller builds it from the identity
-        of the row-index tensors it sends from (kept alive here with the plan), the slots and control
-        blocks (fixed addresses) and the control words."""
+        of the row-index tensors it sends from (kept alive here with the plan) and the slots and control
+        blocks (fixed addresses)."""
         plan = self._send_plans.get(key)
-        if plan is None or fmt.sync != "tff" or not isinstance(staging, DirectRows):
+        if plan is None or fmt.sync != "tff" or not isinstance(staging, DirectRows) or len(words) != len(plan[0]):
             return False
         fields = _payload_fields(staging)
         if fields is None:
             return False
+        dests = tuple(head + (tuple(w),) + tail for head, w, tail in zip(plan[0], words, plan[1]))
         _native.send_exchange(fmt.blocks, staging.meta.shape[0], staging.meta.data_ptr(), int(staging.rank),
-                              int(flag), fields, plan[0])
+                              int(flag), fields, dests)
         return True
 
     def polls_ctrl(self, ctrl: torch.Tensor, nctrl: int) -> bool:
