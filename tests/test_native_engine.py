@@ -686,6 +686,44 @@ def test_reorder_step_copies_own_rows_from_their_sources():
     assert torch.equal(src, torch.cat([sel, torch.arange(4)]).to(torch.int32))
     # sources the C loop cannot address: the step takes no own rows and the caller copies them
     assert not eng.reorder_sources(fmt, outs, meta_out, src, 32, own_src=(data, meta[:, :2])).copies_own
+    for own in ([0, 0, 0, 0, 0, 0, ()], (0, 0, 0, 0, 0, 0, ([0, 0],))):    # a list where a tuple belongs
+        with pytest.raises(TypeError):
+            native_engine._native.reorder_sources(fmt.blocks, flag, 32, 9, 0, 0, 0, 0, ((0, 1000, 1000, 1),), [], own)
+
+
+@needs_native
+def test_kept_send_phases_are_bounded_and_repeat_the_same_stores():
+    """A send phase kept under a key is repeated by ``send_again`` with the same stores; at most
+    ``_MAX_PLANS`` are kept, the least recently used dropped first (a new routing every call adds one each
+    time, while the one in steady use stays); ``forget`` drops them all and keeps nothing later."""
+    eng = native_engine.NativeEngine()
+    fmt, data, meta, _, _ = _rows_case((("x", 1000),), 1, n=3, T=4)
+    st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(4), 0)
+    flag = P.flag_word(2, P.REGION_DISPATCH)
+
+    def job(sel, slots, ctrl):
+        j = SendJob(fmt, st, None, None, flag)
+        j.dests.append(Destination(1, sel, slots, ctrl, [sel.numel(), 7]))
+        return j
+
+    def memory():
+        return (torch.zeros(4, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8),
+                torch.zeros(1, P.BLOCK_BYTES, dtype=torch.uint8))
+    hot, (slots, ctrl) = torch.tensor([2, 0, 3]), memory()
+    eng.send_phase(job(hot, slots, ctrl), ("hot",))
+    first = (slots.clone(), ctrl.clone())
+    slots.zero_(), ctrl.zero_()
+    for i in range(3 * native_engine._MAX_PLANS):
+        eng.send_phase(job(torch.arange(3), *memory()), ("new", i))
+        assert eng.send_again(("hot",), fmt, st, flag, [[3, 7]])
+        assert len(eng._send_plans) <= native_engine._MAX_PLANS
+    assert torch.equal(slots, first[0]) and torch.equal(ctrl, first[1])
+    assert not eng.send_again(("new", 0), fmt, st, flag, [[3, 7]])       # dropped long ago
+    assert eng.send_again(("new", 3 * native_engine._MAX_PLANS - 1), fmt, st, flag, [[3, 7]])
+    eng.forget()
+    assert not eng.send_again(("hot",), fmt, st, flag, [[3, 7]])
+    eng.send_phase(job(hot, slots, ctrl), ("hot",))
+    assert not eng._send_plans
 
 
 @needs_native

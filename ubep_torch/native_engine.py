@@ -19,6 +19,7 @@ contents and outputs are bit-identical to ``TorchEngine`` (``tests/test_native_e
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from itertools import accumulate
 from typing import Callable, Optional, Sequence
 
@@ -79,7 +80,7 @@ def _source_spec(fmt: P.RowFormat, rows: torch.Tensor, tok: Optional[torch.Tenso
 
 #: destinations of one ``send_exchange`` call at most (native.c's MAX_DESTS)
 _MAX_DESTS = 1024
-_MAX_PLANS = 64       # kept send phases (see NativeEngine.send_again)
+_MAX_PLANS = 16       # kept send phases, the least recently used dropped first (see NativeEngine.send_again)
 
 
 def _ctrl_blocks(ctrl: torch.Tensor) -> bool:
@@ -179,7 +180,8 @@ class NativeEngine(TorchEngine):
             raise RuntimeError("ubep_torch._native was built from other sources than this package; reinstall it "
                                "(make install, or pip install -e .)")
         super().__init__()
-        self._send_plans: dict = {}
+        self._send_plans: OrderedDict = OrderedDict()
+        self._forgotten = False
 
     # ------------------------------------------------------------------ sender side
     def write_rows(self, fmt: P.RowFormat, staging, checked: Optional[torch.Tensor], sel: Optional[torch.Tensor],
@@ -234,11 +236,14 @@ class NativeEngine(TorchEngine):
         _native.send_exchange(fmt.blocks, st.meta.shape[0], st.meta.data_ptr(), int(st.rank), int(job.flag),
                               fields, dests)
         if key is not None:
-            if len(self._send_plans) >= _MAX_PLANS:
-                self._send_plans.clear()
-            self._send_plans[key] = (tuple(d[:5] for d in dests), tuple(d[6:] for d in dests), alive)
+            # (not once forgotten: destroy() in another thread while the C call ran)
+            if not self._forgotten:
+                if len(self._send_plans) >= _MAX_PLANS:   # (a new routing every call adds one each time)
+                    self._send_plans.popitem(last=False)
+                self._send_plans[key] = (tuple(d[:5] for d in dests), tuple(d[6:] for d in dests), alive)
 
     def forget(self) -> None:
+        self._forgotten = True
         self._send_plans.clear()
 
     def send_again(self, key: tuple, fmt: P.RowFormat, staging, flag: int, words: Sequence[Sequence[int]]) -> bool:
@@ -251,6 +256,8 @@ class NativeEngine(TorchEngine):
         of the row-index tensors it sends from (kept alive here with the plan) and the slots and control
         blocks (fixed addresses)."""
         plan = self._send_plans.get(key)
+        if plan is not None:
+            self._send_plans.move_to_end(key)
         if plan is None or fmt.sync != "tff" or not isinstance(staging, DirectRows) or len(words) != len(plan[0]):
             return False
         fields = _payload_fields(staging)

@@ -324,6 +324,10 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
     field_t own_f[MAX_FIELDS];
     if (own != Py_None) {
         PyObject *srcs;
+        if (!PyTuple_Check(own)) {
+            PyErr_SetString(PyExc_TypeError, "reorder_sources: own must be a tuple or None");
+            return NULL;
+        }
         if (!PyArg_ParseTuple(own, "KnnnKnO!", &own_sel_p, &own_n, &own_limit, &own_offset, &own_meta_p,
                               &own_meta_stride, &PyTuple_Type, &srcs))
             return NULL;
@@ -333,7 +337,12 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
         }
         for (int k = 0; k < nf; k++) {
             unsigned long long fp;
-            if (!PyArg_ParseTuple(PyTuple_GET_ITEM(srcs, k), "Kn", &fp, &own_f[k].stride)) return NULL;
+            PyObject *src = PyTuple_GET_ITEM(srcs, k);
+            if (!PyTuple_Check(src)) {
+                PyErr_SetString(PyExc_TypeError, "reorder_sources: own field sources must be (address, stride) tuples");
+                return NULL;
+            }
+            if (!PyArg_ParseTuple(src, "Kn", &fp, &own_f[k].stride)) return NULL;
             own_f[k].ptr = (uintptr_t)fp;
             own_f[k].nbytes = f[k].nbytes;
         }
