@@ -692,10 +692,11 @@ def test_reorder_step_copies_own_rows_from_their_sources():
 
 
 @needs_native
-def test_kept_send_phases_are_bounded_and_repeat_the_same_stores():
-    """A send phase kept under a key is repeated by ``send_again`` with the same stores; at most
-    ``_MAX_PLANS`` are kept, the least recently used dropped first (a new routing every call adds one each
-    time, while the one in steady use stays); ``forget`` drops them all and keeps nothing later."""
+def test_kept_send_phases_take_new_row_lists_and_store_the_same_bytes():
+    """A send phase kept under a key is repeated by ``send_again`` for any row lists (a new routing every call
+    reuses it) with the same stores as a send phase of them; a row list the C stores cannot take as it is
+    (not int64, more rows than the slots hold) gets False and nothing is stored. At most ``_MAX_PLANS`` are
+    kept, the least recently used dropped first; ``forget`` drops them all and keeps nothing later."""
     eng = native_engine.NativeEngine()
     fmt, data, meta, _, _ = _rows_case((("x", 1000),), 1, n=3, T=4)
     st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(4), 0)
@@ -709,20 +710,27 @@ def test_kept_send_phases_are_bounded_and_repeat_the_same_stores():
     def memory():
         return (torch.zeros(4, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8),
                 torch.zeros(1, P.BLOCK_BYTES, dtype=torch.uint8))
-    hot, (slots, ctrl) = torch.tensor([2, 0, 3]), memory()
-    eng.send_phase(job(hot, slots, ctrl), ("hot",))
-    first = (slots.clone(), ctrl.clone())
+    first, (slots, ctrl) = torch.tensor([2, 0, 3]), memory()
+    eng.send_phase(job(first, slots, ctrl), ("k",))
+    for sel in (first, torch.tensor([1, 3]), torch.tensor([], dtype=torch.int64)):
+        ref_slots, ref_ctrl = memory()
+        eng.send_phase(job(sel, ref_slots, ref_ctrl))
+        slots.zero_(), ctrl.zero_()
+        assert eng.send_again(("k",), fmt, st, flag, [sel], [[sel.numel(), 7]])
+        assert torch.equal(slots, ref_slots) and torch.equal(ctrl, ref_ctrl)
     slots.zero_(), ctrl.zero_()
+    for sel in (torch.tensor([1, 3], dtype=torch.int32), torch.tensor([0, 1, 2, 3, 0]), torch.arange(6)[::2]):
+        assert not eng.send_again(("k",), fmt, st, flag, [sel], [[sel.numel(), 7]])
+    assert int(slots.count_nonzero()) == 0 and int(ctrl.count_nonzero()) == 0
     for i in range(3 * native_engine._MAX_PLANS):
         eng.send_phase(job(torch.arange(3), *memory()), ("new", i))
-        assert eng.send_again(("hot",), fmt, st, flag, [[3, 7]])
+        assert eng.send_again(("k",), fmt, st, flag, [first], [[3, 7]])
         assert len(eng._send_plans) <= native_engine._MAX_PLANS
-    assert torch.equal(slots, first[0]) and torch.equal(ctrl, first[1])
-    assert not eng.send_again(("new", 0), fmt, st, flag, [[3, 7]])       # dropped long ago
-    assert eng.send_again(("new", 3 * native_engine._MAX_PLANS - 1), fmt, st, flag, [[3, 7]])
+    assert not eng.send_again(("new", 0), fmt, st, flag, [first], [[3, 7]])       # dropped long ago
+    assert eng.send_again(("new", 3 * native_engine._MAX_PLANS - 1), fmt, st, flag, [first], [[3, 7]])
     eng.forget()
-    assert not eng.send_again(("hot",), fmt, st, flag, [[3, 7]])
-    eng.send_phase(job(hot, slots, ctrl), ("hot",))
+    assert not eng.send_again(("k",), fmt, st, flag, [first], [[3, 7]])
+    eng.send_phase(job(first, slots, ctrl), ("k",))
     assert not eng._send_plans
 
 

@@ -1329,10 +1329,10 @@ class Buffer:
         none = eng.span(0, 0)
         # rows for this rank itself skip the slots: the receive side copies them straight from the source
         sels = [none if d == me else send_idx[d] for d in order]
-        # (everything the destinations are made of: the slots and control blocks of (region, half, nctrl) in
-        # every peer's memory, fixed for the Buffer's life, and the row lists the engine keeps alive with them)
-        key = (rid, half, nctrl, fmt.blocks, tuple(map(id, sels)))
-        if not eng.send_again(key, fmt, staging, flag, words):
+        # (what the destinations' slots and control blocks are made of: the peers' memory is mapped for the
+        # Buffer's life, and these name where in it and how many rows fit)
+        key = (rid, half, nctrl, fmt.blocks)
+        if not eng.send_again(key, fmt, staging, flag, sels, words):
             job = SendJob(fmt, staging, checked, row_sums, flag,
                           sync_all=lambda: self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after Token-Sending"))
             for d, sel, w in zip(order, sels, words):

@@ -426,7 +426,8 @@ class TorchEngine:
                     payload[P.CTRL_CHECKSUM] = P.wrapping_sum(job.row_sums.index_select(0, d.sel))
                 self.write_ctrl(d.ctrl, payload, job.flag)
 
-    def send_again(self, key: tuple, fmt: P.RowFormat, staging, flag: int, words: Sequence[Sequence[int]]) -> bool:
+    def send_again(self, key: tuple, fmt: P.RowFormat, staging, flag: int, sels: Sequence[torch.Tensor],
+                   words: Sequence[Sequence[int]]) -> bool:
         """Repeat a kept send phase for new rows (see ``NativeEngine.send_again``): this engine keeps none."""
         return False
 

@@ -213,7 +213,7 @@ class NativeEngine(TorchEngine):
         st, fmt = job.staging, job.fmt
         fields = _payload_fields(st) if fmt.sync == "tff" and isinstance(st, DirectRows) \
             and len(job.dests) <= _MAX_DESTS else None
-        dests, alive = [], []      # (alive: converted index and patch tensors, as long as their addresses are used)
+        dests, alive = [], []      # (alive: converted index and patch tensors, until the C call returns)
         for d in job.dests if fields is not None else ():
             sel = d.sel
             n = sel.shape[0] if isinstance(sel, torch.Tensor) and sel.dim() == 1 else -1
@@ -225,47 +225,56 @@ class NativeEngine(TorchEngine):
             if n and not _contiguous_int64(sel):
                 sel = sel.to(torch.int64).contiguous()
             patch_t, items = patch
-            alive += [d.sel, sel, patch_t, d.rows, d.ctrl]
+            alive += [sel, patch_t]
             words = d.ctrl_payload.tolist() if isinstance(d.ctrl_payload, torch.Tensor) else d.ctrl_payload
             dests.append((d.rows.data_ptr(), n, sel.data_ptr() if n else 0, d.ctrl.data_ptr(), d.ctrl.shape[0],
                           tuple(words), patch_t.data_ptr() if items else 0, items))
         if fields is None:
             return super().send_phase(job)
-        dests = tuple(dests)
         # (the C loop checks every staging row, payload size and patch width before it stores anything)
         _native.send_exchange(fmt.blocks, st.meta.shape[0], st.meta.data_ptr(), int(st.rank), int(job.flag),
-                              fields, dests)
-        if key is not None:
-            # (not once forgotten: destroy() in another thread while the C call ran)
-            if not self._forgotten:
-                if len(self._send_plans) >= _MAX_PLANS:   # (a new routing every call adds one each time)
-                    self._send_plans.popitem(last=False)
-                self._send_plans[key] = (tuple(d[:5] for d in dests), tuple(d[6:] for d in dests), alive)
+                              fields, tuple(dests))
+        del alive
+        # kept: where each destination's slots and control blocks are, how many rows they hold (and the views
+        # whose addresses those are); not once forgotten (destroy() in another thread while the C call ran)
+        if key is not None and not self._forgotten and all(d.meta_patch is None for d in job.dests):
+            if len(self._send_plans) >= _MAX_PLANS:
+                self._send_plans.popitem(last=False)
+            self._send_plans[key] = (tuple((d.rows.data_ptr(), d.rows.shape[0], d.ctrl.data_ptr(), d.ctrl.shape[0])
+                                           for d in job.dests), [(d.rows, d.ctrl) for d in job.dests])
 
     def forget(self) -> None:
         self._forgotten = True
         self._send_plans.clear()
 
-    def send_again(self, key: tuple, fmt: P.RowFormat, staging, flag: int, words: Sequence[Sequence[int]]) -> bool:
-        """The send phase of a call whose destinations (slots, control blocks, rows to send) are those of an
-        earlier ``send_phase(job, key)``, for the rows ``staging`` holds now, with control words ``words``
-        (one sequence per destination, in the job's order); False (nothing sent) when no send phase of that
-        key is kept, or the rows are not TFF rows the C stores take.
+    def send_again(self, key: tuple, fmt: P.RowFormat, staging, flag: int, sels: Sequence[torch.Tensor],
+                   words: Sequence[Sequence[int]]) -> bool:
+        """The send phase of a call whose destinations (slots and control blocks) are those of an earlier
+        ``send_phase(job, key)``, for the rows ``staging`` holds now: destination i (in the job's order) gets
+        staging rows ``sels[i]`` and control words ``words[i]``. False, with nothing stored, when no send
+        phase of that key is kept, the rows are not TFF rows the C stores take, a row list is not a 1-D
+        contiguous int64 tensor or has more rows than its slots hold.
 
-        ``key`` must name everything the destinations are made of: the caller builds it from the identity
-        of the row-index tensors it sends from (kept alive here with the plan) and the slots and control
-        blocks (fixed addresses)."""
+        ``key`` must name everything the slots and control blocks are made of: the caller builds it from the
+        region, its half, the control blocks and the row size (the peers' memory is mapped once)."""
         plan = self._send_plans.get(key)
-        if plan is not None:
-            self._send_plans.move_to_end(key)
-        if plan is None or fmt.sync != "tff" or not isinstance(staging, DirectRows) or len(words) != len(plan[0]):
+        if plan is None or fmt.sync != "tff" or not isinstance(staging, DirectRows) or not \
+                len(sels) == len(words) == len(plan[0]):
             return False
+        self._send_plans.move_to_end(key)
         fields = _payload_fields(staging)
         if fields is None:
             return False
-        dests = tuple(head + (tuple(w),) + tail for head, w, tail in zip(plan[0], words, plan[1]))
+        dests = []
+        for (rows_p, room, ctrl_p, nctrl), sel, w in zip(plan[0], sels, words):
+            if not (isinstance(sel, torch.Tensor) and sel.dim() == 1 and sel.dtype == torch.int64
+                    and sel.is_contiguous() and sel.shape[0] <= room):
+                return False
+            n = sel.shape[0]
+            dests.append((rows_p, n, sel.data_ptr() if n else 0, ctrl_p, nctrl, tuple(w), 0, 0))
+        # (the C loop checks every staging row and the control words' size before it stores anything)
         _native.send_exchange(fmt.blocks, staging.meta.shape[0], staging.meta.data_ptr(), int(staging.rank),
-                              int(flag), fields, dests)
+                              int(flag), fields, tuple(dests))
         return True
 
     def polls_ctrl(self, ctrl: torch.Tensor, nctrl: int) -> bool:
