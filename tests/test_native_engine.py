@@ -695,8 +695,9 @@ def test_reorder_step_copies_own_rows_from_their_sources():
 def test_kept_send_phases_take_new_row_lists_and_store_the_same_bytes():
     """A send phase kept under a key is repeated by ``send_again`` for any row lists (a new routing every call
     reuses it) with the same stores as a send phase of them; a row list the C stores cannot take as it is
-    (not int64, more rows than the slots hold) gets False and nothing is stored. At most ``_MAX_PLANS`` are
-    kept, the least recently used dropped first; ``forget`` drops them all and keeps nothing later."""
+    (not int64, more rows than the slots hold) or rows of another size get False and nothing is stored.
+    At most ``_MAX_PLANS`` are kept, the least recently used dropped first; ``forget`` drops them all and
+    keeps nothing later."""
     eng = native_engine.NativeEngine()
     fmt, data, meta, _, _ = _rows_case((("x", 1000),), 1, n=3, T=4)
     st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(4), 0)
@@ -722,6 +723,13 @@ def test_kept_send_phases_take_new_row_lists_and_store_the_same_bytes():
     for sel in (torch.tensor([1, 3], dtype=torch.int32), torch.tensor([0, 1, 2, 3, 0]), torch.arange(6)[::2]):
         assert not eng.send_again(("k",), fmt, st, flag, [sel], [[sel.numel(), 7]])
     assert int(slots.count_nonzero()) == 0 and int(ctrl.count_nonzero()) == 0
+    # rows of another size than the kept slots were checked for: refused, nothing stored past the slots
+    wide = P.row_format("tff", (("x", 3000),), 1)
+    wide_st, _, _ = eng.stage_rows(wide, [torch.ones(4, 3000, dtype=torch.uint8)], meta, eng.arange(4), 0)
+    assert wide.blocks > fmt.blocks
+    assert not eng.send_again(("k",), wide, wide_st, flag, [first], [[3, 7]])
+    assert int(slots.count_nonzero()) == 0 and int(ctrl.count_nonzero()) == 0
+    eng.send_phase(job(first, slots, ctrl), ("k",))       # kept again: drops nothing else
     for i in range(3 * native_engine._MAX_PLANS):
         eng.send_phase(job(torch.arange(3), *memory()), ("new", i))
         assert eng.send_again(("k",), fmt, st, flag, [first], [[3, 7]])

@@ -238,10 +238,10 @@ class NativeEngine(TorchEngine):
         # kept: where each destination's slots and control blocks are, how many rows they hold (and the views
         # whose addresses those are); not once forgotten (destroy() in another thread while the C call ran)
         if key is not None and not self._forgotten and all(d.meta_patch is None for d in job.dests):
-            if len(self._send_plans) >= _MAX_PLANS:
+            if key not in self._send_plans and len(self._send_plans) >= _MAX_PLANS:
                 self._send_plans.popitem(last=False)
             self._send_plans[key] = (tuple((d.rows.data_ptr(), d.rows.shape[0], d.ctrl.data_ptr(), d.ctrl.shape[0])
-                                           for d in job.dests), [(d.rows, d.ctrl) for d in job.dests])
+                                           for d in job.dests), [(d.rows, d.ctrl) for d in job.dests], fmt.blocks)
 
     def forget(self) -> None:
         self._forgotten = True
@@ -252,14 +252,16 @@ class NativeEngine(TorchEngine):
         """The send phase of a call whose destinations (slots and control blocks) are those of an earlier
         ``send_phase(job, key)``, for the rows ``staging`` holds now: destination i (in the job's order) gets
         staging rows ``sels[i]`` and control words ``words[i]``. False, with nothing stored, when no send
-        phase of that key is kept, the rows are not TFF rows the C stores take, a row list is not a 1-D
-        contiguous int64 tensor or has more rows than its slots hold.
+        phase of that key is kept, the rows are not TFF rows the C stores take or not rows of the size the kept
+        slots were checked for, a row list is not a 1-D contiguous int64 tensor or has more rows than its
+        slots hold.
 
         ``key`` must name everything the slots and control blocks are made of: the caller builds it from the
         region, its half, the control blocks and the row size (the peers' memory is mapped once)."""
         plan = self._send_plans.get(key)
-        if plan is None or fmt.sync != "tff" or not isinstance(staging, DirectRows) or not \
-                len(sels) == len(words) == len(plan[0]):
+        # (rows of another size than the kept slots hold: their row capacity means nothing for these)
+        if plan is None or plan[2] != fmt.blocks or fmt.sync != "tff" or not isinstance(staging, DirectRows) \
+                or not len(sels) == len(words) == len(plan[0]):
             return False
         self._send_plans.move_to_end(key)
         fields = _payload_fields(staging)
