@@ -743,6 +743,31 @@ def test_kept_send_phases_take_new_row_lists_and_store_the_same_bytes():
 
 
 @needs_native
+def test_fields_outside_their_rows_are_refused_before_any_store():
+    """The C loops address a row's fields by (first block, bytes): a field reaching past its rows' blocks, or
+    into the meta block, raises ValueError before anything is stored or read."""
+    eng = native_engine.NativeEngine()
+    fmt, data, meta, _, _ = _rows_case((("x", 1000),), 1, n=2, T=2)
+    st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(2), 0)
+    flag = P.flag_word(1, P.REGION_DISPATCH)
+    rows = torch.zeros(3, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    ctrl = torch.zeros(1, P.BLOCK_BYTES, dtype=torch.uint8)
+    out = torch.zeros(2, 4000, dtype=torch.uint8)
+    x, C = data[0], native_engine._native
+    assert fmt.blocks == 4 and fmt.field_offset_blocks(0) == 1
+    for block, nbytes in ((1, 1000 + 3 * P.TFF_PAYLOAD_BYTES), (2, 1000), (0, 1000)):
+        with pytest.raises(ValueError):
+            C.write_rows(rows.data_ptr(), 2, fmt.blocks, 0, 2, st.meta.data_ptr(), 0, 0, 0, flag,
+                         ((x.data_ptr(), 1000, nbytes, block),))
+        with pytest.raises(ValueError):
+            C.send_exchange(fmt.blocks, 2, st.meta.data_ptr(), 0, flag, ((x.data_ptr(), 1000, nbytes, block),),
+                            ((rows.data_ptr(), 2, 0, ctrl.data_ptr(), 1, (2, 7), 0, 0),))
+        with pytest.raises(ValueError):
+            C.unpack(rows.data_ptr(), 2, fmt.blocks, 0, 2, 0, 0, 0, 0, ((out.data_ptr(), 4000, nbytes, block),))
+    assert int(rows.count_nonzero()) == 0 and int(ctrl.count_nonzero()) == 0 and int(out.count_nonzero()) == 0
+
+
+@needs_native
 def test_out_of_range_indices_are_refused_before_any_store():
     """The C loops write where indices say: an index outside its tensor raises IndexError and writes nothing."""
     fmt, data, meta, sel, patch = _rows_case((("x", 1000),), 1, n=4, T=4)

@@ -82,8 +82,9 @@ static inline void copy_plain(uint8_t *dst, const uint8_t *src, size_t n) {
 #endif
 }
 
-/* fields: a tuple of (address, row stride, payload bytes, first block) per field */
-static int parse_fields(PyObject *tuple, field_t *f, int *nf) {
+/* fields: a tuple of (address, row stride, payload bytes, first block) per field, of rows of nb blocks: every
+ * field's blocks lie past the meta block (block 0) and inside the row, else ValueError */
+static int parse_fields(PyObject *tuple, field_t *f, int *nf, Py_ssize_t nb) {
     if (!PyTuple_Check(tuple)) {
         PyErr_SetString(PyExc_TypeError, "fields must be a tuple of (ptr, stride, nbytes, block) tuples");
         return -1;
@@ -98,6 +99,11 @@ static int parse_fields(PyObject *tuple, field_t *f, int *nf) {
         if (!PyArg_ParseTuple(PyTuple_GET_ITEM(tuple, i), "Knnn", &p, &f[i].stride, &f[i].nbytes, &f[i].block))
             return -1;
         f[i].ptr = (uintptr_t)p;
+        if (f[i].nbytes < 0 || f[i].block < 1 || f[i].block > nb - (f[i].nbytes + PAYLOAD - 1) / PAYLOAD) {
+            PyErr_Format(PyExc_ValueError, "a field of %lld bytes from block %lld does not fit rows of %lld blocks",
+                         (long long)f[i].nbytes, (long long)f[i].block, (long long)nb);
+            return -1;
+        }
     }
     *nf = (int)n;
     return 0;
@@ -166,7 +172,7 @@ static PyObject *write_rows(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KnnKnKKnLLO", &dst_p, &n, &nb, &sel_p, &limit, &meta_p, &patch_p, &patch_items,
                           &rank, &flag, &ftuple))
         return NULL;
-    if (parse_fields(ftuple, f, &nf) < 0) return NULL;
+    if (parse_fields(ftuple, f, &nf, nb) < 0) return NULL;
     if (patch_items < 0 || patch_items > (BLOCK_BYTES - FLAG_BYTES) / 4) {
         PyErr_SetString(PyExc_ValueError, "meta patch wider than a meta block");
         return NULL;
@@ -259,7 +265,7 @@ static PyObject *unpack(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KnnKnKnnKO", &rows_p, &n, &nb, &idx_p, &room, &meta_p, &meta_bytes, &meta_stride,
                           &src_p, &ftuple))
         return NULL;
-    if (parse_fields(ftuple, f, &nf) < 0) return NULL;
+    if (parse_fields(ftuple, f, &nf, nb) < 0) return NULL;
     const uint8_t *rows = (const uint8_t *)(uintptr_t)rows_p;
     const int64_t *idx = (const int64_t *)(uintptr_t)idx_p;
     if (idx ? check_index(idx, n, room, "Token-Reordering target row") < 0 : n > room) {
@@ -317,7 +323,7 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "nLnnKnnKOO!|O", &nb, &flag, &min_run, &room, &meta_p, &meta_bytes, &meta_stride,
                           &src_p, &ftuple, &PyList_Type, &sources, &own))
         return NULL;
-    if (parse_fields(ftuple, f, &nf) < 0) return NULL;
+    if (parse_fields(ftuple, f, &nf, nb) < 0) return NULL;
     /* the own rows: sel, n, limit, offset, meta source and its row stride, one (address, stride) per field */
     unsigned long long own_sel_p = 0, own_meta_p = 0;
     Py_ssize_t own_n = 0, own_limit = 0, own_offset = 0, own_meta_stride = 0;
@@ -456,7 +462,7 @@ static PyObject *unpack_items(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KnnnKKnnKKO", &rows_p, &n, &nb, &K, &base_p, &cnt_p, &E_local, &room, &info_p,
                           &k_p, &ftuple))
         return NULL;
-    if (parse_fields(ftuple, f, &nf) < 0) return NULL;
+    if (parse_fields(ftuple, f, &nf, nb) < 0) return NULL;
     if (1 + 2 * K > (BLOCK_BYTES - FLAG_BYTES) / 4) {
         PyErr_SetString(PyExc_ValueError, "too many items for one meta block");
         return NULL;
@@ -870,7 +876,7 @@ static PyObject *send_exchange(PyObject *self, PyObject *args) {
     int nf = 0;
     if (!PyArg_ParseTuple(args, "nnKLLOO!", &nb, &limit, &meta_p, &rank, &flag, &ftuple, &PyTuple_Type, &dtuple))
         return NULL;
-    if (parse_fields(ftuple, f, &nf) < 0) return NULL;
+    if (parse_fields(ftuple, f, &nf, nb) < 0) return NULL;
     const Py_ssize_t nd = PyTuple_GET_SIZE(dtuple);
     if (nd > MAX_DESTS) {
         PyErr_SetString(PyExc_ValueError, "send_exchange: too many destinations");
