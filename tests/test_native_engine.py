@@ -745,7 +745,8 @@ def test_kept_send_phases_take_new_row_lists_and_store_the_same_bytes():
 @needs_native
 def test_fields_outside_their_rows_are_refused_before_any_store():
     """The C loops address a row's fields by (first block, bytes): a field reaching past its rows' blocks, or
-    into the meta block, raises ValueError before anything is stored or read."""
+    into the meta block, or rows of no blocks, raise ValueError before anything is stored or read; payload
+    rows narrower than their field are never handed to them."""
     eng = native_engine.NativeEngine()
     fmt, data, meta, _, _ = _rows_case((("x", 1000),), 1, n=2, T=2)
     st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(2), 0)
@@ -764,7 +765,15 @@ def test_fields_outside_their_rows_are_refused_before_any_store():
                             ((rows.data_ptr(), 2, 0, ctrl.data_ptr(), 1, (2, 7), 0, 0),))
         with pytest.raises(ValueError):
             C.unpack(rows.data_ptr(), 2, fmt.blocks, 0, 2, 0, 0, 0, 0, ((out.data_ptr(), 4000, nbytes, block),))
+    for nb in (0, -1):                                   # rows of no blocks, or fewer
+        with pytest.raises(ValueError):
+            C.write_rows(rows.data_ptr(), 2, nb, 0, 2, st.meta.data_ptr(), 0, 0, 0, flag, ())
+        with pytest.raises(ValueError):
+            C.unpack(rows.data_ptr(), 2, nb, 0, 2, 0, 0, 0, 0, ())
     assert int(rows.count_nonzero()) == 0 and int(ctrl.count_nonzero()) == 0 and int(out.count_nonzero()) == 0
+    # staged payload rows narrower than the format's field: not handed to the C stores (they would read past)
+    narrow, _, _ = eng.stage_rows(fmt, [x[:, :900]], meta, eng.arange(2), 0)
+    assert native_engine._payload_fields(st) is not None and native_engine._payload_fields(narrow) is None
 
 
 @needs_native

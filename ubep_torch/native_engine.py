@@ -97,7 +97,8 @@ def _payload_fields(st: DirectRows) -> Optional[tuple]:
         return None
     fields = []
     for off, full, data, rem in st.parts:
-        if not _rowwise(data) or data.shape[0] < st.meta.shape[0]:
+        if not _rowwise(data) or data.dtype != torch.uint8 or data.shape[0] < st.meta.shape[0] \
+                or data.shape[1] < full * P.TFF_PAYLOAD_BYTES + rem:
             return None
         fields.append((data.data_ptr(), data.stride(0), full * P.TFF_PAYLOAD_BYTES + rem, off))
     return tuple(fields)

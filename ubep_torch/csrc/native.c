@@ -36,6 +36,7 @@
 #define PAYLOAD 480                    /* TFF payload bytes per block */
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
+#define MAX_ROW_BLOCKS (1 << 20)         /* a row of 512 MiB: far past any hidden size a Buffer takes */
 #define API_VERSION 21             /* bumped whenever a function's arguments change */
 
 typedef struct {
@@ -85,6 +86,10 @@ static inline void copy_plain(uint8_t *dst, const uint8_t *src, size_t n) {
 /* fields: a tuple of (address, row stride, payload bytes, first block) per field, of rows of nb blocks: every
  * field's blocks lie past the meta block (block 0) and inside the row, else ValueError */
 static int parse_fields(PyObject *tuple, field_t *f, int *nf, Py_ssize_t nb) {
+    if (nb < 1 || nb > MAX_ROW_BLOCKS) {
+        PyErr_Format(PyExc_ValueError, "rows of %lld blocks (1 to %d)", (long long)nb, MAX_ROW_BLOCKS);
+        return -1;
+    }
     if (!PyTuple_Check(tuple)) {
         PyErr_SetString(PyExc_TypeError, "fields must be a tuple of (ptr, stride, nbytes, block) tuples");
         return -1;
