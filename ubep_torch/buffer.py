@@ -182,6 +182,12 @@ class DispatchHandle(tuple):
         return obj
 
     @classmethod
+    def expert_major(cls, base: "DispatchHandle", row_index: torch.Tensor) -> "DispatchHandle":
+        """The expert-major handle over the rank-major handle ``base``: its six entries, then ``row_index``."""
+        return cls(tuple(base) + (row_index,), **{**base.__dict__, "layout": "expert_major", "row_index": row_index,
+                                                   "base_handle": base})
+
+    @classmethod
     def from_tuple(cls, items, rank: int, num_ranks: int) -> "DispatchHandle":
         """Rebuild a handle from its tuple entries alone (a handle that went through code which keeps plain
         tuples): six for a rank-major one, seven (``row_index`` last) for an expert-major one. Checks that the
@@ -197,8 +203,7 @@ class DispatchHandle(tuple):
                     int(row_index.min()) < -1 or int(row_index.max()) >= base.num_recv)):
                 raise ValueError(f"handle entries disagree: an expert-major handle's row_index must be int64 rows "
                                  f"in [-1, {base.num_recv})")
-            return cls(items, **{**base.__dict__, "layout": "expert_major", "row_index": row_index,
-                                 "base_handle": base})
+            return cls.expert_major(base, row_index)
         rank_prefix, channel_prefix, _, recv_src_idx, itr, _ = items
         R = num_ranks
         if tuple(rank_prefix.shape) != (R, R) or itr.dim() != 2 or itr.shape[1] != R or itr.dtype != torch.bool \
@@ -633,12 +638,12 @@ class Buffer:
         R = self.group_size
         half = region.half(epoch)
         base = self._ack_base(rid, half)
-        if self.delay_hook is None and min(words[base:base + R].tolist()) >= need:
-            return            # (the usual case: every peer consumed that half long ago)
 
         def poll():
             acks = words[base:base + R].tolist()
             return [r for r in range(R) if acks[r] < need]
+        if self.delay_hook is None and not poll():
+            return            # (the usual case: every peer consumed that half long ago)
         self._wait(f"{P.REGION_NAMES[rid]}: waiting for peers to release buffer half {half}", poll)
 
     def _send_ack(self, rid: int, src: int, epoch: int) -> None:
@@ -1229,8 +1234,7 @@ class Buffer:
             return g
 
         em_x = (gather(out_x[0]), gather(out_x[1])) if isinstance(out_x, tuple) else gather(out_x)
-        em_h = DispatchHandle(tuple(h) + (row_index,), **{**h.__dict__, "layout": "expert_major",
-                                                          "row_index": row_index, "base_handle": h})
+        em_h = DispatchHandle.expert_major(h, row_index)
         em_w = torch.cat(weight_list) if recv_topk_weights is not None else None
         return (em_x, torch.cat(expert_list), em_w, counts, em_h, EventOverlap(None))
 
@@ -1493,18 +1497,17 @@ class Buffer:
 
             def poll_sources():
                 nonlocal own_rows
+                own_args = ()
                 if own_rows:
-                    own_rows = False
                     n = recv["nrows"][me]
                     if n and own is not None and getattr(step, "copies_own", False):
-                        completed = step(pending, flag, (own[1], int(offsets[me])))
-                    else:
-                        if n:
-                            local_copy(int(offsets[me]), n)
-                        completed = step(pending, flag)
+                        own_args = ((own[1], int(offsets[me])),)
+                    elif n:
+                        local_copy(int(offsets[me]), n)
+                completed = step(pending, flag, *own_args)
+                if own_rows:
+                    own_rows = False
                     self._send_ack(rid, me, epoch)
-                else:
-                    completed = step(pending, flag)
                 if completed:
                     for s in completed:
                         self._send_ack(rid, s, epoch)

@@ -47,6 +47,7 @@ import torch
 from .mapper import default_count_aivs, remap_experts
 from .protocol import SYNC_MODES
 from .topology import CM384, INTRA_NPU, NUM_HOP_CLASSES, ONE_HOP, SAME_DIE, TWO_HOP, CM384Params, Topology
+from .utils import check_count
 
 KINDS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
 SCHEDULES = ("cann_ep", "ubep")
@@ -440,9 +441,9 @@ def simulate(
     if tk.ndim == 2:
         tk = tk[None]
     S, B, K = tk.shape
-    R = _count("world_size", world_size if world_size is not None else S, 1)
-    E = _count("num_experts", num_experts, 1)
-    bytes_per_token = _count("bytes_per_token", bytes_per_token, 1)
+    R = check_count("world_size", world_size if world_size is not None else S, 1)
+    E = check_count("num_experts", num_experts, 1)
+    bytes_per_token = check_count("bytes_per_token", bytes_per_token, 1)
     if E % R:
         raise ValueError(f"num_experts={E} must be a multiple of world_size={R}")
     if tk.size and (int(tk.min()) < -1 or int(tk.max()) >= E):
@@ -455,7 +456,7 @@ def simulate(
     topo = topology or Topology.for_ranks(R)
     if topo.num_dies < R:
         raise ValueError(f"the topology has {topo.num_dies} dies, fewer than world_size={R}")
-    n = params.aivs_per_die if n_aivs is None else _count("n_aivs", n_aivs, 2)
+    n = params.aivs_per_die if n_aivs is None else check_count("n_aivs", n_aivs, 2)
     c = _copies(kind, tk, src, R, E, full)
     if schedule == "cann_ep":
         total, phases, sr = _cann(kind, c, B, K, R, E, bytes_per_token, topo, params, n)
@@ -501,21 +502,12 @@ def compare(kind: str, topk_idx, num_experts: int, bytes_per_token: int, **kw) -
 def dispatch_bytes_per_token(hidden: int, dtype: str = "int8") -> int:
     """Payload of one dispatched token: ``hidden`` values plus one fp32 scale per 128 for int8/fp8, two bytes
     per value for bf16/fp16."""
-    hidden = _count("hidden", hidden, 1)
+    hidden = check_count("hidden", hidden, 1)
     if dtype in ("int8", "fp8"):
         return hidden + 4 * (-(-hidden // 128))
     if dtype in ("bf16", "fp16"):
         return 2 * hidden
     raise ValueError(f"dtype must be 'int8', 'fp8', 'bf16' or 'fp16', got {dtype!r}")
-
-
-def _count(name: str, value, minimum: int) -> int:
-    """``value`` as an int of at least ``minimum`` (a bool is not a count); else TypeError/ValueError."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 class CostModel:
@@ -559,12 +551,12 @@ class CostModel:
         Returns:
             ``{"ubep": Report, "cann_ep": Report, "reduction": float, "kind": str, "rank": int}``.
         """
-        world_size = _count("world_size", world_size, 1)
-        rank = _count("rank", rank, 0)
+        world_size = check_count("world_size", world_size, 1)
+        rank = check_count("rank", rank, 0)
         if rank >= world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-        nbytes = _count("bytes_per_token", bytes_per_token, 1) if bytes_per_token is not None else \
-            2 * _count("hidden", hidden, 1)
+        nbytes = check_count("bytes_per_token", bytes_per_token, 1) if bytes_per_token is not None else \
+            2 * check_count("hidden", hidden, 1)
         tk = topk_idx.detach().to("cpu", torch.int64).numpy() if isinstance(topk_idx, torch.Tensor) \
             else np.asarray(topk_idx, dtype=np.int64)
         topo = Topology.for_ranks(world_size, min(self.ranks_per_node, max(2, world_size + world_size % 2)))
