@@ -560,12 +560,22 @@ st, _, _ = eng.stage_rows(fmt, [torch.randint(0, 256, (T, 14336), dtype=torch.ui
 slots = torch.zeros(T, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
 eng.write_rows(fmt, st, None, eng.arange(T), slots, 7)
 step = eng.reorder_sources(fmt, [torch.zeros(T, 14336, dtype=torch.uint8)], None, None, 32)
-for _ in range(5):                 # another thread replaces the list while the copy runs without the GIL
+# Another thread replaces the list while the copy runs without the GIL. With a long switch interval the
+# thread gets the GIL only when this one gives it up: inside the C copy, or at the join after it.
+sys.setswitchinterval(60.0)
+during = 0
+for _ in range(40):
     sources = [[slots.data_ptr(), T, 0, 0, 7]] + [[slots.data_ptr(), 0, 0, 0, 8 + i] for i in range(50)]
-    th = threading.Thread(target=lambda: (time.sleep(0.002), sources.clear(), sources.append(None)))
+    go = threading.Event()
+    th = threading.Thread(target=lambda: (go.wait(), sources.clear(), sources.append(None)))
     th.start()
+    go.set()
     step(sources, 7)
+    during += sources == [None]    # replaced before the call returned: during its copy
     th.join()
+    if during >= 3:
+        break
+assert during >= 3, during
 print("ok")
 """
 
