@@ -409,7 +409,7 @@ def late_rank(ctx, case):
         except Exception as e:  # noqa: BLE001
             out.append((type(e).__name__, getattr(e, "phase", ""), str(e)))
             break
-    time.sleep(0.5)      # (the peer reads the abort word before this Buffer goes)
+    dist.barrier()       # (the peer has read the abort word before this Buffer goes)
     buf.destroy()
     return out
 
@@ -458,7 +458,7 @@ def refused_call(ctx, case):
         except Exception as e:  # noqa: BLE001
             out.append((type(e).__name__, time.monotonic() - t0, getattr(e, "refused", None),
                         getattr(e, "aborted_ranks", None), str(e)))
-    time.sleep(0.5)      # (the peer reads the abort word before this Buffer goes)
+    dist.barrier()       # (the peer has read the abort word before this Buffer goes)
     buf.destroy()
     return out
 
@@ -508,7 +508,7 @@ def refused_with_hooks(ctx, case):
             out.append((name, "ok", time.monotonic() - t0))
         except Exception as e:  # noqa: BLE001
             out.append((name, type(e).__name__, time.monotonic() - t0, getattr(e, "refused", None)))
-    time.sleep(0.5)
+    dist.barrier()       # (the peer has read the abort word before this Buffer goes)
     buf.destroy()
     return out
 
@@ -665,7 +665,7 @@ def second_thread_and_fork(ctx):
         buf.dispatch(x, topk_idx=bad if ctx.rank == 1 else topk, num_experts=E)
     except Exception as e:  # noqa: BLE001
         refused["peer"] = (type(e).__name__, round(time.monotonic() - t0, 1))
-    time.sleep(2.0 if ctx.rank == 1 else 0.5)    # (the refusing rank's Buffer stays until rank 0 has seen it)
+    dist.barrier()       # (the refusing rank's Buffer stays until rank 0 has seen the refusal)
     buf.destroy()
     return refused, errors
 
