@@ -5,7 +5,8 @@ over a free TCP port, ``UBEP_SHM_DIR`` = ``shm_dir``), runs a loop of calls on e
 victim SIGKILL itself (``fault="kill"``) or sleep past the deadline (``fault="stall"``) from inside
 ``Buffer.delay_hook`` the first time the hook sees a phase containing ``phase`` at or after call
 ``fault_call``. ``fault="setup_kill"`` kills the victim inside the Buffer's shared-memory set-up, after it
-created its segment and before the segment is unlinked.
+created its segment and before the segment is unlinked; ``fault="gone_before_setup"`` makes it exit right
+after joining the process group, and the others build their Buffers a second later.
 
 The parent polls the processes (so a killed victim is reaped at once, as a launcher would) unless
 ``reap=False``, collects one report per rank and returns an :class:`Outcome`: what every survivor raised
@@ -33,7 +34,7 @@ OPS = ("normal", "ll", "ll_hook")
 class Scenario:
     op: str = "normal"            #: "normal" (dispatch + combine), "ll" (low-latency), "ll_hook" (recv hooks)
     sync: str = "tff"
-    fault: str = "kill"           #: "kill", "stall", "setup_kill", "none"
+    fault: str = "kill"           #: "kill", "stall", "setup_kill", "gone_before_setup", "none"
     phase: str = "dispatch: TokenCnt"   #: substring of the phase at which the victim faults
     victim: int = 1
     fault_call: int = 2           #: index of the call (0-based) in which the fault happens
@@ -57,7 +58,7 @@ class Outcome:
 
     @property
     def survivors(self) -> List[int]:
-        if self.scenario.fault in ("kill", "setup_kill"):
+        if self.scenario.fault in ("kill", "setup_kill", "gone_before_setup"):
             return [r for r in range(self.world) if r != self.scenario.victim]
         return list(range(self.world))
 
@@ -176,6 +177,13 @@ def _rank_main(rank: int, world: int, port: int, shm_dir: str, sc: Scenario, q) 
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(obj, group, world_size, *args)
         ugas._all_gather = gather_then_die
+    if sc.fault == "gone_before_setup":
+        if victim:
+            report(kind="fault", phase="setup")
+            q.close()
+            q.join_thread()
+            os._exit(0)     # (gloo's connections close with the process)
+        time.sleep(1.0)
     low_latency = sc.op != "normal"
     buf = None
     state = {"call": -1, "fired": False}

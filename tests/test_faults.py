@@ -119,6 +119,29 @@ def test_crash_during_setup_leaves_nothing(tmp_path):
     assert o.leftover == [], o.leftover
 
 
+def test_a_peer_gone_before_setup_is_named_as_lost(tmp_path):
+    """A rank that left the process group before building its Buffer (its gloo connections are closed):
+    the others' set-up raises UBEPPeerLostError naming the set-up step and that rank at once, not a bare
+    error about an earlier timed-out set-up."""
+    o = FR.run_scenario(2, FR.Scenario("normal", "tff", "gone_before_setup", "setup", timeout_s=20.0), str(tmp_path))
+    rep = o.reports[0]
+    assert rep["kind"] == "error" and rep["type"] == "UBEPPeerLostError", o.reports
+    assert "set-up" in rep["phase"] and rep["dead"] == [1] and rep["missing"] == [1], rep
+    assert rep["time"] - o.fault_time < 10.0, rep          # (not at the 20 s deadline)
+    assert o.leftover == [] and not o.spinning, (o.leftover, o.spinning)
+
+
+def test_a_connection_closed_by_an_earlier_timeout_says_so():
+    """gloo closes a connection whose wait timed out: a later set-up on that group is told to use a new
+    process group, and names no rank as lost."""
+    from ubep_torch import ugas
+    from ubep_torch.errors import UBEPError, UBEPPeerLostError
+    e = ugas._closed_connection(RuntimeError("Application timeout caused pair closure"), "Buffer set-up", 0, 1)
+    assert type(e) is UBEPError and "new process group" in str(e) and "timed out" in str(e), e
+    e = ugas._closed_connection(RuntimeError("Connection closed by peer [127.0.0.1]:1"), "Buffer set-up", 0, 1)
+    assert isinstance(e, UBEPPeerLostError) and e.dead_ranks == [1] and e.phase == "Buffer set-up", e
+
+
 def test_setup_failure_unlinks_own_segment_before_raising(tmp_path):
     o = FR.run_scenario(2, FR.Scenario("normal", "tff", "setup_kill", "setup", timeout_s=TIMEOUT_S), str(tmp_path))
     assert o.reports[0].get("own_segments_after_error") == [], o.reports[0]

@@ -402,6 +402,20 @@ _TAG = 0x5542   # bootstrap messages
 _IN_FLIGHT: list = []   # works abandoned at a deadline: their buffers must outlive them
 
 
+def _closed_connection(e: RuntimeError, phase: str, me: int, r: int) -> UBEPError:
+    """The error for a process group whose connection to rank ``r`` is closed before the set-up exchange.
+    gloo closes a connection itself when a wait on it timed out (this rank's earlier set-up); closed from
+    the other end, the peer's process is gone, or its own earlier set-up on this group timed out."""
+    again = "build the Buffer on a new process group"
+    if "application timeout" in str(e).lower():
+        return UBEPError(f"ubep_torch: rank {me} in phase '{phase}': an earlier Buffer set-up on this process group "
+                         f"timed out, and gloo closed the group's connection to rank {r} ({e}): {again}. "
+                         f"No Buffer was created.")
+    return UBEPPeerLostError(phase, me, [r], [r], f"No Buffer was created (gloo: {e}).",
+                             cause=f"closed its connection to this rank (its process exited, or a Buffer set-up "
+                                   f"of its own on this group timed out: then {again})")
+
+
 def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase: str = "Buffer set-up"):
     """Every rank's ``obj`` (JSON data), in rank order.
 
@@ -432,9 +446,7 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
             sends[r] = dist.isend(msg, dst=dist.get_global_rank(group, r), group=group, tag=tag)
         except RuntimeError as e:
             _IN_FLIGHT.append((msg, bufs, recvs, sends))
-            raise UBEPError(f"ubep_torch: rank {me} in phase '{phase}': the process group cannot exchange with "
-                            f"rank {r} ({e}). A Buffer set-up that timed out on this group closes gloo's "
-                            f"connections: build the Buffer on a new process group. No Buffer was created.") from e
+            raise _closed_connection(e, phase, me, r) from e
     deadline = time.monotonic() + timeout_s
     missing, lost = [], []
     for r in peers:
