@@ -142,6 +142,44 @@ def test_a_connection_closed_by_an_earlier_timeout_says_so():
     assert isinstance(e, UBEPPeerLostError) and e.dead_ranks == [1] and e.phase == "Buffer set-up", e
 
 
+_SETUP_RANK = """
+import os, sys, time
+import torch.distributed as dist
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2)
+from ubep_torch import Buffer
+if rank == 1:
+    time.sleep(8)
+    sys.exit(0)
+print("building", flush=True)
+Buffer(dist.group.WORLD, 1 << 20, timeout_s=30)
+"""
+
+
+def test_ctrl_c_ends_a_setup_wait_at_once(tmp_path):
+    """Ctrl-C while the set-up waits for a late peer raises KeyboardInterrupt at once (the wait used to be one
+    uninterruptible gloo wait until the deadline) and leaves no segment."""
+    import signal
+    import time
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), UBEP_SHM_DIR=str(tmp_path))
+    port = str(FR._free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", _SETUP_RANK, str(r), port], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    try:
+        assert ranks[0].stdout.readline().strip() == "building"
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        ranks[0].send_signal(signal.SIGINT)
+        _, err = ranks[0].communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()
+    assert "KeyboardInterrupt" in err and took < 5.0, (took, err[-1500:])
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
+
+
 def test_setup_failure_unlinks_own_segment_before_raising(tmp_path):
     o = FR.run_scenario(2, FR.Scenario("normal", "tff", "setup_kill", "setup", timeout_s=TIMEOUT_S), str(tmp_path))
     assert o.reports[0].get("own_segments_after_error") == [], o.reports[0]

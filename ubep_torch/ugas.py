@@ -43,6 +43,7 @@ import secrets
 import socket
 import stat
 import struct
+import threading
 import time
 import zlib
 from typing import Dict, List, Optional
@@ -416,6 +417,34 @@ def _closed_connection(e: RuntimeError, phase: str, me: int, r: int) -> UBEPErro
                                    f"of its own on this group timed out: then {again})")
 
 
+def _wait_work(work, deadline: float, in_flight: tuple) -> None:
+    """Wait for a gloo send or receive until ``deadline`` (gloo's own wait raises there, or as soon as the
+    peer's connection breaks, and closes the connection at a timeout). The wait runs in a helper thread
+    while this one waits on an event, so that signals (Ctrl-C) are handled at once instead of after one
+    uninterruptible wait; interrupted, the works and buffers are kept alive (``in_flight``) until the
+    helper's wait ends at the deadline."""
+    if work.is_completed():
+        work.wait()
+        return
+    done, failed = threading.Event(), []
+
+    def wait():
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        except RuntimeError as e:
+            failed.append(e)
+        finally:
+            done.set()
+    threading.Thread(target=wait, name="ubep-setup-wait", daemon=True).start()
+    try:
+        done.wait()
+    except BaseException:
+        _IN_FLIGHT.append(in_flight)
+        raise
+    if failed:
+        raise failed[0]
+
+
 def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase: str = "Buffer set-up"):
     """Every rank's ``obj`` (JSON data), in rank order.
 
@@ -450,10 +479,8 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
     deadline = time.monotonic() + timeout_s
     missing, lost = [], []
     for r in peers:
-        left = deadline - time.monotonic()
         try:
-            if not recvs[r].is_completed():
-                recvs[r].wait(timeout=datetime.timedelta(seconds=max(left, 1e-3)))
+            _wait_work(recvs[r], deadline, (msg, bufs, recvs, sends))
         except RuntimeError as e:
             missing.append(r)
             if "timed out" not in str(e).lower():
@@ -467,7 +494,7 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
     undelivered, cause = [], None
     for r, w in sends.items():
         try:
-            w.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            _wait_work(w, deadline, (msg, bufs, recvs, sends))
         except RuntimeError as e:
             undelivered.append(r)
             cause = e
