@@ -437,10 +437,13 @@ def _wait_work(work, deadline: float, in_flight: tuple) -> None:
             done.set()
     threading.Thread(target=wait, name="ubep-setup-wait", daemon=True).start()
     try:
-        done.wait()
+        ended = done.wait(max(deadline - time.monotonic(), 0.0) + 5.0)
     except BaseException:
         _IN_FLIGHT.append(in_flight)
         raise
+    if not ended:       # (gloo's wait has the deadline; this one only bounds it)
+        _IN_FLIGHT.append(in_flight)
+        raise RuntimeError("the wait timed out")
     if failed:
         raise failed[0]
 
