@@ -606,7 +606,7 @@ def second_thread_and_fork(ctx):
     thread waits in a dispatch (rank 1 comes 1 s late) while a second thread calls dispatch on the same
     Buffer; the second thread gets UBEPUsageError at once, the first call completes correctly. Fork: rank 0
     forks, and the child's calls (a dispatch, get_dispatch_layout, a recv hook, ubep_torch.functional's
-    dispatch) are refused and post nothing to the peers. Then a round trip on both ranks (rank 1 waits 1.5 s
+    dispatch) are refused and post nothing to the peers, nor does its ``destroy()``. Then a round trip on both ranks (rank 1 waits 1.5 s
     for rank 0 in it: a refusal posted by the child would end that wait), and a call rank 1 alone refuses:
     rank 0 must learn of it in about 1 s (the call counts still agree). Returns (what the second thread and
     the child raised, the errors of the round trips)."""
@@ -653,6 +653,7 @@ def second_thread_and_fork(ctx):
                     said.append("accepted")
                 except UBEPUsageError as e:
                     said.append(str(e))
+            buf.destroy()       # (a clean-up in the child: releases its mappings, tells the peers nothing)
             os.write(w, repr(said).encode())
             os._exit(0)
         os.close(w)

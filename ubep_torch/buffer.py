@@ -512,11 +512,12 @@ class Buffer:
         """Release the shared memory (the segments are already unlinked; this unmaps them). A segment that
         a tensor still views (``get_local_buffer_tensor``, or a call waiting in another thread or under a
         signal handler that called this, which then raises ``UBEPBrokenError``) stays mapped until the last
-        such tensor goes."""
+        such tensor goes. In another process (a fork's child) it only releases that process's mappings: the
+        Buffer and its peers go on in the process that built it."""
         if self._destroyed:
             return
         self._destroyed = True
-        if self._broken is None:     # peers still waiting for this rank fail at once, naming it
+        if self._broken is None and self._pid == os.getpid():   # peers waiting for this rank fail at once
             self._signal_abort(P.ABORT_DESTROYED)
         self._peer_mem, self._peer_words = [], []
         self._aux_words = np.zeros_like(self._aux_words)   # (what a call still running reads from now on)
