@@ -5,7 +5,8 @@ over a free TCP port, ``UBEP_SHM_DIR`` = ``shm_dir``), runs a loop of calls on e
 victim SIGKILL itself (``fault="kill"``) or sleep past the deadline (``fault="stall"``) from inside
 ``Buffer.delay_hook`` the first time the hook sees a phase containing ``phase`` at or after call
 ``fault_call``. ``fault="setup_kill"`` kills the victim inside the Buffer's shared-memory set-up, after it
-created its segment and before the segment is unlinked; ``fault="gone_before_setup"`` makes it exit right
+created its segment and before the segment is unlinked (``"setup_stall_kill"``: there, once the others
+gave up waiting for it, as a launcher kills it then); ``fault="gone_before_setup"`` makes it exit right
 after joining the process group, and the others build their Buffers a second later.
 
 The parent polls the processes (so a killed victim is reaped at once, as a launcher would) unless
@@ -34,7 +35,7 @@ OPS = ("normal", "ll", "ll_hook")
 class Scenario:
     op: str = "normal"            #: "normal" (dispatch + combine), "ll" (low-latency), "ll_hook" (recv hooks)
     sync: str = "tff"
-    fault: str = "kill"           #: "kill", "stall", "setup_kill", "gone_before_setup", "none"
+    fault: str = "kill"           #: "kill", "stall", "setup_kill", "setup_stall_kill", "gone_before_setup", "none"
     phase: str = "dispatch: TokenCnt"   #: substring of the phase at which the victim faults
     victim: int = 1
     fault_call: int = 2           #: index of the call (0-based) in which the fault happens
@@ -58,7 +59,7 @@ class Outcome:
 
     @property
     def survivors(self) -> List[int]:
-        if self.scenario.fault in ("kill", "setup_kill", "gone_before_setup"):
+        if self.scenario.fault in ("kill", "setup_kill", "setup_stall_kill", "gone_before_setup"):
             return [r for r in range(self.world) if r != self.scenario.victim]
         return list(range(self.world))
 
@@ -99,7 +100,7 @@ class Outcome:
             if rep["kind"] != "error":
                 problems.append(f"rank {r} did not raise a ubep error: {rep}")
                 continue
-            if sc.fault == "setup_kill":
+            if sc.fault in ("setup_kill", "setup_stall_kill"):
                 continue  # the bootstrap (gloo) reports it; checked by the caller
             if sc.victim not in rep["missing"]:
                 problems.append(f"rank {r} raised without naming rank {sc.victim}: {rep['message']}")
@@ -165,7 +166,7 @@ def _rank_main(rank: int, world: int, port: int, shm_dir: str, sc: Scenario, q) 
                             timeout=datetime.timedelta(seconds=20))
     E, N, H = 2 * world, 8, 128
     victim = rank == sc.victim
-    if sc.fault == "setup_kill" and victim:
+    if sc.fault in ("setup_kill", "setup_stall_kill") and victim:
         real = ugas._all_gather
         calls = {"n": 0}
 
@@ -174,6 +175,8 @@ def _rank_main(rank: int, world: int, port: int, shm_dir: str, sc: Scenario, q) 
             if calls["n"] == 2:  # the segment paths: our segment exists and is not unlinked yet
                 q.put((rank, {"kind": "fault", "phase": "setup", "time": time.time() + 0.2}))
                 time.sleep(0.2)  # let the queue's feeder thread flush
+                if sc.fault == "setup_stall_kill":   # stalled until the others gave up, then killed
+                    time.sleep(sc.timeout_s + sc.stall_extra_s)
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(obj, group, world_size, *args)
         ugas._all_gather = gather_then_die
@@ -220,8 +223,9 @@ def _rank_main(rank: int, world: int, port: int, shm_dir: str, sc: Scenario, q) 
                call=state["call"])
     except Exception as e:  # noqa: BLE001 - the bootstrap (gloo) fails for set-up faults
         own = sorted(n for n in os.listdir(shm_dir) if n.startswith(f"ubep-{os.getpid()}-"))
-        report(kind="error" if sc.fault == "setup_kill" else "crash", type=type(e).__name__, phase="setup",
-               missing=[], own_segments_after_error=own, message=f"{e}\n{traceback.format_exc()}")
+        setup_fault = sc.fault in ("setup_kill", "setup_stall_kill")
+        report(kind="error" if setup_fault else "crash", type=type(e).__name__, phase="setup", missing=[],
+               own_segments_after_error=own, message=f"{e}\n{traceback.format_exc()}")
     finally:
         if buf is not None:
             buf.destroy()
@@ -606,8 +610,9 @@ def second_thread_and_fork(ctx):
     thread waits in a dispatch (rank 1 comes 1 s late) while a second thread calls dispatch on the same
     Buffer; the second thread gets UBEPUsageError at once, the first call completes correctly. Fork: rank 0
     forks, and the child's calls (a dispatch, get_dispatch_layout, a recv hook, ubep_torch.functional's
-    dispatch) are refused and post nothing to the peers, nor does its ``destroy()``. Then a round trip on both ranks (rank 1 waits 1.5 s
-    for rank 0 in it: a refusal posted by the child would end that wait), and a call rank 1 alone refuses:
+    dispatch) are refused and post nothing to the peers, nor does its ``destroy()``. Then a round trip on
+    both ranks (rank 1 waits 1.5 s for rank 0 in it: a refusal posted by the child would end that wait),
+    and a call rank 1 alone refuses:
     rank 0 must learn of it in about 1 s (the call counts still agree). Returns (what the second thread and
     the child raised, the errors of the round trips)."""
     import threading

@@ -180,6 +180,18 @@ def test_ctrl_c_ends_a_setup_wait_at_once(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
 
 
+def test_a_rank_stalled_in_setup_and_killed_later_leaves_nothing(tmp_path):
+    """The victim stalls in set-up after creating its segment; the survivor times out and exits, then the
+    victim is killed (as a launcher does once a rank failed): its segment is gone too (the survivor's failed
+    set-up unlinked it, though the victim was alive then)."""
+    o = FR.run_scenario(2, FR.Scenario("normal", "tff", "setup_stall_kill", "setup", timeout_s=TIMEOUT_S),
+                        str(tmp_path))
+    rep = o.reports[0]
+    assert rep["kind"] == "error" and rep["type"] == "UBEPTimeoutError" and "set-up" in rep["phase"], o.reports
+    assert rep["missing"] == [1] and o.exitcodes[1] == -9, (rep, o.exitcodes)
+    assert o.leftover == [] and not o.spinning, (o.leftover, o.spinning)
+
+
 def test_setup_failure_unlinks_own_segment_before_raising(tmp_path):
     o = FR.run_scenario(2, FR.Scenario("normal", "tff", "setup_kill", "setup", timeout_s=TIMEOUT_S), str(tmp_path))
     assert o.reports[0].get("own_segments_after_error") == [], o.reports[0]
@@ -348,19 +360,26 @@ def test_dropped_and_destroyed_buffers_release_their_memory():
     assert res[0][5] == "UBEPPeerLostError" and res[1][5] == "NoneType", res
 
 
-def test_failed_setup_unlinks_the_segment_of_a_peer_still_exiting(tmp_path, monkeypatch):
-    """(former bug: a peer killed during set-up whose connection had already closed but whose process was not
-    yet seen dead kept its segment until a later set-up swept it)"""
+def test_failed_setup_unlinks_every_peer_name(tmp_path):
+    """(former bugs: a peer killed during set-up whose process was not yet seen dead, or a peer stalled in
+    set-up and killed by the launcher after the others gave up, kept its segment until a later set-up swept
+    it) A failed set-up unlinks every peer's announced name, alive or not, and only names of that peer's pid
+    in this directory."""
     heap = ugas.SymmetricHeap.__new__(ugas.SymmetricHeap)
-    heap.rank, heap.directory, heap.peer_pids = 0, str(tmp_path), [os.getpid(), 4242]
-    path = str(tmp_path / f"ubep-4242-{ugas._pid_namespace()}-{'ab' * 16}")
-    open(path, "w").close()
-    seen = []
-    monkeypatch.setattr(heap, "peer_alive", lambda r: len(seen.append(r) or seen) < 4, raising=False)
-    heap._unlink_dead_peers([None, path], lost=())          # not named lost: checked once, still alive
-    assert os.path.exists(path) and len(seen) == 2
-    heap._unlink_dead_peers([None, path], lost=(1,))        # named lost: seen dead within the grace
-    assert not os.path.exists(path)
+    heap.rank, heap.directory, heap.peer_pids = 0, str(tmp_path), [os.getpid(), os.getpid(), 4242]
+    ns = ugas._pid_namespace()
+    names = [f"ubep-{os.getpid()}-{ns}-{'aa' * 16}", f"ubep-{os.getpid()}-{ns}-{'ab' * 16}",
+             f"ubep-4242-{ns}-{'ac' * 16}", f"ubep-4243-{ns}-{'ad' * 16}"]
+    for n in names:
+        open(tmp_path / n, "w").close()
+    heap._unlink_peer_names([str(tmp_path / names[0]), str(tmp_path / names[1]), str(tmp_path / names[2])])
+    assert sorted(os.listdir(tmp_path)) == [names[0], names[3]]     # its own stays (its own `finally`)
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    open(sub / names[2], "w").close()
+    # not the peer's pid, or not in this directory: left alone
+    heap._unlink_peer_names([None, str(tmp_path / names[3]), str(sub / names[2])])
+    assert sorted(os.listdir(tmp_path)) == sorted([names[0], names[3], "sub"]) and os.listdir(sub) == [names[2]]
 
 
 def test_settings_from_the_environment_are_checked_and_named(monkeypatch, tmp_path):

@@ -21,14 +21,14 @@ Life cycle and hygiene
   ranks and the segment name each rank will create; (2) every rank has created its segment; (3) every
   rank has mapped every segment. Then every rank unlinks every segment name (its own and its peers'):
   the mappings live on, the names are gone, so a process killed later leaves nothing behind, and a rank
-  killed right before its own unlink has its file removed by the others. A peer found dead during
-  set-up has its announced segment unlinked by the survivors; a group that dies entirely inside set-up
-  is covered by a sweep at the next start (segments whose creator pid is dead) and by an ``atexit`` hook.
+  killed right before its own unlink has its file removed by the others. A set-up that fails on a rank
+  unlinks every peer's announced segment name too (the set-up cannot complete any more: a peer that died
+  or stalled in it would leave its file); a group that dies entirely inside set-up is covered by a sweep
+  at the next start (segments whose creator pid is dead) and by an ``atexit`` hook.
 * torch.distributed (gloo) is used for this bootstrap only, never on the data path. Each bootstrap step
   is a point-to-point exchange with every peer under the Buffer's deadline, so a rank that never builds
   its Buffer makes the others raise ``UBEPTimeoutError`` naming the step and that rank (gloo's own
-  collectives would wait for the process group's timeout, 30 minutes by default). If a peer is found
-  dead during set-up after announcing its segment, the survivors unlink that segment for it.
+  collectives would wait for the process group's timeout, 30 minutes by default).
 """
 from __future__ import annotations
 
@@ -236,8 +236,8 @@ class SymmetricHeap:
             for r, p in enumerate(paths):
                 if r != self.rank:
                     _unlink_quietly(p)
-        except BaseException as e:
-            self._unlink_dead_peers(paths, getattr(e, "dead_ranks", ()))
+        except BaseException:
+            self._unlink_peer_names(paths)
             raise
         finally:
             # 4. everyone has mapped everything (or failed): the name is no longer needed.
@@ -267,20 +267,18 @@ class SymmetricHeap:
                 _detach(m, file)
         self._maps = []
 
-    def _unlink_dead_peers(self, paths: List[str], lost=()) -> None:
-        """After a failed set-up: a peer that died during it cannot unlink its segment any more, so do it for
-        it (its name was announced before it was created). A peer whose connection broke (``lost``) may
-        still be exiting (its sockets close before it is seen dead): it gets up to half a second."""
+    def _unlink_peer_names(self, paths: List[str]) -> None:
+        """After a failed set-up: unlink every peer's announced segment name. Once one rank leaves the
+        set-up it cannot complete (every later step waits for that rank's messages), so no rank maps these
+        any more, and a peer that died in it, or stalled and is killed later (as a launcher does once
+        another rank failed), could not unlink its own. Mappings live on; a name a peer creates after this
+        is unlinked by its own failed set-up (or by the next start's sweep, if it is killed first)."""
         for r, p in enumerate(paths):
             if r == self.rank or not isinstance(p, str):
                 continue
-            deadline = time.monotonic() + (0.5 if r in lost else 0.0)
-            while self.peer_alive(r) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            if not self.peer_alive(r):
-                m = _NAME_RE.match(os.path.basename(p))
-                if m and int(m.group(1)) == self.peer_pids[r] and os.path.dirname(p) == self.directory:
-                    _unlink_quietly(p)
+            m = _NAME_RE.match(os.path.basename(p))
+            if m and int(m.group(1)) == self.peer_pids[r] and os.path.dirname(p) == self.directory:
+                _unlink_quietly(p)
 
     # ------------------------------------------------------------------ internals
     def _too_little(self, total: int, free: int) -> RuntimeError:
