@@ -772,3 +772,26 @@ def dropped_buffers_release_memory(ctx):
         return alive, dropped, freed, after, total, type(error).__name__
     finally:
         gc.enable()
+
+
+def refusal_on_a_sub_group(ctx):
+    """Global ranks 1 and 2 of three build a Buffer on their own group; rank 2 refuses a dispatch (bad
+    input) and rank 1 waits for it in that call. Returns rank 1's error (type, group ranks it names, text)."""
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    sub = dist.new_group([1, 2])
+    if ctx.rank == 0:
+        return None
+    buf = Buffer(sub, 1 << 22, timeout_s=20.0)
+    topk = torch.tensor([[0, 2], [1, 3]])
+    if ctx.rank == 2:
+        topk[0, 0] = 9
+    try:
+        buf.dispatch(torch.ones(2, 64).bfloat16(), topk_idx=topk, num_experts=4)
+    except Exception as e:  # noqa: BLE001
+        out = (type(e).__name__, getattr(e, "aborted_ranks", None), str(e))
+    dist.barrier(sub)       # (rank 1 has seen the refusal before rank 2's Buffer goes)
+    buf.destroy()
+    return out

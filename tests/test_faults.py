@@ -337,6 +337,17 @@ def test_a_call_refused_on_one_of_three_ranks_is_named_by_both_others():
     assert refusing[0][0] == "ValueError", refusing
 
 
+def test_errors_on_a_sub_group_name_global_ranks_too():
+    """Ranks in errors are ranks of the Buffer's group: on a sub-group the message also gives their global
+    ranks (global rank 1 is group rank 0 here, and global rank 2 group rank 1)."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(3, env=env) as pool:
+        _, waiting, refusing = pool.run(FR.refusal_on_a_sub_group, timeout_s=60)
+    assert waiting[0] == "UBEPPeerAbortedError" and waiting[1] == [1], waiting
+    assert "as global ranks: 0 is 1, 1 is 2" in waiting[2], waiting
+    assert refusing[0] == "ValueError" and "global ranks" not in refusing[2], refusing
+
+
 def test_destroy_leaves_live_views_and_ends_waits():
     """(former bugs: a kept get_local_buffer_tensor view read unmapped memory after destroy(), and destroy()
     from another thread unmapped the memory a waiting call polled; both crashed the process)"""

@@ -39,6 +39,7 @@ from .errors import (
     UBEPPeerLostError,
     UBEPTimeoutError,
     UBEPUsageError,
+    name_global_ranks,
     refusal,
 )
 from .ugas import SymmetricHeap
@@ -268,6 +269,14 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
                 check_host(f"{fn.__name__}: {name}[{i}]" if items is value else f"{fn.__name__}: {name}", t)
 
 
+def _group_global_ranks(group) -> List[int]:
+    """The global rank of every rank of ``group`` (in group order); [] where the group is not usable."""
+    try:
+        return [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+    except (RuntimeError, ValueError, TypeError, AttributeError):
+        return []
+
+
 def _check_process(buf: "Buffer", what: str) -> None:
     """Only the process that built the Buffer uses it: another one (a fork's child) would write into the
     peers' memory as this rank."""
@@ -312,6 +321,7 @@ def _collective(fn):
                 self._fail(e)
             elif self._calls == calls and refusal(e):
                 self._refuse()         # failed before reaching the peers: tell those waiting
+            name_global_ranks(e, self._global_ranks)
             raise
         finally:
             self._in_call = False
@@ -334,6 +344,7 @@ def _collective(fn):
                 _raise_if_destroyed(self, e, f"{fn.__name__} recv hook")
                 if not isinstance(e, UBEPBrokenError):
                     self._fail(e)
+                name_global_ranks(e, self._global_ranks)
                 raise
             finally:
                 self._active_call = outer
@@ -392,9 +403,13 @@ class Buffer:
                  hidden: Optional[int] = None, shm_dir: Optional[str] = None,
                  num_count_aivs: Optional[int] = None):
         with torch.inference_mode(False):   # the Buffer's memory is reused in any mode later: plain tensors
-            self._init(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
-                       allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, timeout_s, sync, backend,
-                       cost_model, on_report, num_max_tokens_per_rank, hidden, shm_dir, num_count_aivs)
+            try:
+                self._init(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+                           allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, timeout_s, sync,
+                           backend, cost_model, on_report, num_max_tokens_per_rank, hidden, shm_dir, num_count_aivs)
+            except UBEPError as e:
+                name_global_ranks(e, _group_global_ranks(group))
+                raise
 
     def _init(self, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
               allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, timeout_s, sync, backend,
@@ -423,6 +438,7 @@ class Buffer:
         self._group_ref = weakref.ref(group)
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
+        self._global_ranks = _group_global_ranks(group)   # (errors on a sub-group name these too)
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = num_qps_per_rank
         self.explicitly_destroy = explicitly_destroy

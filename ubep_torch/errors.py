@@ -80,3 +80,22 @@ def refusal(e: BaseException) -> bool:
     peers should learn of (``Buffer._refuse``): bad input above all, also a failed allocation. Protocol
     errors (``UBEPError``) are about the peers and leave nothing to tell."""
     return isinstance(e, Exception) and not isinstance(e, UBEPError)
+
+
+def name_global_ranks(e: BaseException, global_ranks: Sequence[int]) -> None:
+    """On a process group that is not the whole world, the ranks an error names (in its message and its
+    attributes) are ranks of that group: add their global ranks to the message, once."""
+    if not isinstance(e, UBEPError) or getattr(e, "_global_ranks_named", False) or not e.args \
+            or list(global_ranks) == list(range(len(global_ranks))):
+        return
+    named = {getattr(e, "rank", None)}
+    for attr in ("missing_ranks", "dead_ranks", "aborted_ranks"):
+        named.update(getattr(e, attr, ()))
+    named = sorted(r for r in named if isinstance(r, int) and 0 <= r < len(global_ranks))
+    if not named:
+        named = list(range(len(global_ranks)))[:8]
+    mapping = ", ".join(f"{r} is {global_ranks[r]}" for r in named)
+    e.args = (f"{e.args[0]} (Ranks here are ranks of the Buffer's process group; as global ranks: {mapping})",) \
+        + tuple(e.args[1:])
+    e._global_ranks_named = True
+
