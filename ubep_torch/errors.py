@@ -98,4 +98,3 @@ def name_global_ranks(e: BaseException, global_ranks: Sequence[int]) -> None:
     e.args = (f"{e.args[0]} (Ranks here are ranks of the Buffer's process group; as global ranks: {mapping})",) \
         + tuple(e.args[1:])
     e._global_ranks_named = True
-
