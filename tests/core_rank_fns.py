@@ -388,7 +388,10 @@ def bad_inputs(ctx, sync):
         "handle entries": (ValueError, lambda: buf.combine(x, tuple(torch.zeros(2, dtype=torch.int32)
                                                                     for _ in range(6)))),
         "sync mode": (ValueError, lambda: Buffer(ctx.group, 1 << 20, sync="nope")),
+        "no normal region": (ValueError, lambda: ll_only.dispatch(x, topk_idx=topk, num_experts=E)),
     }
+    ll_only = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(16, H, ctx.world_size, E),
+                     low_latency_mode=True, sync=sync)
     seen = {}
     for name, (exc, fn) in cases.items():
         try:
@@ -397,6 +400,8 @@ def bad_inputs(ctx, sync):
             seen[name] = str(e)
         else:
             raise AssertionError(f"{name}: no {exc.__name__}")
+    assert "no normal-mode region" in seen["no normal region"], seen["no normal region"]
+    ll_only.destroy()
     # still usable: the pending low-latency call completes, then a fresh round trip (and a combine of rows
     # with no columns, which every sync mode takes)
     assert tuple(nbuf.combine(rx[:, :0], nh)[0].shape) == (T, 0)

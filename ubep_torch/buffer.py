@@ -1416,6 +1416,10 @@ class Buffer:
 
     def _normal_capacity(self, rid: int, fmt: P.RowFormat) -> int:
         """Rows per source that one exchange of a normal call can carry (at least one, else ValueError)."""
+        if self.num_nvl_bytes == 0:
+            raise ValueError("this Buffer has no normal-mode region (num_nvl_bytes=0 in low-latency mode, as in "
+                             "DeepEP): dispatch and combine need Buffer(group, num_nvl_bytes=...), e.g. "
+                             "Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(hidden_bytes, R)")
         cap = self._region(rid).capacity(fmt)
         if cap < 1:
             raise ValueError(f"a {P.REGION_NAMES[rid]} row of {fmt.row_bytes} B does not fit the Buffer's slots; "
