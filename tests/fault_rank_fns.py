@@ -795,3 +795,31 @@ def refusal_on_a_sub_group(ctx):
     dist.barrier(sub)       # (rank 1 has seen the refusal before rank 2's Buffer goes)
     buf.destroy()
     return out
+
+
+def peer_leaves_before_mapping(ctx):
+    """Rank 1 fails in set-up right after every rank created its segment (before mapping any), so its own
+    segment name is gone; rank 0 maps the peers' segments a second later. Returns what each raised (type,
+    phase, missing ranks, text)."""
+    import time
+
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer, ugas
+    real = ugas.SymmetricHeap._map_peer
+
+    def leave(self, *args):
+        raise RuntimeError("injected: this rank leaves the set-up")
+
+    def late(self, *args):
+        time.sleep(1.0)
+        return real(self, *args)
+    ugas.SymmetricHeap._map_peer = leave if ctx.rank == 1 else late
+    try:
+        Buffer(dist.group.WORLD, 1 << 20, timeout_s=10.0)
+        out = None
+    except Exception as e:  # noqa: BLE001
+        out = (type(e).__name__, getattr(e, "phase", None), getattr(e, "missing_ranks", None), str(e))
+    finally:
+        ugas.SymmetricHeap._map_peer = real
+    return out

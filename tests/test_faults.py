@@ -192,6 +192,17 @@ def test_a_rank_stalled_in_setup_and_killed_later_leaves_nothing(tmp_path):
     assert o.leftover == [] and not o.spinning, (o.leftover, o.spinning)
 
 
+def test_a_peer_that_left_the_setup_is_named_by_those_mapping_its_segment(tmp_path):
+    """(former bug: a bare FileNotFoundError naming a segment path, neither the rank nor the step)"""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": str(tmp_path)}
+    with RankPool(2, env=env) as pool:
+        mapping, leaving = pool.run(FR.peer_leaves_before_mapping, timeout_s=60)
+    assert leaving[0] == "RuntimeError" and "injected" in leaving[3], leaving
+    assert mapping[0] == "UBEPPeerLostError" and "set-up" in mapping[1] and mapping[2] == [1], mapping
+    assert "left the set-up" in mapping[3], mapping
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
+
+
 def test_setup_failure_unlinks_own_segment_before_raising(tmp_path):
     o = FR.run_scenario(2, FR.Scenario("normal", "tff", "setup_kill", "setup", timeout_s=TIMEOUT_S), str(tmp_path))
     assert o.reports[0].get("own_segments_after_error") == [], o.reports[0]

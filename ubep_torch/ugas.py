@@ -228,7 +228,13 @@ class SymmetricHeap:
             for r in range(self.world_size):
                 if r == self.rank:
                     continue
-                self._map_peer(r, paths[r], int(infos[r]["bytes"]), group_token)
+                try:
+                    self._map_peer(r, paths[r], int(infos[r]["bytes"]), group_token)
+                except FileNotFoundError:     # its name is gone: it left the set-up after creating it
+                    raise UBEPPeerLostError(
+                        "Buffer set-up: mapping every rank's segment", self.rank, [r], [r], "No Buffer was created.",
+                        cause="exited" if not self.peer_alive(r) else
+                        "left the set-up (its segment is gone: its own set-up failed, see its error)") from None
             _all_gather(True, group, self.world_size, self.timeout_s,
                         "Buffer set-up: waiting for every rank to map every segment")
             # every rank has mapped every segment: each rank removes every name (its own in `finally`), so
