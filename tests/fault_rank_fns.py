@@ -792,9 +792,19 @@ def refusal_on_a_sub_group(ctx):
         buf.dispatch(torch.ones(2, 64).bfloat16(), topk_idx=topk, num_experts=4)
     except Exception as e:  # noqa: BLE001
         out = (type(e).__name__, getattr(e, "aborted_ranks", None), str(e))
+    later = mismatch = None
+    if ctx.rank == 1:       # a later call of the broken Buffer names the same ranks
+        try:
+            buf.get_dispatch_layout(topk, 4)
+        except Exception as e:  # noqa: BLE001
+            later = f"{type(e).__name__}: {e}"
     dist.barrier(sub)       # (rank 1 has seen the refusal before rank 2's Buffer goes)
     buf.destroy()
-    return out
+    try:                    # arguments that differ between the ranks: named at set-up
+        Buffer(sub, (1 << 20) * ctx.rank, timeout_s=20.0)
+    except ValueError as e:
+        mismatch = str(e)
+    return out + (later, mismatch)
 
 
 def peer_leaves_before_mapping(ctx):

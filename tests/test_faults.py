@@ -357,6 +357,9 @@ def test_errors_on_a_sub_group_name_global_ranks_too():
     assert waiting[0] == "UBEPPeerAbortedError" and waiting[1] == [1], waiting
     assert "as global ranks: 0 is 1, 1 is 2" in waiting[2], waiting
     assert refusing[0] == "ValueError" and "global ranks" not in refusing[2], refusing
+    assert waiting[3].startswith("UBEPBrokenError") and "0 is 1, 1 is 2" in waiting[3], waiting[3]
+    for mismatch in (waiting[4], refusing[4]):
+        assert "differs" in mismatch and "0 is 1, 1 is 2" in mismatch, mismatch
 
 
 def test_destroy_leaves_live_views_and_ends_waits():

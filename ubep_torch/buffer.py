@@ -317,11 +317,11 @@ def _collective(fn):
                 out = fn(self, *args, **kwargs)
         except BaseException as e:
             _raise_if_destroyed(self, e, fn.__name__)
+            name_global_ranks(e, self._global_ranks)
             if self._in_call and not isinstance(e, UBEPBrokenError):
                 self._fail(e)
             elif self._calls == calls and refusal(e):
                 self._refuse()         # failed before reaching the peers: tell those waiting
-            name_global_ranks(e, self._global_ranks)
             raise
         finally:
             self._in_call = False
@@ -342,9 +342,9 @@ def _collective(fn):
                     return hook()
             except BaseException as e:
                 _raise_if_destroyed(self, e, f"{fn.__name__} recv hook")
+                name_global_ranks(e, self._global_ranks)
                 if not isinstance(e, UBEPBrokenError):
                     self._fail(e)
-                name_global_ranks(e, self._global_ranks)
                 raise
             finally:
                 self._active_call = outer
@@ -407,8 +407,8 @@ class Buffer:
                 self._init(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                            allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, timeout_s, sync,
                            backend, cost_model, on_report, num_max_tokens_per_rank, hidden, shm_dir, num_count_aivs)
-            except UBEPError as e:
-                name_global_ranks(e, _group_global_ranks(group))
+            except (UBEPError, ValueError, RuntimeError) as e:   # (the set-up's errors name ranks of the group)
+                name_global_ranks(e, _group_global_ranks(group), also=(ValueError, RuntimeError))
                 raise
 
     def _init(self, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
@@ -831,6 +831,7 @@ class Buffer:
                 pass
 
     def _fail(self, e: BaseException) -> None:
+        name_global_ranks(e, self._global_ranks)      # (its text is kept for later calls' errors)
         if self._broken is None:
             self._broken = f"{type(e).__name__}: {e}"
         gave_up = isinstance(e, (UBEPTimeoutError, UBEPPeerLostError, UBEPPeerAbortedError))

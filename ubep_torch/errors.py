@@ -82,18 +82,20 @@ def refusal(e: BaseException) -> bool:
     return isinstance(e, Exception) and not isinstance(e, UBEPError)
 
 
-def name_global_ranks(e: BaseException, global_ranks: Sequence[int]) -> None:
+def name_global_ranks(e: BaseException, global_ranks: Sequence[int], also: tuple = ()) -> None:
     """On a process group that is not the whole world, the ranks an error names (in its message and its
-    attributes) are ranks of that group: add their global ranks to the message, once."""
-    if not isinstance(e, UBEPError) or getattr(e, "_global_ranks_named", False) or not e.args \
+    attributes) are ranks of that group: add their global ranks to the message, once. ``also``: other
+    exception types to annotate when their message names a rank."""
+    if not (isinstance(e, UBEPError) or (isinstance(e, also) and "rank" in str(e))) \
+            or getattr(e, "_global_ranks_named", False) or not e.args or not isinstance(e.args[0], str) \
             or list(global_ranks) == list(range(len(global_ranks))):
         return
     named = {getattr(e, "rank", None)}
     for attr in ("missing_ranks", "dead_ranks", "aborted_ranks"):
         named.update(getattr(e, attr, ()))
     named = sorted(r for r in named if isinstance(r, int) and 0 <= r < len(global_ranks))
-    if not named:
-        named = list(range(len(global_ranks)))[:8]
+    if len(named) < 2:        # (the message may name others only in its text: give them all)
+        named = range(len(global_ranks))
     mapping = ", ".join(f"{r} is {global_ranks[r]}" for r in named)
     e.args = (f"{e.args[0]} (Ranks here are ranks of the Buffer's process group; as global ranks: {mapping})",) \
         + tuple(e.args[1:])
