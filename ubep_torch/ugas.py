@@ -476,24 +476,25 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
     peers = [r for r in range(world_size) if r != me]
     bufs = {r: torch.zeros(_MSG_BYTES, dtype=torch.uint8) for r in peers}
     recvs, sends = {}, {}
+    in_flight = (msg, bufs, recvs, sends)     # (kept alive in _IN_FLIGHT by a step that gives up on them)
     for r in peers:
         try:
             recvs[r] = dist.irecv(bufs[r], src=dist.get_global_rank(group, r), group=group, tag=tag)
             sends[r] = dist.isend(msg, dst=dist.get_global_rank(group, r), group=group, tag=tag)
         except RuntimeError as e:
-            _IN_FLIGHT.append((msg, bufs, recvs, sends))
+            _IN_FLIGHT.append(in_flight)
             raise _closed_connection(e, phase, me, r) from e
     deadline = time.monotonic() + timeout_s
     missing, lost = [], []
     for r in peers:
         try:
-            _wait_work(recvs[r], deadline, (msg, bufs, recvs, sends))
+            _wait_work(recvs[r], deadline, in_flight)
         except RuntimeError as e:
             missing.append(r)
             if "timed out" not in str(e).lower():
                 lost.append(r)      # the connection broke: the peer's process is gone
     if missing:
-        _IN_FLIGHT.append((msg, bufs, recvs, sends))
+        _IN_FLIGHT.append(in_flight)
         consequence = "No Buffer was created."
         if lost:
             raise UBEPPeerLostError(phase, me, missing, lost, consequence)
@@ -501,12 +502,12 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
     undelivered, cause = [], None
     for r, w in sends.items():
         try:
-            _wait_work(w, deadline, (msg, bufs, recvs, sends))
+            _wait_work(w, deadline, in_flight)
         except RuntimeError as e:
             undelivered.append(r)
             cause = e
     if undelivered:
-        _IN_FLIGHT.append((msg, bufs, recvs, sends))
+        _IN_FLIGHT.append(in_flight)
         raise UBEPError(f"ubep_torch: rank {me} in phase '{phase}': its message to rank(s) {undelivered} was not "
                         f"delivered ({cause}). No Buffer was created.") from cause
     out = []
