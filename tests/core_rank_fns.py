@@ -822,6 +822,46 @@ def normal_rounds(ctx, sync, backend="auto"):
     return T
 
 
+def slow_reader_in_shared_region(ctx, sync, backend="auto"):
+    """Normal dispatch and combine share one region: a rank still reading one call's rows when its peers
+    move on to the next call (a combine after a dispatch, a dispatch after a combine, two dispatches then
+    two combines) must get every row intact. Rank 1 sleeps before each of its Token-Reordering steps, so
+    rank 0's next call is ready to write into rank 1's slots before rank 1 has read them."""
+    import time
+    R, r = ctx.world_size, ctx.rank
+    T, H, K, E = 9, 256, 3, 2 * R
+    buf = Buffer(ctx.group, ubep_torch.buffer.normal_buffer_bytes(T, H * 4, R), sync=sync, backend=backend,
+                 timeout_s=30.0)
+    ref_buf = get_buffer(ctx, sync, backend=backend)
+    if r == 1:
+        buf.delay_hook = lambda phase: time.sleep(0.2) if "Token-Reordering" in phase else None
+    batches = []
+    for seed in (11, 12):
+        topk, w = make_routing(seed, r, T, K, E, drop=0.2)
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(seed * 10 + r))
+        batches.append((x, topk, w))
+
+    def dispatch(b, x, topk, w):
+        ntpr, _, ntpe, itr, _ = b.get_dispatch_layout(topk, E)
+        return b.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                          topk_idx=topk, topk_weights=w)
+
+    want = []
+    for x, topk, w in batches:
+        d = dispatch(ref_buf, x, topk, w)
+        want += [d[0].clone(), ref_buf.combine(d[0] * 3, d[4])[0]]
+    got = []
+    for x, topk, w in batches:                 # dispatch, combine; dispatch, combine
+        d = dispatch(buf, x, topk, w)
+        got += [d[0].clone(), buf.combine(d[0] * 3, d[4])[0]]
+    d0, d1 = (dispatch(buf, *b) for b in batches)   # dispatch, dispatch, combine, combine
+    got += [d0[0], buf.combine(d0[0] * 3, d0[4])[0], d1[0], buf.combine(d1[0] * 3, d1[4])[0]]
+    buf.destroy()
+    for i, (a, b) in enumerate(zip(got, want + want)):
+        assert torch.equal(a, b), f"output {i} differs on rank {r}"
+    return len(got)
+
+
 def bench_copies_only(ctx, T=12, H=64, E=8):
     """The benchmark's plain-copies round trip (with torch operators, and with the C loops where they were
     built), with barriers between its stores and loads, on partial routing (some tokens reach only some

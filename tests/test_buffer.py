@@ -179,6 +179,11 @@ def test_calls_larger_than_the_slots_run_in_several_exchanges(pool2, sync):
     assert pool2.run(F.normal_rounds, sync) == [23, 3]
 
 
+@pytest.mark.parametrize("sync", ["tff", "sp"])
+def test_a_slow_reader_keeps_its_rows_when_peers_move_on(pool2, sync):
+    assert pool2.run(F.slow_reader_in_shared_region, sync) == [8, 8]
+
+
 def test_calls_larger_than_the_slots_on_four_ranks(pool4):
     assert pool4.run(F.normal_rounds, "tff") == [23, 3, 0, 17]
     assert pool4.run(F.normal_rounds, "sp", backend="torch") == [23, 3, 0, 17]
@@ -352,8 +357,8 @@ def test_size_hints_hold_what_they_promise():
     for R in (1, 2, 3, 4):
         for T in (1, 2, 3, 17, 128):
             for hidden_bytes in (1, 7, 256, 2000, 14336):
-                half = B.normal_buffer_bytes(T, hidden_bytes, R) // 2 // 4096 * 4096
-                region = B._Region(P.REGION_DISPATCH, 0, half, R, R, halves=1)
+                nvl = B.normal_buffer_bytes(T, hidden_bytes, R) // 4096 * 4096
+                region = B._Region(P.REGION_DISPATCH, 0, nvl, R, R, halves=1)
                 for meta_words in (0, 16, 48):
                     fmt = P.row_format("tff", (("x", hidden_bytes),), meta_words)
                     assert region.capacity(fmt) >= T, (R, T, hidden_bytes, meta_words)

@@ -77,8 +77,8 @@ def normal_buffer_bytes(num_tokens: int, hidden_bytes: int, num_ranks: int) -> i
     """``num_nvl_bytes`` that lets every rank send ``num_tokens`` rows of ``hidden_bytes`` to every peer."""
     num_tokens, hidden_bytes = check_count("num_tokens", num_tokens), check_count("hidden_bytes", hidden_bytes)
     num_ranks = check_count("num_ranks", num_ranks, 1)
-    per_region = num_ranks * (P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES + num_tokens * _row_bytes_worst(hidden_bytes))
-    return 2 * _round(per_region, 4096) + 4096     # the Buffer splits it into 4 KiB-aligned regions
+    region = num_ranks * (P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES + num_tokens * _row_bytes_worst(hidden_bytes))
+    return _round(region, 4096)
 
 
 def _max_local_experts(extra_counts: int) -> int:
@@ -107,8 +107,11 @@ class _Region:
     A region holds ``halves`` copies of its control blocks and slots; call ``epoch`` uses copy
     ``epoch % halves``. Low-latency regions have two, so a call can be sent while a peer still holds the
     previous call's rows (receive hooks, ``zero_copy``). Normal calls complete before they return, so
-    their regions have one: a peer's rows of the previous call are consumed (acknowledged) before the
-    next call overwrites them, and the slots stay half as large, and warm in cache, across calls.
+    the normal region has one, and normal dispatch and combine share it: a peer's rows of the previous
+    call, whichever it was, are consumed (acknowledged) before the next call overwrites them, and one set
+    of slots stays warm in cache across a round trip. Epochs and acknowledgements belong to the memory,
+    so they are counted under the ``rid`` of the region object (``Buffer._next_epoch``, ``_ack_base``);
+    flags carry the call's own region id.
     """
 
     def __init__(self, rid: int, base: int, nbytes: int, world: int, parts: int, halves: int = 2):
@@ -469,12 +472,12 @@ class Buffer:
 
         aux = _round(_AUX_ROWS * R * 8, 4096)
         base = aux
-        half_nvl = self.num_nvl_bytes // 2 // 4096 * 4096
-        self._regions = {
-            P.REGION_DISPATCH: _Region(P.REGION_DISPATCH, base, half_nvl, R, R, halves=1),
-            P.REGION_COMBINE: _Region(P.REGION_COMBINE, base + half_nvl, half_nvl, R, R, halves=1),
-        }
-        base += 2 * half_nvl
+        # normal dispatch and combine take turns in one region (see _Region): their rows never sit in the
+        # slots together, and one set of slots stays warm in cache across a round trip
+        nvl = self.num_nvl_bytes // 4096 * 4096
+        normal = _Region(P.REGION_DISPATCH, base, nvl, R, R, halves=1)
+        self._regions = {P.REGION_DISPATCH: normal, P.REGION_COMBINE: normal}
+        base += nvl
         if self.num_rdma_bytes:
             half_ll = self.num_rdma_bytes // 2 // 4096 * 4096
             self._regions[P.REGION_LL_DISPATCH] = _Region(P.REGION_LL_DISPATCH, base, half_ll, R, R)
@@ -641,7 +644,7 @@ class Buffer:
             raise
 
     def _ack_base(self, rid: int, half: int) -> int:
-        return (rid * 2 + half) * self.group_size
+        return (self._regions[rid].rid * 2 + half) * self.group_size
 
     def _wait_acks(self, rid: int, epoch: int) -> None:
         """Before writing call ``epoch`` into a half of every peer: they consumed the call that used it last.
@@ -799,6 +802,7 @@ class Buffer:
     def _next_epoch(self, rid: int) -> int:
         """The next epoch of region ``rid`` (see ``_begin_call``)."""
         self._begin_call()
+        rid = self._regions[rid].rid      # (normal combine counts in the region it shares with dispatch)
         self._epoch[rid] += 1
         return self._epoch[rid]
 

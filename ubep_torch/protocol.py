@@ -48,12 +48,13 @@ words. Every rank sends one control message to every peer on every call, even wh
 
 Epochs and buffer reuse
 -----------------------
-Each region (normal dispatch, normal combine, low-latency dispatch, low-latency combine) has a call
-counter ``epoch`` that advances identically on every rank (calls are collective and ordered). A region
-holds ``halves`` copies of its control blocks and slots and call ``epoch`` uses copy ``epoch % halves``:
-two for the low-latency regions (a call may be sent while a receive hook of the previous one is still
-pending), one for the normal regions (their calls complete before they return). Flags carry the epoch, so
-stale blocks of earlier calls never match and buffers need no reset between calls.
+Each region (normal, shared by dispatch and combine; low-latency dispatch; low-latency combine) has a
+call counter ``epoch`` that advances identically on every rank (calls are collective and ordered). A
+region holds ``halves`` copies of its control blocks and slots and call ``epoch`` uses copy
+``epoch % halves``: two for the low-latency regions (a call may be sent while a receive hook of the
+previous one is still pending), one for the normal region (its calls complete before they return).
+Flags carry the epoch and the call's kind (``flag_word``), so stale blocks of earlier calls never match
+and buffers need no reset between calls.
 
 Reuse argument: after consuming a source's rows of call ``n`` (and re-arming them in ``sp`` mode) a
 receiver R stores ``n`` into that source's ack word for the half in the source's memory. A sender S
@@ -154,7 +155,8 @@ def ctrl_blocks(num_counts: int) -> int:
 
 
 def flag_word(epoch: int, region: int) -> int:
-    """The value of ``w0`` that marks a block of call ``epoch`` in ``region`` as arrived."""
+    """The value of ``w0`` that marks a block of call ``epoch`` of kind ``region`` (a ``REGION_*`` id; normal
+    dispatch and combine share one region's memory and epochs, and differ here) as arrived."""
     return (int(epoch) << 8) | int(region)
 
 
