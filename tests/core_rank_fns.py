@@ -604,6 +604,28 @@ def mismatched_call_args(ctx, low_latency: bool):
     return None, ""
 
 
+def mismatched_operations(ctx, sync):
+    """After a dispatch on every rank, rank 0 combines while the others dispatch again (a rank that skipped
+    its combine): every rank raises at once, naming the other side's operation, instead of waiting for
+    the deadline."""
+    import time
+    R, r = ctx.world_size, ctx.rank
+    buf = Buffer(ctx.group, 8 << 20, sync=sync, timeout_s=60.0)
+    x, topk = torch.randn(5, 64), torch.randint(0, 2 * R, (5, 2))
+    d = buf.dispatch(x, topk_idx=topk, num_experts=2 * R)
+    start = time.monotonic()
+    try:
+        if r == 0:
+            buf.combine(d[0], d[4])
+        else:
+            buf.dispatch(x, topk_idx=topk, num_experts=2 * R)
+    except ubep_torch.UBEPError as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    finally:
+        buf.destroy()
+    return None, "", time.monotonic() - start
+
+
 def combine_pair_exact(ctx, sync, dtype=torch.bfloat16, T=12, H=256, seed=5):
     """Every token on both ranks (each token has two rows to sum): the result has exactly the bits of a
     float32 accumulator that starts at +0.0 and adds the ranks' rows in rank order, signed zeros and

@@ -174,6 +174,16 @@ def test_mismatched_call_arguments_are_reported(pool2, low_latency):
     assert all(kind == "UBEPError" and name in msg for kind, msg in out), out
 
 
+@pytest.mark.parametrize("sync", ["tff", "sw"])
+def test_ranks_in_different_operations_fail_at_once(pool2, sync):
+    """(They used to wait for the 60 s deadline.)"""
+    (kind0, msg0, t0), (kind1, msg1, t1) = pool2.run(F.mismatched_operations, sync)
+    assert kind0 == kind1 == "UBEPError", (msg0, msg1)
+    assert "rank 0 called combine" in msg0 and "rank 1 called dispatch" in msg0, msg0
+    assert "rank 1 called dispatch" in msg1 and "rank 0 called combine" in msg1, msg1
+    assert max(t0, t1) < 20, (t0, t1, msg0, msg1)
+
+
 @pytest.mark.parametrize("sync", SYNCS)
 def test_calls_larger_than_the_slots_run_in_several_exchanges(pool2, sync):
     assert pool2.run(F.normal_rounds, sync) == [23, 3]

@@ -141,6 +141,15 @@ class _Region:
             view = self._views[key] = self.ctrl_sources(mem, half)[src, :nctrl]
         return view
 
+    def ctrl_heads(self, mem: torch.Tensor, half: int):
+        """Every source's first control word (its flag word) in ``mem``, as a numpy int64 array of [world]
+        views (a word's load costs far less through numpy than through a tensor)."""
+        key = (mem.data_ptr(), half, "heads")
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self.ctrl_sources(mem, half).view(torch.int64)[:, 0, 0].numpy()
+        return view
+
     def ctrl_sources(self, mem: torch.Tensor, half: int) -> torch.Tensor:
         """Every source's control blocks in ``mem``, as [world, max blocks, 512] uint8."""
         key = (mem.data_ptr(), half, "ctrl")
@@ -679,7 +688,7 @@ class Buffer:
         ctrl = region.ctrl_sources(local, half)
         if eng.polls_ctrl(ctrl, nctrl):   # every source at once
             got = [None] * self.group_size
-            self._wait(phase, lambda: eng.poll_ctrl(ctrl, nctrl, flag, got))
+            self._wait(phase, lambda: self._same_call(region, half, flag, eng.poll_ctrl(ctrl, nctrl, flag, got)))
             return dict(enumerate(got))
 
         def poll():
@@ -691,9 +700,28 @@ class Buffer:
                         words[s] = eng.read_ctrl_words(c)
                     else:
                         missing.append(s)
-            return missing
+            return self._same_call(region, half, flag, missing)
         self._wait(phase, poll)
         return words
+
+    def _same_call(self, region: "_Region", half: int, flag: int, missing: List[int]) -> List[int]:
+        """``missing``, unless one of those sources sent the control message of another operation in this
+        call: normal dispatch and combine share their region and its epochs, so a message of this call's
+        epoch and another kind (a rank that skipped a combine, or combined twice) is a mismatch, raised at
+        once instead of at the deadline."""
+        if not missing:
+            return missing
+        heads = region.ctrl_heads(self._heap.local, half)
+        epoch, kind = flag >> 8, flag & 0xFF
+        other = {s: int(heads[s]) & 0xFF for s in missing if int(heads[s]) >> 8 == epoch and int(heads[s]) != flag}
+        if other:
+            op = P.REGION_NAMES.get(kind, str(kind))
+            theirs = ", ".join(f"rank {s} called {P.REGION_NAMES.get(k, 'another operation')}"
+                               for s, k in sorted(other.items()))
+            self._broken = f"operation mismatch with rank(s) {sorted(other)}"
+            raise UBEPError(f"ubep_torch: rank {self.rank} called {op} as call {self._calls} of this Buffer, but "
+                            f"{theirs}: every rank must make the same calls in the same order")
+        return missing
 
     def _sync_all(self, phase: str) -> None:
         """SyncAll emulation for the "sw" baseline: a barrier through shared memory, not through gloo."""
