@@ -389,6 +389,8 @@ def bad_inputs(ctx, sync):
                                                                     for _ in range(6)))),
         "sync mode": (ValueError, lambda: Buffer(ctx.group, 1 << 20, sync="nope")),
         "no normal region": (ValueError, lambda: ll_only.dispatch(x, topk_idx=topk, num_experts=E)),
+        "worst tokens, expert-major": (ValueError, lambda: nbuf.dispatch(
+            x, topk_idx=topk, num_experts=E, num_worst_tokens=4 * T, layout="expert_major")),
     }
     ll_only = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(16, H, ctx.world_size, E),
                      low_latency_mode=True, sync=sync)

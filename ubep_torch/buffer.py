@@ -503,7 +503,7 @@ class Buffer:
         self._aux_words = self._heap.local[:aux].view(torch.int64).numpy()
         self._peer_mem = [self._heap.peer(r) for r in range(R)]
         self._peer_words = [m[:aux].view(torch.int64).numpy() for m in self._peer_mem]
-        self._epoch = {rid: 0 for rid in self._regions}
+        self._epoch = {region.rid: 0 for region in self._regions.values()}
         self._barrier_count = 0
         self._broken: Optional[str] = None
         self._pending: List[_Pending] = []
@@ -673,7 +673,8 @@ class Buffer:
             return [r for r in range(R) if acks[r] < need]
         if self.delay_hook is None and not poll():
             return            # (the usual case: every peer consumed that half long ago)
-        self._wait(f"{P.REGION_NAMES[rid]}: waiting for peers to release buffer half {half}", poll)
+        self._wait(f"{P.REGION_NAMES[rid]}: waiting for peers to consume the previous call's rows "
+                   f"(buffer half {half})", poll)
 
     def _send_ack(self, rid: int, src: int, epoch: int) -> None:
         """Tell ``src`` that this rank has consumed its call-``epoch`` rows (that half may be reused)."""
@@ -1037,7 +1038,7 @@ class Buffer:
             topk_idx: [T, K] int64 expert ids (-1 = none); topk_weights: [T, K] float32 (or float64).
             expert_alignment: each returned per-expert count is rounded up to a multiple of this.
             num_worst_tokens: > 0 sizes the outputs to that many rows (unused rows: topk ids -1, x zero)
-                and returns an empty count list.
+                and returns an empty count list (rank-major layout only).
             layout: ``"rank_major"`` (DeepEP order: grouped by source rank, source token order) or
                 ``"expert_major"`` (UBEP's Token-Reordering output: rows contiguous per local expert, one
                 row per (token, local expert); then recv_topk_idx is [rows] local expert ids,
@@ -1058,6 +1059,9 @@ class Buffer:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
         if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise ValueError(f"num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
+        if num_worst_tokens and layout == "expert_major":
+            raise ValueError("num_worst_tokens sizes the rank-major outputs (rows of tokens); layout='expert_major' "
+                             "returns one row per (token, local expert) padded per expert: pass one of the two")
         xd, scales = self._parse_x(x)
         T, H = xd.shape
         R = self.group_size
