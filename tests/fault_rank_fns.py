@@ -317,10 +317,10 @@ def _running(pid: int) -> bool:
 
 #: (op, sync, phase substring) for every wait a rank can be killed or stalled at.
 PHASES = {
-    "normal": ["dispatch: waiting for peers to release", "dispatch: TokenCnt", "dispatch: Token-Reordering",
-               "combine: waiting for peers to release", "combine: TokenCnt", "combine: Token-Reordering"],
-    "ll": ["low_latency_dispatch: waiting for peers to release", "low_latency_dispatch: TokenCnt",
-           "low_latency_dispatch: Token-Reordering", "low_latency_combine: waiting for peers to release",
+    "normal": ["dispatch: waiting for peers to consume", "dispatch: TokenCnt", "dispatch: Token-Reordering",
+               "combine: waiting for peers to consume", "combine: TokenCnt", "combine: Token-Reordering"],
+    "ll": ["low_latency_dispatch: waiting for peers to consume", "low_latency_dispatch: TokenCnt",
+           "low_latency_dispatch: Token-Reordering", "low_latency_combine: waiting for peers to consume",
            "low_latency_combine: waiting for the count messages", "low_latency_combine: waiting for expert outputs"],
     "sw": ["dispatch: SyncAll after Token-Sending", "dispatch: SyncAll after flag verification",
            "combine: SyncAll after Token-Sending", "combine: SyncAll after flag verification"],
