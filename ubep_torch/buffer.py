@@ -712,11 +712,10 @@ class Buffer:
         once instead of at the deadline."""
         if not missing:
             return missing
-        heads = region.ctrl_heads(self._heap.local, half)
-        epoch, kind = flag >> 8, flag & 0xFF
-        other = {s: int(heads[s]) & 0xFF for s in missing if int(heads[s]) >> 8 == epoch and int(heads[s]) != flag}
+        heads = region.ctrl_heads(self._heap.local, half)[missing].tolist()
+        other = {s: h & 0xFF for s, h in zip(missing, heads) if h >> 8 == flag >> 8 and h != flag}
         if other:
-            op = P.REGION_NAMES.get(kind, str(kind))
+            op = P.REGION_NAMES.get(flag & 0xFF, str(flag & 0xFF))
             theirs = ", ".join(f"rank {s} called {P.REGION_NAMES.get(k, 'another operation')}"
                                for s, k in sorted(other.items()))
             self._broken = f"operation mismatch with rank(s) {sorted(other)}"
