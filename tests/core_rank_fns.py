@@ -606,21 +606,31 @@ def mismatched_call_args(ctx, low_latency: bool):
     return None, ""
 
 
-def mismatched_operations(ctx, sync):
-    """After a dispatch on every rank, rank 0 combines while the others dispatch again (a rank that skipped
-    its combine): every rank raises at once, naming the other side's operation, instead of waiting for
-    the deadline."""
+def mismatched_operations(ctx, sync, case="skipped combine"):
+    """After a dispatch on every rank, rank 0 makes one call while the others make another: a combine
+    against a dispatch (a rank that skipped its combine), or a normal dispatch against a low-latency one
+    (with or without a recv hook). Every rank raises at once, naming the other side's operation, instead
+    of waiting for the deadline."""
     import time
     R, r = ctx.world_size, ctx.rank
-    buf = Buffer(ctx.group, 8 << 20, sync=sync, timeout_s=60.0)
-    x, topk = torch.randn(5, 64), torch.randint(0, 2 * R, (5, 2))
+    buf = Buffer(ctx.group, 8 << 20, Buffer.get_low_latency_rdma_size_hint(8, 128, R, 2 * R), sync=sync,
+                 low_latency_mode=True, timeout_s=60.0)
+    x, topk = torch.randn(5, 128), torch.rand(5, 2 * R).topk(2, dim=1).indices
     d = buf.dispatch(x, topk_idx=topk, num_experts=2 * R)
     start = time.monotonic()
     try:
         if r == 0:
-            buf.combine(d[0], d[4])
-        else:
+            if case == "skipped combine":
+                buf.combine(d[0], d[4])
+            else:
+                buf.dispatch(x, topk_idx=topk, num_experts=2 * R)
+        elif case == "skipped combine":
             buf.dispatch(x, topk_idx=topk, num_experts=2 * R)
+        else:
+            hook = case == "low-latency with a hook"
+            out = buf.low_latency_dispatch(x.bfloat16(), topk, 8, 2 * R, use_fp8=False, return_recv_hook=hook)
+            if hook:
+                out[-1]()
     except ubep_torch.UBEPError as e:
         return type(e).__name__, str(e), time.monotonic() - start
     finally:

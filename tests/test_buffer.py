@@ -174,13 +174,15 @@ def test_mismatched_call_arguments_are_reported(pool2, low_latency):
     assert all(kind == "UBEPError" and name in msg for kind, msg in out), out
 
 
-@pytest.mark.parametrize("sync", ["tff", "sw"])
-def test_ranks_in_different_operations_fail_at_once(pool2, sync):
+@pytest.mark.parametrize("sync,case", [("tff", "skipped combine"), ("sw", "skipped combine"),
+                                       ("tff", "low-latency"), ("sp", "low-latency with a hook")])
+def test_ranks_in_different_operations_fail_at_once(pool2, sync, case):
     """(They used to wait for the 60 s deadline.)"""
-    (kind0, msg0, t0), (kind1, msg1, t1) = pool2.run(F.mismatched_operations, sync)
+    (kind0, msg0, t0), (kind1, msg1, t1) = pool2.run(F.mismatched_operations, sync, case)
+    ops = ("combine", "dispatch") if case == "skipped combine" else ("dispatch", "low_latency_dispatch")
     assert kind0 == kind1 == "UBEPError", (msg0, msg1)
-    assert "rank 0 called combine" in msg0 and "rank 1 called dispatch" in msg0, msg0
-    assert "rank 1 called dispatch" in msg1 and "rank 0 called combine" in msg1, msg1
+    assert f"rank 0 called {ops[0]} " in msg0 and f"rank 1 called {ops[1]}:" in msg0, msg0
+    assert f"rank 1 called {ops[1]} " in msg1 and f"rank 0 called {ops[0]}:" in msg1, msg1
     assert max(t0, t1) < 20, (t0, t1, msg0, msg1)
 
 

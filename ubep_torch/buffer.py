@@ -22,7 +22,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from itertools import accumulate, chain
+from itertools import accumulate, chain, count
 from typing import Callable, Deque, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -61,6 +61,7 @@ _RECENT_HANDLES = 16      # handles recognised from their plain-tuple copies (pe
 _DISPATCH_LAYOUT_KEYS = ("num_experts", "layout", "row_index")
 _LL_LAYOUT_KEYS = ("K", "num_tokens", "return_slot", "sent_counts", "pos", "n_pairs", "topk_snapshot", "src_k")
 _DEFAULT_NVL_BYTES = 256 << 20
+_POLLS_BEFORE_REGION_CHECK = 16   # polls of a control-message wait before it also looks at the other regions
 _STREAM_ROWS = 32         # fewest arrived rows of a source that streaming Token-Reordering copies at once
 _REFUSAL_GRACE_S = 1.0    # a peer's refusal of a call fails the ranks waiting in it once this old (see _post_refusal)
 
@@ -687,9 +688,13 @@ class Buffer:
         (``{source: [int, ...]}``: control data is read once, then handled as Python ints)."""
         local, eng, words = self._heap.local, self.engine, {}
         ctrl = region.ctrl_sources(local, half)
+        polls = count()
+
+        def same_call(missing):   # (the other regions too once the wait lasts: see _same_call)
+            return self._same_call(region, half, flag, missing, next(polls) >= _POLLS_BEFORE_REGION_CHECK)
         if eng.polls_ctrl(ctrl, nctrl):   # every source at once
             got = [None] * self.group_size
-            self._wait(phase, lambda: self._same_call(region, half, flag, eng.poll_ctrl(ctrl, nctrl, flag, got)))
+            self._wait(phase, lambda: same_call(eng.poll_ctrl(ctrl, nctrl, flag, got)))
             return dict(enumerate(got))
 
         def poll():
@@ -701,25 +706,45 @@ class Buffer:
                         words[s] = eng.read_ctrl_words(c)
                     else:
                         missing.append(s)
-            return self._same_call(region, half, flag, missing)
+            return same_call(missing)
         self._wait(phase, poll)
         return words
 
-    def _same_call(self, region: "_Region", half: int, flag: int, missing: List[int]) -> List[int]:
-        """``missing``, unless one of those sources sent the control message of another operation in this
-        call: normal dispatch and combine share their region and its epochs, so a message of this call's
-        epoch and another kind (a rank that skipped a combine, or combined twice) is a mismatch, raised at
-        once instead of at the deadline."""
+    def _same_call(self, region: "_Region", half: int, flag: int, missing: List[int],
+                   all_regions: bool = False) -> List[int]:
+        """``missing``, the sources whose control message of this call (``flag``) has not arrived, unless one
+        of them is in another operation: a mismatch, raised at once instead of at the deadline.
+
+        Normal dispatch and combine share their region and its epochs, so a message of this call's epoch
+        and another kind (a rank that skipped a combine, or combined twice) is one. With ``all_regions``,
+        so is a message of a later epoch than this rank has reached in any region (a rank in a low-latency
+        call where this one is in a normal call, say): a source whose control message of this call is
+        missing has not started this call, so all the calls it made are ones this rank made too, unless
+        the ranks' calls differ."""
         if not missing:
             return missing
-        heads = region.ctrl_heads(self._heap.local, half)[missing].tolist()
+        local = self._heap.local
+        heads = region.ctrl_heads(local, half)[missing].tolist()
         other = {s: h & 0xFF for s, h in zip(missing, heads) if h >> 8 == flag >> 8 and h != flag}
+        if all_regions and not other:
+            ahead = {}
+            for r in {id(r): r for r in self._regions.values()}.values():
+                reached = self._epoch[r.rid]
+                for h in range(r.halves):
+                    for s, head in zip(missing, r.ctrl_heads(local, h)[missing].tolist()):
+                        if head >> 8 > reached:
+                            ahead.setdefault(s, head & 0xFF)
+            # (``missing`` was polled before those loads: a source may have sent this call's message and
+            # moved on to its next call since. A source stores its messages in call order, and these loads
+            # happen in program order, so this call's message is visible now if it was sent before those.)
+            now = region.ctrl_heads(local, half)[list(ahead)].tolist() if ahead else []
+            other = {s: k for (s, k), head in zip(ahead.items(), now) if head >> 8 != flag >> 8}
         if other:
             op = P.REGION_NAMES.get(flag & 0xFF, str(flag & 0xFF))
             theirs = ", ".join(f"rank {s} called {P.REGION_NAMES.get(k, 'another operation')}"
                                for s, k in sorted(other.items()))
             self._broken = f"operation mismatch with rank(s) {sorted(other)}"
-            raise UBEPError(f"ubep_torch: rank {self.rank} called {op} as call {self._calls} of this Buffer, but "
+            raise UBEPError(f"ubep_torch: rank {self.rank} called {op} as call {self._active_call} of this Buffer, but "
                             f"{theirs}: every rank must make the same calls in the same order")
         return missing
 
