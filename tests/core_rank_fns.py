@@ -638,6 +638,36 @@ def mismatched_operations(ctx, sync, case="skipped combine"):
     return None, "", time.monotonic() - start
 
 
+def mismatch_check_rereads(ctx):
+    """The mismatch check of a control-message wait (``Buffer._same_call``) on hand-written flag words: a
+    peer with a low-latency message of an epoch this rank has not reached is in another call, unless the
+    awaited message of this call has arrived since it was polled (the peer sent it, finished this call and
+    went on); a message of this call's epoch and another kind is a mismatch at once."""
+    from ubep_torch import protocol as P
+    R, r = ctx.world_size, ctx.rank
+    buf = Buffer(ctx.group, 1 << 20, Buffer.get_low_latency_rdma_size_hint(4, 128, R, 2 * R),
+                 low_latency_mode=True, timeout_s=30.0)
+    seen = []
+    if r == 0:
+        local, normal = buf._heap.local, buf._regions[P.REGION_DISPATCH]
+        ll_heads = buf._regions[P.REGION_LL_DISPATCH].ctrl_heads(local, 1)
+        heads = normal.ctrl_heads(local, 0)
+        flag = P.flag_word(1, P.REGION_DISPATCH)      # this rank waits for rank 1's dispatch of epoch 1
+        ll_heads[1] = P.flag_word(1, P.REGION_LL_DISPATCH)     # rank 1 went on to a low-latency call
+        heads[1] = flag                                         # after sending the awaited message
+        seen.append(buf._same_call(normal, 0, flag, [1], all_regions=True))
+        seen.append(buf._same_call(normal, 0, flag, [1], all_regions=False))
+        for head in (0, P.flag_word(1, P.REGION_COMBINE)):    # not sent / sent for a combine instead
+            heads[1] = head
+            try:
+                buf._same_call(normal, 0, flag, [1], all_regions=head == 0)
+            except ubep_torch.UBEPError as e:
+                seen.append(str(e))
+    dist.barrier()
+    buf.destroy()
+    return seen
+
+
 def combine_pair_exact(ctx, sync, dtype=torch.bfloat16, T=12, H=256, seed=5):
     """Every token on both ranks (each token has two rows to sum): the result has exactly the bits of a
     float32 accumulator that starts at +0.0 and adds the ranks' rows in rank order, signed zeros and

@@ -174,6 +174,13 @@ def test_mismatched_call_arguments_are_reported(pool2, low_latency):
     assert all(kind == "UBEPError" and name in msg for kind, msg in out), out
 
 
+def test_mismatch_check_rereads_the_awaited_message(pool2):
+    seen = pool2.run(F.mismatch_check_rereads)[0]
+    assert seen[:2] == [[1], [1]], seen
+    assert len(seen) == 4 and "rank 1 called low_latency_dispatch" in seen[2], seen
+    assert "rank 1 called combine" in seen[3], seen
+
+
 @pytest.mark.parametrize("sync,case", [("tff", "skipped combine"), ("sw", "skipped combine"),
                                        ("tff", "low-latency"), ("sp", "low-latency with a hook")])
 def test_ranks_in_different_operations_fail_at_once(pool2, sync, case):
