@@ -174,6 +174,11 @@ def test_mismatched_call_arguments_are_reported(pool2, low_latency):
     assert all(kind == "UBEPError" and name in msg for kind, msg in out), out
 
 
+@pytest.mark.parametrize("nvl", [0, 4096])
+def test_low_latency_buffer_without_normal_room_and_a_slow_rank(pool2, nvl):
+    assert pool2.run(F.ll_only_buffer_with_a_slow_rank, nvl) == [6, 6]
+
+
 def test_mismatch_check_rereads_the_awaited_message(pool2):
     seen = pool2.run(F.mismatch_check_rereads)[0]
     assert seen[:2] == [[1], [1]], seen

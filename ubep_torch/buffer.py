@@ -729,6 +729,8 @@ class Buffer:
         if all_regions and not other:
             ahead = {}
             for r in {id(r): r for r in self._regions.values()}.values():
+                if not r.part_bytes:
+                    continue      # (a region too small for one slot takes no calls: its words may be another's)
                 reached = self._epoch[r.rid]
                 for h in range(r.halves):
                     for s, head in zip(missing, r.ctrl_heads(local, h)[missing].tolist()):
