@@ -493,6 +493,9 @@ class Buffer:
             self._regions[P.REGION_LL_DISPATCH] = _Region(P.REGION_LL_DISPATCH, base, half_ll, R, R)
             self._regions[P.REGION_LL_COMBINE] = _Region(P.REGION_LL_COMBINE, base + half_ll, half_ll, R, 1)
             base += 2 * half_ll
+        # each region's memory once, if it can take calls at all (a region too small for one slot takes
+        # none, and its control words may lie in the next region's memory): what _same_call looks at
+        self._call_regions = [r for r in dict.fromkeys(self._regions.values()) if r.part_bytes]
         self._heap = SymmetricHeap(group, base, directory=shm_dir, timeout_s=self.timeout_s,
                                    agree={"num_nvl_bytes": self.num_nvl_bytes,
                                           "num_rdma_bytes": self.num_rdma_bytes,
@@ -728,9 +731,7 @@ class Buffer:
         other = {s: h & 0xFF for s, h in zip(missing, heads) if h >> 8 == flag >> 8 and h != flag}
         if all_regions and not other:
             ahead = {}
-            for r in {id(r): r for r in self._regions.values()}.values():
-                if not r.part_bytes:
-                    continue      # (a region too small for one slot takes no calls: its words may be another's)
+            for r in self._call_regions:
                 reached = self._epoch[r.rid]
                 for h in range(r.halves):
                     for s, head in zip(missing, r.ctrl_heads(local, h)[missing].tolist()):

@@ -445,8 +445,7 @@ def _wait_work(work, deadline: float, in_flight: tuple) -> None:
     except BaseException:
         _IN_FLIGHT.append(in_flight)
         raise
-    if not ended:       # (gloo's wait has the deadline; this one only bounds it)
-        _IN_FLIGHT.append(in_flight)
+    if not ended:       # (gloo's wait has the deadline; this one only bounds it; the caller keeps in_flight)
         raise RuntimeError("the wait timed out")
     if failed:
         raise failed[0]
