@@ -610,25 +610,28 @@ def test_send_phase_checks_every_destination_before_any_store():
 
 
 @needs_native
-def test_poll_ctrl_reads_each_source_once_it_arrived():
-    """``poll_ctrl`` returns the sources whose control message is not complete (a block with another
-    call's flag counts as missing) and fills in the payload words of the others, as ``read_ctrl_words``."""
+def test_ctrl_poller_reads_each_source_once_it_arrived():
+    """A ``ctrl_poller`` poll returns the sources whose control message is not complete (a block with
+    another call's flag counts as missing) and fills in the payload words of the others, as
+    ``read_ctrl_words``."""
     eng, flag = native_engine.NativeEngine(), 77
     ctrl = torch.zeros(3, P.MAX_CTRL_BLOCKS, P.BLOCK_BYTES, dtype=torch.uint8)
     for s in range(3):
         eng.write_ctrl(ctrl[s, :2], torch.arange(100, dtype=torch.int64) * (s + 1), flag if s != 1 else flag - 1)
-    words = [None] * 3
-    assert eng.poll_ctrl(ctrl, 2, flag, words) == [1]
+    poll, words = eng.ctrl_poller(ctrl, 2), [None] * 3
+    assert poll(flag, words) == [1]
     assert words[0] == eng.read_ctrl_words(ctrl[0, :2]) and words[2][:100] == list(range(0, 300, 3))
     assert words[1] is None
     eng.write_ctrl(ctrl[1, :2], torch.arange(5, dtype=torch.int64), flag)
     ctrl.view(torch.int64)[1, 1, 0] = flag - 1          # its second block is still the older call's
-    assert eng.poll_ctrl(ctrl, 2, flag, words) == [1]
+    assert poll(flag, words) == [1]
     ctrl.view(torch.int64)[1, 1, 0] = flag
-    assert eng.poll_ctrl(ctrl, 2, flag, words) == [] and words[1][:6] == [0, 1, 2, 3, 4, 0]
-    assert not eng.polls_ctrl(ctrl[:, :0], 1) and not eng.polls_ctrl(ctrl.transpose(0, 1), 1)
-    with pytest.raises(ValueError):                      # a view the C loop cannot address is refused
-        eng.poll_ctrl(ctrl[:, :0], 1, flag, words)
+    assert poll(flag, words) == [] and words[1][:6] == [0, 1, 2, 3, 4, 0]
+    # views the C loop cannot address get no poller; a words list of the wrong length is refused
+    assert eng.ctrl_poller(ctrl[:, :0], 1) is None and eng.ctrl_poller(ctrl.transpose(0, 1), 1) is None
+    assert eng.ctrl_poller(ctrl, P.MAX_CTRL_BLOCKS + 1) is None
+    with pytest.raises(ValueError):
+        poll(flag, [None] * 2)
 
 
 @needs_native

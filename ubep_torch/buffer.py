@@ -274,6 +274,15 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
     """Every tensor among the arguments of ``fn`` (and inside tuple or list arguments: fp8 pairs, bias
     pairs, handles) lives in host memory, where the UGAS and the C loops read it by address; else
     ValueError naming the argument, before anything is read."""
+    for value in chain(args, kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            if value.is_cpu:
+                continue
+        elif not isinstance(value, (tuple, list)) or all(not isinstance(t, torch.Tensor) or t.is_cpu for t in value):
+            continue
+        break
+    else:
+        return                  # (the usual case, checked without naming anything)
     names = fn.__code__.co_varnames[1:1 + len(args)]
     for name, value in chain(zip(names, args), kwargs.items()):
         items = value if isinstance(value, (tuple, list)) else (value,)
@@ -322,12 +331,13 @@ def _collective(fn):
         _enter_call(self, fn.__name__)
         self._in_call = False
         calls = self._calls
+        grad = torch.is_grad_enabled()
         try:
             _check_host_tensors(fn, args, kwargs)
             if not self._destroyed and self._broken is None:
                 self._check_peers(f"{fn.__name__}: start of the call", self._calls + 1)
-            with torch.no_grad():
-                out = fn(self, *args, **kwargs)
+            torch._C._set_grad_enabled(False)      # (torch.no_grad() without its context-manager objects)
+            out = fn(self, *args, **kwargs)
         except BaseException as e:
             _raise_if_destroyed(self, e, fn.__name__)
             name_global_ranks(e, self._global_ranks)
@@ -337,6 +347,7 @@ def _collective(fn):
                 self._refuse()         # failed before reaching the peers: tell those waiting
             raise
         finally:
+            torch._C._set_grad_enabled(grad)
             self._in_call = False
             self._call_lock.release()
         hook = out[-1] if isinstance(out, tuple) and out and callable(out[-1]) else None
@@ -695,9 +706,10 @@ class Buffer:
 
         def same_call(missing):   # (the other regions too once the wait lasts: see _same_call)
             return self._same_call(region, half, flag, missing, next(polls) >= _POLLS_BEFORE_REGION_CHECK)
-        if eng.polls_ctrl(ctrl, nctrl):   # every source at once
+        poller = eng.ctrl_poller(ctrl, nctrl)
+        if poller is not None:   # every source at once
             got = [None] * self.group_size
-            self._wait(phase, lambda: same_call(eng.poll_ctrl(ctrl, nctrl, flag, got)))
+            self._wait(phase, lambda: same_call(poller(flag, got)))
             return dict(enumerate(got))
 
         def poll():
@@ -941,7 +953,8 @@ class Buffer:
         """``num_experts`` as an int: positive, divisible by the group size, and with few enough local experts
         that one control message carries their counts (and, in normal mode, the R token counts and the
         token total after them)."""
-        if isinstance(num_experts, bool) or not isinstance(num_experts, numbers.Integral) or num_experts <= 0:
+        if type(num_experts) is not int and (isinstance(num_experts, bool) or  # (ABC checks only for non-ints)
+                                             not isinstance(num_experts, numbers.Integral)) or num_experts <= 0:
             raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
         num_experts, R = int(num_experts), self.group_size
         if num_experts % R:
@@ -1689,7 +1702,7 @@ class Buffer:
             base.num_worst_tokens or base.num_recv
         if x.shape[0] not in (base.num_recv, rows_expected):
             raise ValueError(f"combine x has {x.shape[0]} rows; the handle received {base.num_recv}")
-        x = x[: base.num_recv].contiguous()
+        x = (x if x.shape[0] == base.num_recv else x[: base.num_recv]).contiguous()
         T, H = base.num_tokens, x.shape[1]
         K = 0
         if topk_weights is not None:

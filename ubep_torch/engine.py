@@ -264,7 +264,6 @@ class TorchEngine:
         meta_blk, meta_items = kept
         if items:
             meta_items.copy_(meta)
-        mw = meta_blk.view(torch.int64)
         parts = []          # per field: (first block, full blocks, data, bytes in the last partial block)
         for i, data in enumerate(fields):
             fb = fmt.field_blocks[i]
@@ -288,6 +287,7 @@ class TorchEngine:
                         self._scratch[key] = hdr
         elif sync in ("sp", "dc"):
             # the leading 32 B of every block, read from where the payload lives
+            mw = meta_blk.view(torch.int64)
             lead = torch.zeros(n, nb, 4, dtype=torch.int64)
             lead[:, 0] = mw[:, :4]
             for off, full, data, rem in parts:
@@ -468,14 +468,10 @@ class TorchEngine:
         """The payload words of an arrived control message, as Python ints."""
         return self.read_ctrl(ctrl).tolist()
 
-    def polls_ctrl(self, ctrl: torch.Tensor, nctrl: int) -> bool:
-        """Whether :meth:`poll_ctrl` polls every source's control message (``ctrl``: [R, max blocks, 512]
-        uint8, of which each message takes the first ``nctrl``) in one step; else callers poll source by
-        source with :meth:`ctrl_arrived` (this engine)."""
-        return False
-
-    def poll_ctrl(self, ctrl: torch.Tensor, nctrl: int, flag: int, words: list) -> list:
-        raise NotImplementedError("this engine polls control messages source by source (polls_ctrl is False)")
+    def ctrl_poller(self, ctrl: torch.Tensor, nctrl: int) -> Optional[Callable[[int, list], list]]:
+        """A step that polls every source's control message at once (see the native engine), or None where
+        callers poll source by source with :meth:`ctrl_arrived` (this engine)."""
+        return None
 
     def reorder_sources(self, fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]],
                         meta_out: Optional[torch.Tensor], src_out: Optional[torch.Tensor],

@@ -280,20 +280,23 @@ class NativeEngine(TorchEngine):
                               int(flag), fields, tuple(dests))
         return True
 
-    def polls_ctrl(self, ctrl: torch.Tensor, nctrl: int) -> bool:
-        """Whether ``poll_ctrl`` addresses these control blocks: every source's, [R, max blocks, 512] uint8
-        contiguous (``_Region.ctrl_sources``), of which each message takes the first ``nctrl``."""
-        return (ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and ctrl.is_contiguous()
-                and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1])
+    def ctrl_poller(self, ctrl: torch.Tensor, nctrl: int) -> Optional[Callable[[int, list], list]]:
+        """``poll(flag, words)``: one poll of every source's control message, where ``ctrl`` is every
+        source's control blocks, [R, max blocks, 512] uint8 contiguous (``_Region.ctrl_sources``), of which
+        each message takes the first ``nctrl``. ``words[s]`` (None until then, one entry per source)
+        becomes source s's payload words once its ``nctrl`` blocks carry ``flag``; it returns the sources
+        still missing. None where the C loop cannot address ``ctrl``."""
+        if not (ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and ctrl.is_contiguous()
+                and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1]):
+            return None
+        base, stride, world, native_poll = ctrl.data_ptr(), ctrl.stride(0), ctrl.shape[0], _native.poll_ctrl
 
-    def poll_ctrl(self, ctrl: torch.Tensor, nctrl: int, flag: int, words: list) -> list:
-        """One poll of every source's control message (``ctrl``: see ``polls_ctrl``): ``words[s]`` (None until
-        then) becomes source s's payload words once its ``nctrl`` blocks carry ``flag``. Returns the sources
-        still missing."""
-        if not self.polls_ctrl(ctrl, nctrl) or len(words) != ctrl.shape[0]:
-            raise ValueError("poll_ctrl: the control blocks are not [sources, blocks, 512] uint8 in host memory, "
-                             "one entry of words per source")
-        return _native.poll_ctrl(ctrl.data_ptr(), ctrl.stride(0), nctrl, int(flag), words)
+        def poll(flag: int, words: list) -> list:
+            if len(words) != world:
+                raise ValueError(f"poll_ctrl: {len(words)} entries of words for {world} sources")
+            return native_poll(base, stride, nctrl, flag, words)
+        poll.keep = ctrl      # (the blocks stay mapped while the poller lives)
+        return poll
 
     def reorder_sources(self, fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]],
                         meta_out: Optional[torch.Tensor], src_out: Optional[torch.Tensor],

@@ -308,13 +308,13 @@ def fresh(t: torch.Tensor) -> torch.Tensor:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """[n, ...] tensor -> [n, nbytes] uint8 view (contiguous rows required)."""
+    if t.dim() == 2 and t.stride(1) == 1 and t.is_contiguous() and t.numel():
+        return t.view(torch.uint8)       # one view: the last dimension widens to the row's bytes
     row = t.element_size()
     for d in t.shape[1:]:
         row *= d
     if t.numel() == 0:   # empty tensors may carry strides that no dtype view accepts
         return torch.empty(t.shape[0] if t.dim() else 0, row, dtype=torch.uint8)
-    if t.dim() == 2 and t.is_contiguous() and t.stride(1) == 1:
-        return t.view(torch.uint8)       # one view: the last dimension widens to the row's bytes
     t = t.contiguous()
     return t.view(torch.uint8).reshape(t.shape[0], row)
 

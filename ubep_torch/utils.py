@@ -157,15 +157,17 @@ class TensorCache:
         return self._refs(pool, i) <= self._base_refs and self._uses(pool, i) <= self._base_uses
 
     def empty(self, shape, dtype: "torch.dtype") -> "torch.Tensor":
-        n = 1
-        for d in shape:
-            n *= int(d)
+        shape = tuple(int(d) for d in shape)
+        n, strides = 1, []
+        for d in reversed(shape):
+            strides.append(n)
+            n *= d
         if n == 0 or self._use_count is None:
             return torch.empty(*shape, dtype=dtype)
         pool = self._entries.setdefault(dtype, [])      # kept in ascending size: the first free fit is the best
         for i in range(len(pool)):
             if pool[i].numel() >= n and self._free(pool, i):
-                return pool[i][:n].view(*shape)
+                return pool[i].as_strided(shape, strides[::-1])   # (one view op: a slice then a view take two)
         if len(pool) >= self.max_entries:
             victims = [i for i in range(len(pool)) if self._free(pool, i)]
             if not victims:
@@ -177,7 +179,7 @@ class TensorCache:
         while i < len(pool) and pool[i].numel() <= fresh.numel():
             i += 1
         pool.insert(i, fresh)
-        return fresh[:n].view(*shape)
+        return fresh.as_strided(shape, strides[::-1])
 
     def zeros(self, shape, dtype: "torch.dtype") -> "torch.Tensor":
         return self.empty(shape, dtype).zero_()
