@@ -667,13 +667,20 @@ static PyObject *local_topk(PyObject *self, PyObject *args) {
     int32_t *w = (int32_t *)(uintptr_t)w_p;
     for (Py_ssize_t r = 0; r < rows; r++) {
         const int32_t *m = meta + r * mw;
+        const int valid = r < valid_rows;
         for (Py_ssize_t k = 0; k < K; k++) {
+            /* (bitwise, not short-circuit: no branch on routing data, which is random) */
             const int64_t l = (int64_t)m[k] - lo;
-            const int ok = r < valid_rows && m[k] >= 0 && l >= 0 && l < E_local;
+            const int ok = valid & (m[k] >= 0) & (l >= 0) & (l < E_local);
             idx[r * K + k] = ok ? l : -1;
-            if (w)
-                for (Py_ssize_t j = 0; j < wsz; j++) w[(r * K + k) * wsz + j] = ok ? m[K + k * wsz + j] : 0;
         }
+        if (w && wsz == 1)      /* (float32 weights: one word each, a loop the compiler vectorizes) */
+            for (Py_ssize_t k = 0; k < K; k++) w[r * K + k] = idx[r * K + k] >= 0 ? m[K + k] : 0;
+        else if (w)
+            for (Py_ssize_t k = 0; k < K; k++) {
+                const int keep = idx[r * K + k] >= 0;
+                for (Py_ssize_t j = 0; j < wsz; j++) w[(r * K + k) * wsz + j] = keep ? m[K + k * wsz + j] : 0;
+            }
     }
     Py_RETURN_NONE;
 }
