@@ -528,6 +528,36 @@ def peer_failure_aborts_waits(ctx):
     return None, 0.0, None
 
 
+def interrupted_call_is_named(ctx):
+    """Rank 0 is interrupted (Ctrl-C: a KeyboardInterrupt, which has no message) in the first wait of its
+    third call (dispatch, combine, dispatch); its Buffer's later errors name the interruption and that
+    call, and the peer's call fails fast. Returns what each rank's later call (or the interrupted call,
+    for the peer) raised."""
+    buf = Buffer(ctx.group, 8 << 20, timeout_s=20.0)
+    E = 2 * ctx.world_size
+    topk = torch.arange(4).remainder(E).view(4, 1).to(torch.int64)
+    x = torch.randn(4, 64)
+    recv_x, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+    buf.combine(recv_x, h)
+
+    def interrupt(phase):
+        raise KeyboardInterrupt
+    try:
+        if ctx.rank == 0:
+            buf.delay_hook = interrupt
+            try:
+                buf.dispatch(x, topk_idx=topk, num_experts=E)
+            except KeyboardInterrupt:
+                pass
+            buf.delay_hook = None
+        buf.dispatch(x, topk_idx=topk, num_experts=E)
+    except ubep_torch.UBEPError as e:
+        return type(e).__name__, str(e)
+    finally:
+        buf.destroy()
+    return None, ""
+
+
 def peer_destroyed_its_buffer(ctx):
     """Rank 1 destroys its Buffer; rank 0's next call fails within about 50 ms naming rank 1, not at its
     deadline."""

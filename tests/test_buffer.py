@@ -125,6 +125,14 @@ def test_failure_on_four_ranks_names_the_rank_that_failed(pool4):
     assert all(name == "UBEPPeerAbortedError" and t < 5.0 and aborted == [0] for name, t, aborted in out[1:]), out
 
 
+def test_an_interrupted_call_is_named_in_later_errors(pool2):
+    """A KeyboardInterrupt has no message: the broken Buffer's later errors name it and its call (they
+    ended in "KeyboardInterrupt: " with nothing after it)."""
+    (n0, m0), (n1, _) = pool2.run(F.interrupted_call_is_named)
+    assert n0 == "UBEPBrokenError" and "KeyboardInterrupt during call 3 of this Buffer" in m0, m0
+    assert n1 == "UBEPPeerAbortedError"
+
+
 def test_a_peer_that_destroyed_its_buffer_is_named_at_once(pool2):
     out = pool2.run(F.peer_destroyed_its_buffer)
     assert out[1] is None and out[0][:2] == ([1], True) and out[0][2] < 5.0, out

@@ -905,7 +905,9 @@ class Buffer:
     def _fail(self, e: BaseException) -> None:
         name_global_ranks(e, self._global_ranks)      # (its text is kept for later calls' errors)
         if self._broken is None:
-            self._broken = f"{type(e).__name__}: {e}"
+            # (an exception without a message, such as Ctrl-C's KeyboardInterrupt, is named with its call)
+            self._broken = f"{type(e).__name__}: {e}" if str(e) else \
+                f"{type(e).__name__} during call {self._active_call} of this Buffer"
         gave_up = isinstance(e, (UBEPTimeoutError, UBEPPeerLostError, UBEPPeerAbortedError))
         self._signal_abort(P.ABORT_GAVE_UP if gave_up else P.ABORT_FAILED)
 
