@@ -157,17 +157,17 @@ class TensorCache:
         return self._refs(pool, i) <= self._base_refs and self._uses(pool, i) <= self._base_uses
 
     def empty(self, shape, dtype: "torch.dtype") -> "torch.Tensor":
-        shape = tuple(int(d) for d in shape)
+        shape = tuple(map(int, shape))
         n, strides = 1, []
         for d in reversed(shape):
-            strides.append(n)
+            strides.insert(0, n)
             n *= d
         if n == 0 or self._use_count is None:
             return torch.empty(*shape, dtype=dtype)
         pool = self._entries.setdefault(dtype, [])      # kept in ascending size: the first free fit is the best
         for i in range(len(pool)):
             if pool[i].numel() >= n and self._free(pool, i):
-                return pool[i].as_strided(shape, strides[::-1])   # (one view op: a slice then a view take two)
+                return pool[i].as_strided(shape, strides)   # (one view op: a slice then a view take two)
         if len(pool) >= self.max_entries:
             victims = [i for i in range(len(pool)) if self._free(pool, i)]
             if not victims:
@@ -179,7 +179,7 @@ class TensorCache:
         while i < len(pool) and pool[i].numel() <= fresh.numel():
             i += 1
         pool.insert(i, fresh)
-        return fresh.as_strided(shape, strides[::-1])
+        return fresh.as_strided(shape, strides)
 
     def zeros(self, shape, dtype: "torch.dtype") -> "torch.Tensor":
         return self.empty(shape, dtype).zero_()
