@@ -273,22 +273,22 @@ def _raise_if_destroyed(buf: "Buffer", e: BaseException, what: str) -> None:
 def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
     """Every tensor among the arguments of ``fn`` (and inside tuple or list arguments: fp8 pairs, bias
     pairs, handles) lives in host memory, where the UGAS and the C loops read it by address; else
-    ValueError naming the argument, before anything is read."""
-    for value in chain(args, kwargs.values()):
+    ValueError naming the argument, before anything is read. (One pass over the values; an argument's
+    name is looked up only for the one that fails.)"""
+    for k, value in enumerate(chain(args, kwargs.values())):
         if isinstance(value, torch.Tensor):
             if value.is_cpu:
                 continue
-        elif not isinstance(value, (tuple, list)) or all(not isinstance(t, torch.Tensor) or t.is_cpu for t in value):
+            where = ""
+        elif isinstance(value, (tuple, list)):
+            bad = [i for i, t in enumerate(value) if isinstance(t, torch.Tensor) and not t.is_cpu]
+            if not bad:
+                continue
+            where, value = f"[{bad[0]}]", value[bad[0]]
+        else:
             continue
-        break
-    else:
-        return                  # (the usual case, checked without naming anything)
-    names = fn.__code__.co_varnames[1:1 + len(args)]
-    for name, value in chain(zip(names, args), kwargs.items()):
-        items = value if isinstance(value, (tuple, list)) else (value,)
-        for i, t in enumerate(items):
-            if isinstance(t, torch.Tensor) and not t.is_cpu:
-                check_host(f"{fn.__name__}: {name}[{i}]" if items is value else f"{fn.__name__}: {name}", t)
+        name = fn.__code__.co_varnames[1 + k] if k < len(args) else list(kwargs)[k - len(args)]
+        check_host(f"{fn.__name__}: {name}{where}", value)
 
 
 def _group_global_ranks(group) -> List[int]:
