@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import ubep_torch
 from ubep_torch import Buffer
+from ubep_torch.fp8 import per_token_cast_back
 
 
 def get_buffer(ctx, sync="tff", backend="auto", low_latency=False, N=16, H=256, E=8, timeout_s=30.0):
@@ -115,7 +116,7 @@ def ll_reference(all_x, all_topk, rank, E, N):
 
 
 def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, hook=False, zero_copy=False,
-                 backend="auto"):
+                 backend="auto", ue8m0=False):
     buf = get_buffer(ctx, sync, low_latency=True, N=N, H=H, E=E, backend=backend)
     R, r = ctx.world_size, ctx.rank
     topk, w = make_routing(seed, r, T, K, E)
@@ -123,7 +124,8 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     x = torch.randn(T, H, generator=g).bfloat16()
     stats = torch.zeros(E // R, dtype=torch.int32)
     recv_x, recv_count, handle, _, hk = buf.low_latency_dispatch(
-        x, topk, N, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8, return_recv_hook=hook)
+        x, topk, N, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8, round_scale=ue8m0, use_ue8m0=ue8m0,
+        return_recv_hook=hook)
     if hook:
         # the call has read x: the caller may reuse its memory before the hook (every row, its own rank's too,
         # must be x as it was at the call)
@@ -141,6 +143,10 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     ref = ll_reference(all_x, all_topk, r, E, N)
     src_info, layout_range = handle[0], handle[1]
     El = E // R
+    scales = recv_x[1] if use_fp8 else None
+    if ue8m0:   # UE8M0: one exponent byte per 128 channels, four per int32; the scale is 2 ** (byte - 127)
+        assert scales.dtype == torch.int32 and tuple(scales.shape) == (El, R * N, H // 512), scales.shape
+        scales = torch.exp2(scales.contiguous().view(torch.uint8).float() - 127)
     for e in range(El):
         assert int(recv_count[e]) == len(ref[e]), (e, int(recv_count[e]), len(ref[e]))
         for j, (s, t) in enumerate(ref[e]):
@@ -148,8 +154,7 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
             begin, cnt = int(layout_range[e, s]) >> 32, int(layout_range[e, s]) & 0xFFFFFFFF
             assert begin <= j < begin + cnt
             if use_fp8:
-                q, sc = recv_x
-                deq = (q[e, j].float().view(-1, 128) * sc[e, j].unsqueeze(1)).view(-1)
+                deq = (recv_x[0][e, j].float().view(-1, 128) * scales[e, j].unsqueeze(1)).view(-1)
                 assert torch.allclose(deq, all_x[s][t].float(), rtol=0.07, atol=0.02)
             else:
                 assert torch.equal(recv_x[e, j], all_x[s][t])
@@ -157,8 +162,10 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     # identity experts, weighted combine == x * sum(w) over valid slots
     y = recv_x
     if use_fp8:
-        q, sc = recv_x
-        y = (q.float().view(El, R * N, H // 128, 128) * sc.unsqueeze(-1)).view(El, R * N, H).bfloat16()
+        y = (recv_x[0].float().view(El, R * N, H // 128, 128) * scales.unsqueeze(-1)).view(El, R * N, H).bfloat16()
+        back = per_token_cast_back(*recv_x)     # (rows past recv_count hold anything: compared up to it)
+        assert all(torch.equal(back[e, :c], y[e, :c]) for e, c in enumerate(recv_count.tolist())), \
+            "per_token_cast_back differs from the plain dequantization"
     if zero_copy:
         buf.get_next_low_latency_combine_buffer(handle).copy_(y)
     out, _, hk2 = buf.low_latency_combine(y, topk, w, handle, zero_copy=zero_copy, return_recv_hook=hook)

@@ -2,7 +2,8 @@
 space, with DeepEP's ``Buffer`` API.
 
 Where things live: ``ugas`` (shared-memory heap and peer views), ``protocol`` (DataBlocks, flags, epochs,
-slot layout), ``engine`` (the torch data path), ``buffer`` (the public ``Buffer``), ``kernels`` (Triton).
+slot layout), ``engine`` (the torch data path), ``buffer`` (the public ``Buffer``), ``kernels`` (Triton),
+``fp8`` (the fp8 row format dispatch takes and returns, and DeepEP's ``calc_diff``).
 """
 from . import functional, nn
 from .buffer import Buffer, DispatchHandle, LowLatencyHandle
@@ -14,6 +15,7 @@ from .errors import (
                      UBEPTimeoutError,
                      UBEPUsageError,
 )
+from .fp8 import calc_diff, per_token_cast_back, per_token_cast_to_fp8
 from .utils import Config, EventOverlap
 
 __version__ = "0.1.0"
@@ -21,5 +23,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Buffer", "Config", "EventOverlap", "DispatchHandle", "LowLatencyHandle",
     "UBEPError", "UBEPTimeoutError", "UBEPPeerLostError", "UBEPPeerAbortedError", "UBEPBrokenError", "UBEPUsageError",
-    "functional", "nn",
+    "functional", "nn", "per_token_cast_to_fp8", "per_token_cast_back", "calc_diff",
 ]

@@ -42,6 +42,7 @@ from .errors import (
     name_global_ranks,
     refusal,
 )
+from .fp8 import FP8, pack_ue8m0, per_token_cast_to_fp8
 from .ugas import SymmetricHeap
 from .utils import Config, EventOverlap, TensorCache, check_count, check_host
 
@@ -52,7 +53,6 @@ _ACK_WORDS = 2 * _AUX_REGIONS
 _SYNC_ROW, _ABORT_ROW, _REFUSED_ROW, _REFUSED_AT_ROW = _ACK_WORDS, _ACK_WORDS + 1, _ACK_WORDS + 2, _ACK_WORDS + 3
 _AUX_ROWS = _ACK_WORDS + 4
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_FP8 = getattr(torch, "float8_e4m3fn", None)
 _TOPK_RANGE = "{name} values must be in [-1, {E}); got min {lo}, max {hi} (rank {rank})"
 _LL_MAX_TOPK = 16         # top-k the low-latency size hint provisions for
 _RECENT_HANDLES = 16      # handles recognised from their plain-tuple copies (per mode)
@@ -992,7 +992,7 @@ class Buffer:
             data, scales = x
             if not isinstance(data, torch.Tensor) or not isinstance(scales, torch.Tensor):
                 raise TypeError("x tuple entries must be tensors")
-            if _FP8 is None or data.dtype != _FP8:
+            if FP8 is None or data.dtype != FP8:
                 raise TypeError(f"x[0] must be torch.float8_e4m3fn, got {data.dtype}")
             if data.dim() != 2:
                 raise ValueError(f"x[0] must be [num_tokens, hidden], got {tuple(data.shape)}")
@@ -1851,7 +1851,7 @@ class Buffer:
         _check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, R)
         x = x.contiguous()
         if use_fp8:
-            xq, sc = _quantize_fp8(x, round_scale)
+            xq, sc = per_token_cast_to_fp8(x, round_scale)
             fields_data = [P.as_bytes(xq), P.as_bytes(sc)]
             fields = (("x", H), ("scales", (H // 128) * 4))
         else:
@@ -1910,7 +1910,7 @@ class Buffer:
         local_x = (xq, sc) if use_fp8 else (x, None)
 
         if use_fp8:
-            recv_x = self._out.empty((E_local, R * N, H), _FP8)
+            recv_x = self._out.empty((E_local, R * N, H), FP8)
             recv_sc = self._out.zeros((E_local, R * N, H // 128), torch.float32)
         else:
             recv_x = self._out.empty((E_local, R * N, H), torch.bfloat16)
@@ -2094,7 +2094,7 @@ class Buffer:
                 fmt.fields[1][1] if use_fp8 else 0))
 
         if use_fp8:
-            out_x = (recv_x, _pack_ue8m0(recv_sc) if use_ue8m0 else recv_sc)
+            out_x = (recv_x, pack_ue8m0(recv_sc) if use_ue8m0 else recv_sc)
         else:
             out_x = recv_x
         if return_recv_hook:
@@ -2102,12 +2102,12 @@ class Buffer:
             if use_ue8m0:
                 def hook():
                     receive()
-                    out_x[1].copy_(_pack_ue8m0(recv_sc))
+                    out_x[1].copy_(pack_ue8m0(recv_sc))
                 return out_x, recv_count, handle, EventOverlap(None), hook
             return out_x, recv_count, handle, EventOverlap(None), receive
         receive()
         if use_ue8m0:
-            out_x = (recv_x, _pack_ue8m0(recv_sc))
+            out_x = (recv_x, pack_ue8m0(recv_sc))
         return out_x, recv_count, handle, EventOverlap(None), None
 
     def _check_in_flight(self, rid: int) -> None:
@@ -2511,21 +2511,3 @@ def _match_pairs(topk_idx: torch.Tensor, dispatched: torch.Tensor, dispatched_po
     if dispatched.shape[1] == 0:
         return kd
     return torch.gather(dispatched_pos, 1, kd)
-
-
-def _quantize_fp8(x: torch.Tensor, round_scale: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-128-channel e4m3 quantization: scale = amax / 448 (optionally rounded up to a power of 2)."""
-    T, H = x.shape
-    xf = x.float().view(T, H // 128, 128)
-    amax = xf.abs().amax(-1).clamp(min=1e-4)
-    scale = amax / 448.0
-    if round_scale:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (xf / scale.unsqueeze(-1)).clamp(-448, 448).view(T, H).to(_FP8)
-    return q.contiguous(), scale.contiguous()
-
-
-def _pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
-    """Power-of-two float32 scales [.., G] -> UE8M0 exponent bytes packed 4 per int32 [.., G/4]."""
-    exp = ((P.fresh(scales).view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-    return P.fresh(exp).view(torch.int32)
