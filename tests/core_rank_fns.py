@@ -215,9 +215,13 @@ def ll_zero_copy_shapes(ctx, T=4, H=128, K=2, E=8, N=16):
 def low_latency_only_buffer(ctx, T=4, H=128, E=4):
     """A low-latency Buffer built with num_nvl_bytes=0 reserves no normal region (as in DeepEP, it serves
     low-latency calls): a normal dispatch is refused with a ValueError naming num_nvl_bytes, and the
-    Buffer stays usable. Returns the segment's bytes per rank."""
-    buf = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(T, H, ctx.world_size, E), low_latency_mode=True,
-                 timeout_s=30.0)
+    Buffer stays usable. Returns the segment's bytes per rank. (Built with DeepEP's positional arguments,
+    num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, and its newer
+    use_fabric keyword.)"""
+    buf = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(T, H, ctx.world_size, E), True, 12, True, False,
+                 True, use_fabric=True, timeout_s=30.0)
+    assert buf.low_latency_mode and buf.explicitly_destroy and buf.num_qps_per_rank == 12
+    assert (buf.get_num_rdma_ranks(), buf.get_rdma_rank()) == (1, 0)
     topk, w = make_routing(3, ctx.rank, T, 2, E, drop=0.0)
     x = torch.randn(T, H).bfloat16()
     try:

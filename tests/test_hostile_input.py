@@ -560,6 +560,14 @@ def test_argument_checks_without_a_process_group():
     assert Buffer.num_sms == 20 and Config().num_sms == 20      # DeepEP's default
     with pytest.raises(TypeError, match="num_sms"):
         Buffer.set_num_sms("x")
+    for odd in (1, 23):                                          # DeepEP asserts an even count
+        with pytest.raises(ValueError, match="num_sms must be even"):
+            Buffer.set_num_sms(odd)
+    assert Buffer.num_sms == 20 and Buffer.is_sm90_compiled()
+    with pytest.raises(ValueError, match="enable_shrink=True"):
+        Buffer(None, enable_shrink=True)
+    with pytest.raises(ValueError, match="comm="):
+        Buffer(None, comm=object())
     with pytest.raises(ValueError, match="num_sms"):
         Config(num_sms=0)
     with pytest.raises(ValueError, match="num_ranks"):

@@ -398,8 +398,10 @@ class Buffer:
             Buffer's shared memory is reserved when it is built.
         num_rdma_bytes: bytes of the low-latency region (``get_low_latency_rdma_size_hint``).
         low_latency_mode: enables the low-latency region.
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy: accepted for
-            DeepEP compatibility (no queue pairs exist in shared memory).
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, use_fabric:
+            accepted for DeepEP compatibility (no queue pairs or fabric handles exist in shared memory).
+        enable_shrink, comm: newer DeepEP options that this Buffer does not have: only their defaults
+            (False, None) are accepted.
         timeout_s: deadline of every wait (``UBEP_TIMEOUT_S`` overrides).
         sync: Data-as-Flag variant for payload blocks: ``"tff"`` (default), ``"dc"``, ``"sp"`` or ``"sw"``.
         backend: ``"auto"`` (the C data path ``ubep_torch._native`` when it was built and ``UBEP_NATIVE`` is not
@@ -425,9 +427,16 @@ class Buffer:
                  sync: str = "tff", backend: str = "auto", cost_model=None,
                  on_report: Optional[Callable] = None, num_max_tokens_per_rank: Optional[int] = None,
                  hidden: Optional[int] = None, shm_dir: Optional[str] = None,
-                 num_count_aivs: Optional[int] = None):
+                 num_count_aivs: Optional[int] = None, use_fabric: bool = False, enable_shrink: bool = False,
+                 comm=None):
         with torch.inference_mode(False):   # the Buffer's memory is reused in any mode later: plain tensors
             try:
+                if enable_shrink:
+                    raise ValueError("enable_shrink=True (DeepEP's masking of failed ranks in low-latency mode) is "
+                                     "not supported: a rank that fails makes its peers raise instead")
+                if comm is not None:
+                    raise ValueError("comm= (an MPI communicator for DeepEP's set-up) is not used: the Buffer "
+                                     "sets up over its torch.distributed group; leave it None")
                 self._init(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                            allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, timeout_s, sync,
                            backend, cost_model, on_report, num_max_tokens_per_rank, hidden, shm_dir, num_count_aivs)
@@ -576,8 +585,26 @@ class Buffer:
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """DeepEP's SM count for the configs below; recorded (and checked) only, as no SMs exist here."""
-        Buffer.num_sms = check_count("num_sms", new_num_sms, 1)
+        """DeepEP's SM count for the configs below; recorded (and checked: positive and even, as in DeepEP)
+        only, as no SMs exist here."""
+        n = check_count("num_sms", new_num_sms, 1)
+        if n % 2:
+            raise ValueError(f"num_sms must be even (DeepEP runs its channels in SM pairs), got {n}")
+        Buffer.num_sms = n
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: what DeepEP's SM90 build adds (fp8 dispatch and low-latency mode) is available here; DeepEP's
+        tests check this before their fp8 cases."""
+        return True
+
+    def get_num_rdma_ranks(self) -> int:
+        """1: every rank of the group shares one host's memory, as the NVLink ranks of one node in DeepEP."""
+        return 1
+
+    def get_rdma_rank(self) -> int:
+        """0: this rank's node among the RDMA ranks (see ``get_num_rdma_ranks``)."""
+        return 0
 
     @staticmethod
     def capture() -> EventOverlap:

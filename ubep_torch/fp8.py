@@ -43,7 +43,9 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> Tuple[t
             exactly representable as UE8M0 exponents).
     Returns:
         ``(x_fp8 [..., H] float8_e4m3fn, scales [..., H/128] float32)``, both contiguous. A group's scale is
-        its largest magnitude (at least 1e-4) over 448, so the group's values fill e4m3's range.
+        its largest magnitude (at least 1e-4) over 448, so the group's values fill e4m3's range; they are
+        multiplied by ``448 / amax`` in float32, as DeepEP's ``per_token_cast_to_fp8`` and its low-latency
+        kernels do, so the bits agree with theirs.
     """
     _need_fp8()
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype == FP8:
@@ -52,10 +54,14 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> Tuple[t
     H = _check_hidden("x", x)
     lead = x.shape[:-1]
     xf = x.float().reshape(x.numel() // H, H // GROUP, GROUP)
-    scale = xf.abs().amax(-1).clamp(min=_MIN_AMAX) / FP8_MAX
+    amax = xf.abs().amax(-1).clamp(min=_MIN_AMAX)
+    scale = amax / FP8_MAX
     if round_scale:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        inv = 1.0 / scale                       # (a power of two: exact)
+    else:
+        inv = FP8_MAX / amax                    # (multiplied, not divided by the scale: DeepEP's rounding)
+    q = (xf * inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.reshape(*lead, H).contiguous(), scale.reshape(*lead, H // GROUP).contiguous()
 
 
