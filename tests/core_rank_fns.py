@@ -212,6 +212,29 @@ def ll_zero_copy_shapes(ctx, T=4, H=128, K=2, E=8, N=16):
     return True
 
 
+def context_manager_and_repr(ctx, T=4, H=128, E=4):
+    """``with Buffer(...)`` destroys the Buffer at the end of the block, also when the block raises; the repr
+    says where the Buffer stands."""
+    R = ctx.world_size
+    with Buffer(ctx.group, 1 << 20, 0, timeout_s=30.0) as buf:
+        assert repr(buf) == f"<ubep_torch.Buffer rank {ctx.rank} of {R}, normal 1.0 MiB, sync='tff', " \
+                            f"backend={buf.backend!r}, 0 calls>", repr(buf)
+        topk, w = make_routing(5, ctx.rank, T, 2, E, drop=0.0)
+        x = torch.randn(T, H).bfloat16()
+        d = buf.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=E)
+        buf.combine(d[0], d[4])
+        assert repr(buf).endswith(", 2 calls>"), repr(buf)
+    assert not buf.is_available() and repr(buf).endswith(", destroyed>"), repr(buf)
+    try:
+        with Buffer(ctx.group, 1 << 20, 0, timeout_s=30.0) as other:
+            raise KeyError("inside the block")
+    except KeyError:
+        pass
+    else:
+        raise AssertionError("the exception inside the with block was swallowed")
+    assert not other.is_available()
+
+
 def low_latency_only_buffer(ctx, T=4, H=128, E=4):
     """A low-latency Buffer built with num_nvl_bytes=0 reserves no normal region (as in DeepEP, it serves
     low-latency calls): a normal dispatch is refused with a ValueError naming num_nvl_bytes, and the
@@ -561,6 +584,7 @@ def interrupted_call_is_named(ctx):
             except KeyboardInterrupt:
                 pass
             buf.delay_hook = None
+            assert repr(buf).endswith(", broken (KeyboardInterrupt during call 3 of this Buffer)>"), repr(buf)
         buf.dispatch(x, topk_idx=topk, num_experts=E)
     except ubep_torch.UBEPError as e:
         return type(e).__name__, str(e)

@@ -67,6 +67,10 @@ def test_low_latency_fp8_with_ue8m0_scales(pool2):
     pool2.run(F.ll_roundtrip, "tff", H=512, use_fp8=True, ue8m0=True, seed=5)
 
 
+def test_with_block_destroys_the_buffer_and_repr_tells_its_state(pool2):
+    pool2.run(F.context_manager_and_repr)
+
+
 def test_low_latency_buffer_without_normal_region(pool2):
     """(former behaviour: num_nvl_bytes=0 in low-latency mode still reserved a 256 MiB normal region)"""
     assert all(n < 16 << 20 for n in pool2.run(F.low_latency_only_buffer))

@@ -583,6 +583,25 @@ class Buffer:
         peer, corrupted control message) has made it unusable."""
         return not self._destroyed and self._broken is None
 
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """``with Buffer(...) as buf:`` destroys the Buffer when the block ends, on an exception too (which
+        then propagates)."""
+        self.destroy()
+
+    def __repr__(self) -> str:
+        try:
+            state = "destroyed" if self._destroyed else f"broken ({self._broken})" if self._broken else \
+                f"{self._calls} calls"
+            regions = f"normal {self.num_nvl_bytes / 2**20:.1f} MiB" + (
+                f", low-latency {self.num_rdma_bytes / 2**20:.1f} MiB" if self.low_latency_mode else "")
+            return (f"<ubep_torch.Buffer rank {self.rank} of {self.group_size}, {regions}, sync={self.sync!r}, "
+                    f"backend={self.backend!r}, {state}>")
+        except AttributeError:       # (a Buffer whose set-up failed)
+            return "<ubep_torch.Buffer, not set up>"
+
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         """DeepEP's SM count for the configs below; recorded (and checked: positive and even, as in DeepEP)
