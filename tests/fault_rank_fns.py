@@ -833,3 +833,10 @@ def peer_leaves_before_mapping(ctx):
     finally:
         ugas.SymmetricHeap._map_peer = real
     return out
+
+
+def exit_on_rank(ctx, rank: int, code: int) -> int:
+    """The process of ``rank`` exits at once with ``code`` (a crash from the pool's point of view)."""
+    if ctx.rank == rank:
+        os._exit(code)
+    return ctx.rank

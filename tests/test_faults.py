@@ -474,3 +474,21 @@ def test_combines_of_different_dispatches_fail_instead_of_mixing_rows(mode):
     with RankPool(2, env=env) as pool:
         out = pool.run(FR.swapped_combines, mode, timeout_s=60)
     assert all(name == "UBEPError" and "same dispatch" in msg for name, msg in out), out
+
+
+def test_rank_pool_reports_a_rank_process_that_died_at_once():
+    """``RankPool.run`` names a rank whose process exited without answering (here with code 3) within a
+    second, not at the pool's deadline, and the answers of the other ranks stay out of the error."""
+    import time
+
+    from ubep_torch.testing import RankFailure
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env, timeout_s=60) as pool:
+        assert pool.run(FR.exit_on_rank, -1, 0) == [0, 1]
+        start = time.monotonic()
+        with pytest.raises(RankFailure) as info:
+            pool.run(FR.exit_on_rank, 1, 3)
+        took = time.monotonic() - start
+    assert took < 5, took
+    assert list(info.value.failures) == [1] and "exited (code 3) before answering" in info.value.failures[1], \
+        info.value.failures

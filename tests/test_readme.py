@@ -20,3 +20,20 @@ def test_readme_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")]
     assert set(glob.glob(logs)) <= before, "torchrun's log directory was left behind"
+
+
+def test_readme_rank_pool_example_runs(tmp_path):
+    """The README's second example (RankPool, 4 ranks, no torchrun) runs as written and says it is correct."""
+    import subprocess
+    import sys
+    text = open(os.path.join(ROOT, "README.md")).read()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 2, "README has no RankPool example"
+    script = tmp_path / "pool_example.py"
+    script.write_text(blocks[1])
+    env = dict(os.environ, PYTHONPATH=ROOT, UBEP_SHM_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 4 and all(line.endswith("combine correct: True") for line in lines), proc.stdout
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")]

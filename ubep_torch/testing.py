@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
@@ -95,14 +96,23 @@ class RankPool:
             q.put((fn, args, kwargs))
         results: Dict[int, Any] = {}
         failures: Dict[int, str] = {}
-        deadline = timeout_s or self.timeout_s
-        for _ in range(self.world_size):
+        limit = timeout_s or self.timeout_s
+        deadline = time.monotonic() + limit
+        while len(results) + len(failures) < self.world_size:
             try:
-                rank, ok, value = self._outbox.get(timeout=deadline)
+                # (short waits: a rank process that died is reported at once, not at the deadline)
+                rank, ok, value = self._outbox.get(timeout=min(0.2, max(deadline - time.monotonic(), 0.0)))
             except queue.Empty:
                 missing = [r for r in range(self.world_size) if r not in results and r not in failures]
+                dead = {r: self._procs[r].exitcode for r in missing if not self._procs[r].is_alive()}
+                if not dead and time.monotonic() < deadline:
+                    continue
                 self.close(force=True)
-                raise RankFailure({r: f"no answer within {deadline}s" for r in missing} | failures) from None
+                why = {r: f"its process exited (code {code}) before answering (at start-up, that is usually a "
+                          f"function the spawned ranks cannot import: define it in a module or a script file, "
+                          f"not in an interactive session or a script read from stdin)" for r, code in dead.items()}
+                why.update({r: f"no answer within {limit}s" for r in missing if r not in dead})
+                raise RankFailure(why | failures) from None
             (results if ok else failures)[rank] = value
         if failures:
             raise RankFailure(failures)
