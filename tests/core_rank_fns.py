@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import ubep_torch
 from ubep_torch import Buffer
-from ubep_torch.fp8 import per_token_cast_back
+from ubep_torch.fp8 import low_latency_cast_to_fp8, per_token_cast_back
 
 
 def get_buffer(ctx, sync="tff", backend="auto", low_latency=False, N=16, H=256, E=8, timeout_s=30.0):
@@ -147,6 +147,8 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     if ue8m0:   # UE8M0: one exponent byte per 128 channels, four per int32; the scale is 2 ** (byte - 127)
         assert scales.dtype == torch.int32 and tuple(scales.shape) == (El, R * N, H // 512), scales.shape
         scales = torch.exp2(scales.contiguous().view(torch.uint8).float() - 127)
+    # fp8 rows carry the bits of DeepEP's low-latency kernel quantization of the source's tokens
+    sent = [low_latency_cast_to_fp8(xs, round_scale=ue8m0) for xs in all_x] if use_fp8 else None
     for e in range(El):
         assert int(recv_count[e]) == len(ref[e]), (e, int(recv_count[e]), len(ref[e]))
         for j, (s, t) in enumerate(ref[e]):
@@ -154,6 +156,8 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
             begin, cnt = int(layout_range[e, s]) >> 32, int(layout_range[e, s]) & 0xFFFFFFFF
             assert begin <= j < begin + cnt
             if use_fp8:
+                assert torch.equal(recv_x[0][e, j].view(torch.uint8), sent[s][0][t].view(torch.uint8))
+                assert torch.equal(scales[e, j], sent[s][1][t])
                 deq = (recv_x[0][e, j].float().view(-1, 128) * scales[e, j].unsqueeze(1)).view(-1)
                 assert torch.allclose(deq, all_x[s][t].float(), rtol=0.07, atol=0.02)
             else:
@@ -238,9 +242,9 @@ def context_manager_and_repr(ctx, T=4, H=128, E=4):
 def low_latency_only_buffer(ctx, T=4, H=128, E=4):
     """A low-latency Buffer built with num_nvl_bytes=0 reserves no normal region (as in DeepEP, it serves
     low-latency calls): a normal dispatch is refused with a ValueError naming num_nvl_bytes, and the
-    Buffer stays usable. Returns the segment's bytes per rank. (Built with DeepEP's positional arguments,
-    num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, and its newer
-    use_fabric keyword.)"""
+    Buffer stays usable. Returns the segment's bytes per rank. (Built with the legacy Buffer's positional
+    order, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, and the
+    newer use_fabric keyword.)"""
     buf = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(T, H, ctx.world_size, E), True, 12, True, False,
                  True, use_fabric=True, timeout_s=30.0)
     assert buf.low_latency_mode and buf.explicitly_destroy and buf.num_qps_per_rank == 12

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ubep_torch import Buffer
 from ubep_torch.buffer import normal_buffer_bytes
-from ubep_torch.fp8 import per_token_cast_to_fp8
+from ubep_torch.fp8 import low_latency_cast_to_fp8
 
 N_LL = 16          # num_max_dispatch_tokens_per_rank of the low-latency calls
 H_MAX = 256
@@ -399,7 +399,7 @@ def ll_reference(all_in, me, E, R, p):
 def ll_sender_payload(x64: torch.Tensor, p: dict):
     x = x64.to(torch.bfloat16)
     if p["use_fp8"]:
-        q, sc = per_token_cast_to_fp8(x, p["round_scale"])
+        q, sc = low_latency_cast_to_fp8(x, p["round_scale"])
         return x, q, sc
     return x, None, None
 

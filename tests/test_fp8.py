@@ -4,7 +4,15 @@ import pytest
 import torch
 
 import ubep_torch
-from ubep_torch.fp8 import calc_diff, pack_ue8m0, per_token_cast_back, per_token_cast_to_fp8, unpack_ue8m0
+import ubep_torch.native_engine
+from ubep_torch.fp8 import (
+    calc_diff,
+    low_latency_cast_to_fp8,
+    pack_ue8m0,
+    per_token_cast_back,
+    per_token_cast_to_fp8,
+    unpack_ue8m0,
+)
 
 
 def _groups(t: torch.Tensor) -> torch.Tensor:
@@ -30,6 +38,39 @@ def test_cast_to_fp8_follows_its_definition(dtype):
     assert torch.equal(_groups(q).abs().amax(-1)[nz], torch.full_like(amax[nz], 448.0))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_low_latency_cast_follows_deepeps_kernel(dtype):
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(6, 512, generator=g) * torch.logspace(-2, 2, 6).view(6, 1)).to(dtype)
+    q, sc = low_latency_cast_to_fp8(x)
+    amax = _groups(x).abs().amax(-1).clamp(min=1e-4)
+    # the kernel: scale = amax * float32(1/448); values times the correctly rounded 448 / amax
+    ref_sc = amax * torch.tensor(1 / 448, dtype=torch.float32)
+    mult = torch.div(torch.full_like(amax, 448.0), amax)
+    ref_q = (_groups(x) * mult.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(x.shape)
+    assert torch.equal(sc, ref_sc) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+def test_the_two_roundings_differ_where_deepeps_do():
+    """-0.0010528564453125 in a group whose amax is 0.0028076171875 is -168 exactly after scaling, halfway
+    between e4m3's -160 and -176: the kernel's correctly rounded 448 / amax keeps it a tie, which rounds to
+    the even -160; the test helper's reciprocal-times-448 lands above it, on -176."""
+    x = torch.zeros(1, 128, dtype=torch.bfloat16)
+    x[0, 0], x[0, 1] = 0.0028076171875, -0.0010528564453125
+    assert low_latency_cast_to_fp8(x)[0][0, 1].item() == -160.0
+    assert per_token_cast_to_fp8(x)[0][0, 1].item() == -176.0
+
+
+@pytest.mark.parametrize("cast", [per_token_cast_to_fp8, low_latency_cast_to_fp8])
+def test_rounded_scales_round_up_just_above_a_power_of_two(cast):
+    """amax / 448 just above 2**-8 rounds up to 2**-7 (exp2(ceil(log2(s))) of float32 rounds it down)."""
+    amax = torch.nextafter(torch.tensor(1.75), torch.tensor(2.0))
+    x = torch.zeros(1, 128)
+    x[0, 0] = amax
+    q, sc = cast(x, round_scale=True)
+    assert sc.item() == 2.0 ** -7 and q[0, 0].item() == 224.0     # 1.75 / 2**-7, nothing clipped
+
+
 def test_cast_back_is_within_e4m3_rounding():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 1024, generator=g) * torch.rand(64, 1, generator=g) * 10
@@ -45,17 +86,28 @@ def test_cast_back_is_within_e4m3_rounding():
 
 def test_rounded_scales_are_powers_of_two_and_pack_into_ue8m0():
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, 7, 1024, generator=g).bfloat16() * 3
+    x = torch.randn(2, 8, 1024, generator=g).bfloat16() * 3
     q, sc = per_token_cast_to_fp8(x, round_scale=True)
     mant, _ = torch.frexp(sc)
     assert (mant == 0.5).all()                                  # 2^k exactly
     assert (sc >= _groups(x).abs().amax(-1) / 448).all()       # rounded up: nothing clipped
     packed = pack_ue8m0(sc)
-    assert packed.dtype == torch.int32 and packed.shape == (2, 7, 2)
+    assert packed.dtype == torch.int32 and packed.shape == (2, 8, 2)
     # byte i of the packed words is group i's biased exponent: the scale is 2 ** (byte - 127)
     assert torch.equal(torch.exp2(packed.view(torch.uint8).float() - 127), sc)
     assert torch.equal(unpack_ue8m0(packed), sc)
     assert torch.equal(per_token_cast_back(q, packed), per_token_cast_back(q, sc))
+    # views as DeepEP's tests make them: [rows, H] values with the scales viewed as [-1, H/128]
+    flat = per_token_cast_back(q.view(-1, 1024), packed.view(-1, 1024 // 128))
+    assert torch.equal(flat, per_token_cast_back(q, sc).view(-1, 1024))
+    zero = torch.zeros(2, 4)                                    # (an unused row's scales)
+    assert torch.equal(pack_ue8m0(zero), torch.zeros(2, 1, dtype=torch.int32))
+    assert torch.equal(unpack_ue8m0(pack_ue8m0(zero)), zero)
+    for bad in (torch.full((1, 4), 0.75), torch.full((1, 4), -0.5), torch.full((1, 4), float("nan"))):
+        with pytest.raises(ValueError, match="powers of two"):
+            pack_ue8m0(bad)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        pack_ue8m0(torch.ones(2, 6))
 
 
 def test_calc_diff_is_deepeps_measure():
@@ -74,13 +126,15 @@ def test_bad_arguments_are_named():
     q, sc = per_token_cast_to_fp8(torch.randn(4, 256))
     with pytest.raises(ValueError, match="multiple of 128"):
         per_token_cast_to_fp8(torch.randn(4, 200))
-    with pytest.raises(TypeError, match="bf16, fp16 or float32"):
+    with pytest.raises(TypeError, match="bf16, fp16, float32 or float64"):
         per_token_cast_to_fp8(torch.ones(4, 128, dtype=torch.int32))
+    with pytest.raises(TypeError, match="bf16, fp16, float32 or float64"):
+        per_token_cast_to_fp8(torch.ones(4, 128).to(torch.float8_e5m2))
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         per_token_cast_back(q.float(), sc)
-    with pytest.raises(ValueError, match=r"scales must have shape \(4, 2\)"):
+    with pytest.raises(ValueError, match=r"are 8 float32 values \(shape \(4, 2\): one per 128 channels\), got 4"):
         per_token_cast_back(q, sc[:, :1])
-    with pytest.raises(ValueError, match="multiple of 512"):
+    with pytest.raises(ValueError, match=r"are 2 int32 words \(shape \(4, 0\).*got 4"):
         per_token_cast_back(q, torch.zeros(4, 1, dtype=torch.int32))
     # empty batches keep their shapes
     e_q, e_sc = per_token_cast_to_fp8(torch.randn(0, 256))
@@ -91,3 +145,63 @@ def test_helpers_are_exported_at_the_top():
     assert ubep_torch.per_token_cast_to_fp8 is per_token_cast_to_fp8
     assert ubep_torch.per_token_cast_back is per_token_cast_back
     assert ubep_torch.calc_diff is calc_diff
+
+
+def _torch_cast(cast, x, **kw):
+    """``cast`` with torch operators only (the C pass switched off)."""
+    import ubep_torch.fp8 as fp8
+    saved = fp8._native_module
+    fp8._native_module = lambda: None
+    try:
+        return cast(x, **kw)
+    finally:
+        fp8._native_module = saved
+
+
+def _e4m3_probe_values() -> torch.Tensor:
+    """Every finite e4m3 value, the midpoints between neighbours (ties), one float32 step either side of
+    them, the subnormal range on a fine grid, and random values, all within +-448."""
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    up, down = torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)
+    fine = torch.linspace(-2.0 ** -5, 2.0 ** -5, 20001)
+    rnd = (torch.rand(50000, generator=torch.Generator().manual_seed(7)) * 2 - 1) * 448
+    return torch.cat([grid, mids, up, down, fine, rnd])
+
+
+@pytest.mark.skipif(not ubep_torch.native_engine.available(), reason="the C module was not built")
+def test_the_c_pass_gives_the_torch_bits():
+    """The C quantization and the torch one agree bit for bit: on every e4m3 value, tie and near-tie (groups
+    led by 448, so the kernel's multiplier is exactly 1 and the values meet the rounding as they are), on
+    random bf16 and float32 rows of every magnitude, and on groups with zeros, NaN and inf."""
+    v = _e4m3_probe_values()
+    v = torch.cat([v, torch.zeros((-v.numel()) % 127)]).view(-1, 127)
+    led = torch.cat([torch.full((v.shape[0], 1), 448.0), v], 1).reshape(-1, 256)
+    g = torch.Generator().manual_seed(8)
+    rows = torch.randn(64, 1024, generator=g) * torch.logspace(-6, 4, 64).view(64, 1)
+    special = torch.randn(4, 256, generator=g)
+    special[0, :128] = 0
+    special[1, 5] = float("nan")
+    special[2, 7] = float("inf")
+    special[3, 9] = -float("inf")
+    for x in (led, rows, rows.bfloat16(), special, special.bfloat16()):
+        for cast in (per_token_cast_to_fp8, low_latency_cast_to_fp8):
+            for rs in (False, True):
+                q, sc = cast(x, round_scale=rs)
+                tq, tsc = _torch_cast(cast, x, round_scale=rs)
+                assert torch.equal(q.view(torch.uint8), tq.view(torch.uint8)), (cast.__name__, x.dtype, rs)
+                assert torch.equal(sc.view(torch.int32), tsc.view(torch.int32)), (cast.__name__, x.dtype, rs)
+
+
+@pytest.mark.skipif(not ubep_torch.native_engine.available(), reason="the C module was not built")
+def test_the_c_cast_back_gives_the_torch_bits():
+    """Every e4m3 byte (NaN included) times scales of every kind (tiny, huge, zero, power of two, inf, NaN)
+    comes back as the bf16 bits of torch's float32 product."""
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(8).view(torch.float8_e4m3fn).view(16, 128)
+    sc = torch.tensor([1e-30, 3.3e-7, 1.0, 0.0, 2.0 ** -7, 7.25, 1e30, float("inf"), float("nan"), -0.0,
+                       0.011, 448.0, 5e-39, 1e-3, 123.456, 2.0 ** 20]).view(16, 1)
+    for scales in (sc, sc.view(4, 4)):                   # (any shape with one scale per 128 values)
+        got = per_token_cast_back(q, scales)
+        ref = _torch_cast(per_token_cast_back, q, scales=scales)
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))

@@ -4,9 +4,14 @@ Normal ``dispatch`` takes ``x`` as an ``(fp8_e4m3 [T, H], scales [T, H/128] floa
 ``low_latency_dispatch(use_fp8=True)`` returns its rows in the same format: every run of 128 channels of a
 token has one float32 scale, and ``value = fp8 * scale``. These helpers make and undo that format, so code
 that quantizes its activations, or a test ported from DeepEP's suite, needs nothing of its own.
+
+DeepEP rounds in two slightly different ways, and each is kept here bit for bit: its Python test helper
+(:func:`per_token_cast_to_fp8`) and its low-latency kernels (:func:`low_latency_cast_to_fp8`, what
+``low_latency_dispatch(use_fp8=True)`` does to the tokens it sends).
 """
 from __future__ import annotations
 
+import os
 from typing import Tuple
 
 import torch
@@ -15,12 +20,13 @@ FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0           # the largest finite float8_e4m3fn value
 GROUP = 128               # channels per scale
 _MIN_AMAX = 1e-4          # an all-zero group still gets a usable (non-zero) scale
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A copy with standard contiguous strides, which a dtype ``view`` always accepts (``contiguous()`` may
     keep odd strides of size-1 dimensions)."""
-    return torch.empty(t.shape, dtype=dtype).copy_(t)
+    return torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
 
 
 def _need_fp8() -> None:
@@ -34,46 +40,121 @@ def _check_hidden(name: str, t: torch.Tensor, per: int = GROUP) -> int:
     return t.shape[-1]
 
 
-def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` to e4m3 with one float32 scale per 128 channels of each token.
+def _ceil_pow2(s: torch.Tensor) -> torch.Tensor:
+    """``2 ** ceil(log2(s))`` exactly, for positive float32 ``s``, from its bits as DeepEP's kernels compute
+    it (``exp2(ceil(log2(s)))`` can land one power of two low just above a power of two); a non-finite
+    ``s`` gives +inf."""
+    bits = _fresh(s, torch.float32).view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return ((e.clamp(max=128) + 127) << 23).view(torch.float32)
 
-    Args:
-        x: ``[..., H]`` floating tensor (bf16, fp16 or float32), ``H`` a multiple of 128.
-        round_scale: round every scale up to a power of two (DeepEP's ``round_scale``; such scales are
-            exactly representable as UE8M0 exponents).
-    Returns:
-        ``(x_fp8 [..., H] float8_e4m3fn, scales [..., H/128] float32)``, both contiguous. A group's scale is
-        its largest magnitude (at least 1e-4) over 448, so the group's values fill e4m3's range; they are
-        multiplied by ``448 / amax`` in float32, as DeepEP's ``per_token_cast_to_fp8`` and its low-latency
-        kernels do, so the bits agree with theirs.
-    """
+
+def _native_module():
+    """The C module when it was built from these sources and ``UBEP_NATIVE`` is not 0, else None."""
+    from . import native_engine
+    if native_engine.available() and os.environ.get("UBEP_NATIVE", "1") != "0":
+        return native_engine._native
+    return None
+
+
+def _cast(x: torch.Tensor, round_scale: bool, helper: bool, out) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Both roundings (see :func:`per_token_cast_to_fp8`, :func:`low_latency_cast_to_fp8`): in one C pass
+    where the C module has it (no float32 temporaries, whose fresh pages cost more than the arithmetic),
+    else with torch operators; the two give the same bits (tests/test_fp8.py)."""
     _need_fp8()
-    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype == FP8:
-        raise TypeError(f"x must be a bf16, fp16 or float32 tensor, got "
+    if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"x must be a bf16, fp16, float32 or float64 tensor, got "
                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
     H = _check_hidden("x", x)
-    lead = x.shape[:-1]
+    lead = tuple(x.shape[:-1])
+    if out is None:
+        q = torch.empty(x.shape, dtype=FP8, device=x.device)
+        sc = torch.empty(lead + (H // GROUP,), dtype=torch.float32, device=x.device)
+    else:
+        q, sc = out
+        if q.dtype != FP8 or q.shape != x.shape or not q.is_contiguous() or sc.dtype != torch.float32 \
+                or tuple(sc.shape) != lead + (H // GROUP,) or not sc.is_contiguous():
+            raise ValueError("out must be contiguous (float8_e4m3fn like x, float32 [..., H/128]) tensors")
+    native = _native_module() if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
+    if native is not None:
+        src = x.contiguous()
+        if src.numel():
+            native.fp8_cast(src.data_ptr(), src.numel() // H, H, 0 if src.dtype == torch.bfloat16 else 1, q.data_ptr(),
+                   sc.data_ptr(), int(bool(round_scale)) | (2 if helper else 0))
+        return q, sc
     xf = x.float().reshape(x.numel() // H, H // GROUP, GROUP)
     amax = xf.abs().amax(-1).clamp(min=_MIN_AMAX)
-    scale = amax / FP8_MAX
-    if round_scale:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-        inv = 1.0 / scale                       # (a power of two: exact)
+    if helper:
+        scale = amax / FP8_MAX
+        if round_scale:
+            scale = _ceil_pow2(scale)
+            mult = 1.0 / scale                   # (a power of two: exact)
+        else:
+            mult = FP8_MAX / amax                # (as DeepEP's helper writes it: the reciprocal times 448)
     else:
-        inv = FP8_MAX / amax                    # (multiplied, not divided by the scale: DeepEP's rounding)
-    q = (xf * inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.reshape(*lead, H).contiguous(), scale.reshape(*lead, H // GROUP).contiguous()
+        scale = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+        if round_scale:
+            scale = _ceil_pow2(scale)
+            mult = 1.0 / scale
+        else:
+            mult = torch.full_like(amax, FP8_MAX).div_(amax)     # (correctly rounded, as the kernel divides)
+    q.view(-1, H // GROUP, GROUP).copy_((xf * mult.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+    qb = q.view(torch.uint8)
+    qb.masked_fill_(qb == 0xFF, 0x7F)            # (every NaN the positive one: its sign is the operators' whim)
+    sc.view(-1, H // GROUP).copy_(scale)
+    return q, sc
+
+
+def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to e4m3 with one float32 scale per 128 channels of each token, as DeepEP's test helper
+    of the same name does (same bits).
+
+    Args:
+        x: ``[..., H]`` bf16, fp16, float32 or float64 tensor, ``H`` a multiple of 128.
+        round_scale: round every scale up to a power of two (exactly representable as a UE8M0 exponent).
+    Returns:
+        ``(x_fp8 [..., H] float8_e4m3fn, scales [..., H/128] float32)``, both contiguous. A group's scale is
+        its largest magnitude ``amax`` (at least 1e-4) over 448, so its values fill e4m3's range; they are
+        multiplied by ``448.0 / amax``, computed as the reciprocal of ``amax`` times 448 (or by the
+        reciprocal of the rounded scale), in float32, then clamped to +-448 and rounded to nearest even
+        (a NaN becomes e4m3's positive NaN).
+    """
+    return _cast(x, round_scale, True, None)
+
+
+def low_latency_cast_to_fp8(x: torch.Tensor, round_scale: bool = False, out=None
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The quantization of DeepEP's low-latency dispatch kernel, which ``low_latency_dispatch(use_fp8=True)``
+    applies to the tokens it sends: the scale is ``amax * float32(1/448)``, the values are multiplied by the
+    correctly rounded ``448 / amax``; with ``round_scale`` the scale is that product rounded up to a power
+    of two and the values are multiplied by its exact reciprocal. Arguments and results as
+    :func:`per_token_cast_to_fp8` (``out``: a pair of preallocated results to fill), from which it differs
+    by a unit in the last place of some scales and in the rounding of some fp8 ties."""
+    return _cast(x, round_scale, False, out)
 
 
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     """Power-of-two float32 scales ``[..., G]`` (G a multiple of 4) as UE8M0 exponent bytes, four per int32:
-    ``[..., G/4]``, as ``low_latency_dispatch(use_ue8m0=True)`` returns them."""
-    exp = ((_fresh(scales, torch.float32).view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-    return _fresh(exp, torch.uint8).view(torch.int32)
+    ``[..., G/4]``, as ``low_latency_dispatch(use_ue8m0=True)`` returns them. A zero scale (an unused row's)
+    packs as byte 0, which unpacks to 0; any other scale that is not a positive finite power of two, which
+    one byte cannot hold, is a ValueError."""
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
+        raise TypeError(f"scales must be a float32 tensor, got "
+                        f"{scales.dtype if isinstance(scales, torch.Tensor) else type(scales).__name__}")
+    if scales.dim() < 1 or scales.shape[-1] % 4:
+        raise ValueError(f"scales must be [..., G] with G a multiple of 4 (four exponents per int32), got shape "
+                         f"{tuple(scales.shape)}")
+    bits = _fresh(scales, torch.float32).view(torch.int32)
+    if bool(((bits & 0x7FFFFF) != 0).any() | (bits < 0).any() | (bits >= 0x7F800000).any()):
+        raise ValueError("UE8M0 holds positive powers of two only: round the scales first "
+                         "(per_token_cast_to_fp8(..., round_scale=True))")
+    return _fresh(((bits >> 23) & 0xFF).to(torch.uint8), torch.uint8).view(torch.int32)
 
 
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_ue8m0`: int32 ``[..., G/4]`` -> float32 scales ``[..., G]``."""
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32 or packed.dim() < 1:
+        raise TypeError("packed UE8M0 scales must be an int32 tensor of at least one dimension")
     exp = _fresh(packed, torch.int32).view(torch.uint8).to(torch.int32)
     return (exp << 23).view(torch.float32)
 
@@ -85,8 +166,10 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.
     Args:
         x_fp8: ``[..., H]`` float8_e4m3fn (``H`` a multiple of 128), e.g. normal dispatch's ``recv_x[0]`` or
             low-latency ``recv_x[0]`` of shape ``[E_local, R*N, H]``.
-        scales: ``[..., H/128]`` float32, or UE8M0 exponents packed four per int32 ``[..., H/512]`` (what
-            ``use_ue8m0=True`` returns); leading dimensions as ``x_fp8``'s.
+        scales: one float32 per 128 channels (``[..., H/128]``), or UE8M0 exponents packed four per int32
+            (``[..., H/512]``, what ``use_ue8m0=True`` returns). As in DeepEP's helper they are taken in
+            ``x_fp8``'s row-major order whatever their shape, so views such as DeepEP's tests make of them
+            (``scales.view(-1, H // 128)``) work; only their number must match.
         dtype: of the result (bf16 by default, as DeepEP's helper returns).
     Returns:
         ``[..., H]`` tensor of ``dtype``: every value times its group's scale, computed in float32.
@@ -98,17 +181,30 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.
     H = _check_hidden("x_fp8", x_fp8)
     if not isinstance(scales, torch.Tensor):
         raise TypeError(f"scales must be a tensor, got {type(scales).__name__}")
+    n_groups = x_fp8.numel() // GROUP
+    lead = tuple(x_fp8.shape[:-1])
     if scales.dtype == torch.int32:
-        if H % (4 * GROUP):
-            raise ValueError(f"packed UE8M0 scales need H to be a multiple of {4 * GROUP}, got {H}")
-        scales = unpack_ue8m0(scales)
-    elif scales.dtype != torch.float32:
+        if scales.numel() * 4 != n_groups:
+            raise ValueError(f"packed UE8M0 scales for x_fp8 of shape {tuple(x_fp8.shape)} are {n_groups // 4} int32 "
+                             f"words (shape {lead + (H // (4 * GROUP),)}: one byte per 128 channels), got "
+                             f"{scales.numel()} (shape {tuple(scales.shape)})")
+        scales = unpack_ue8m0(scales.reshape(-1)) if n_groups else scales.float()
+    elif scales.dtype == torch.float32:
+        if scales.numel() != n_groups:
+            raise ValueError(f"scales for x_fp8 of shape {tuple(x_fp8.shape)} are {n_groups} float32 values (shape "
+                             f"{lead + (H // GROUP,)}: one per 128 channels), got {scales.numel()} (shape "
+                             f"{tuple(scales.shape)})")
+    else:
         raise TypeError(f"scales must be float32 (or UE8M0 packed in int32), got {scales.dtype}")
-    if tuple(scales.shape) != tuple(x_fp8.shape[:-1]) + (H // GROUP,):
-        raise ValueError(f"scales must have shape {tuple(x_fp8.shape[:-1]) + (H // GROUP,)} for x_fp8 of shape "
-                         f"{tuple(x_fp8.shape)}, got {tuple(scales.shape)}")
-    n = x_fp8.numel() // H
-    xf = x_fp8.float().reshape(n, H // GROUP, GROUP) * scales.reshape(n, H // GROUP, 1)
+    native = _native_module() if dtype == torch.bfloat16 and x_fp8.device.type == scales.device.type == "cpu" \
+        else None
+    if native is not None:     # (one C pass: torch converts fp8 to float32 slowly, and through a temporary)
+        src, sc = x_fp8.contiguous(), _fresh(scales, torch.float32)
+        out = torch.empty(x_fp8.shape, dtype=torch.bfloat16)
+        if n_groups:
+            native.fp8_dequant(src.data_ptr(), n_groups, sc.data_ptr(), out.data_ptr())
+        return out
+    xf = x_fp8.float().reshape(n_groups, GROUP) * scales.reshape(n_groups, 1)
     return xf.reshape(x_fp8.shape).to(dtype)
 
 

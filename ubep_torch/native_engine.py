@@ -35,7 +35,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 21
+API_VERSION = 22
 
 
 def _matches() -> bool:

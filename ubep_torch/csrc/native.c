@@ -37,7 +37,7 @@
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
 #define MAX_ROW_BLOCKS (1 << 20)         /* a row of 512 MiB: far past any hidden size a Buffer takes */
-#define API_VERSION 21             /* bumped whenever a function's arguments change */
+#define API_VERSION 22             /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -1340,6 +1340,167 @@ static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---------------------------------------------------------------- fp8 e4m3 quantization
+ * float32 -> float8_e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; largest finite 448, 0x7f
+ * NaN), saturating at +-448 and rounding to nearest even. Normal results (|f| >= 2^-6) keep the float's top
+ * 3 mantissa bits after adding half a unit of the last kept place, less one when that place is even (ties
+ * to even), with the exponent rebiased from 127 to 7. Smaller values are multiples of 2^-9: adding 2^14,
+ * whose unit in the last place is 2^-9, makes the float adder round them to that grid with ties to even,
+ * and the low bits then hold the multiple. Every NaN becomes 0x7f, whatever its sign (torch's operators do
+ * not settle it). Branch-free (masks, no conditional jumps), so the loops around it vectorize. */
+static inline uint8_t f32_to_e4m3(float f) {
+    int32_t u;
+    memcpy(&u, &f, 4);
+    const int32_t a = u & 0x7fffffff;
+    const int32_t nan = -(int32_t)(a > 0x7f800000);
+    const int32_t big = -(int32_t)(a > 0x43e00000);                      /* 0x43e00000: 448 */
+    const int32_t c = (a & ~big) | (0x43e00000 & big);
+    const int32_t normal = (c + 0x7ffff + ((c >> 20) & 1) - (120 << 23)) >> 20;
+    float cf;
+    memcpy(&cf, &c, 4);
+    const float r = cf + 16384.0f;
+    int32_t rb;
+    memcpy(&rb, &r, 4);
+    const int32_t tiny = -(int32_t)(c < (121 << 23));                   /* below 2^-6 */
+    const int32_t res = ((rb - 0x46800000) & tiny) | (normal & ~tiny) | ((u >> 24) & 0x80);
+    return (uint8_t)((res & ~nan) | (0x7f & nan));
+}
+
+/* exact 2^ceil(log2(s)) of a positive float from its bits (DeepEP's power-of-two scales); a non-finite s
+ * gives +inf */
+static inline float ceil_pow2(float s) {
+    uint32_t u;
+    memcpy(&u, &s, 4);
+    int32_t e = (int32_t)((u >> 23) & 0xffu) - 127 + ((u & 0x7fffffu) != 0);
+    if (e > 128) e = 128;
+    const uint32_t b = (uint32_t)(e + 127) << 23;
+    float r;
+    memcpy(&r, &b, 4);
+    return r;
+}
+
+/* fp8_cast(src, rows, H, src_kind, q_out, scale_out, mode)
+ *
+ * Per-128-channel e4m3 quantization of contiguous rows [rows, H] (H a multiple of 128; src_kind 0: bf16,
+ * 1: float32) into q_out (uint8 [rows, H]) and scale_out (float32 [rows, H/128]). Per group: amax = the
+ * largest magnitude, at least 1e-4 (NaN if the group has one); mode bit 0 = power-of-two scales, bit 1 =
+ * the rounding of DeepEP's test helper instead of its kernel:
+ *   kernel: scale = amax * float(1/448), values times 448/amax (rounded: scale = 2^ceil(log2(scale)),
+ *           values times 1/scale);
+ *   helper: scale = amax / 448, values times (1/amax) * 448 (rounded: scale = 2^ceil(log2(amax/448))).
+ * Then saturated at +-448 and rounded to e4m3: each step one float32 operation, the same ones and in the
+ * same order as ubep_torch/fp8.py's torch code, so the bits agree with it. */
+static PyObject *fp8_cast(PyObject *self, PyObject *args) {
+    unsigned long long src_p, q_p, s_p;
+    Py_ssize_t rows, H;
+    int kind, mode;
+    if (!PyArg_ParseTuple(args, "KnniKKi", &src_p, &rows, &H, &kind, &q_p, &s_p, &mode)) return NULL;
+    if (H <= 0 || H % 128 || rows < 0 || (kind != 0 && kind != 1) || mode < 0 || mode > 3) {
+        PyErr_SetString(PyExc_ValueError, "fp8_cast: H must be a positive multiple of 128, kind 0 or 1, mode 0..3");
+        return NULL;
+    }
+    const uint16_t *src16 = (const uint16_t *)(uintptr_t)src_p;
+    const float *src32 = (const float *)(uintptr_t)src_p;
+    uint8_t *q = (uint8_t *)(uintptr_t)q_p;
+    float *scales = (float *)(uintptr_t)s_p;
+    const int rounded = mode & 1, helper = (mode >> 1) & 1;
+    const float inv448 = (float)(1.0 / 448.0);
+    const Py_ssize_t groups = rows * (H / 128);
+    Py_BEGIN_ALLOW_THREADS
+    float v[128];
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        /* amax from the magnitudes' bits: for non-negative floats the integer order is the float order,
+         * with NaN above infinity */
+        uint32_t mbits;
+        if (kind == 0) {
+            const uint16_t *in = src16 + g * 128;
+            int16_t m = 0;
+            for (int j = 0; j < 128; j++) {
+                const int16_t a = (int16_t)(in[j] & 0x7fff);
+                m = a > m ? a : m;
+            }
+            for (int j = 0; j < 128; j++) v[j] = bf16_to_f32(in[j]);
+            mbits = (uint32_t)(uint16_t)m << 16;
+        } else {
+            memcpy(v, src32 + g * 128, sizeof v);
+            int32_t m = 0;
+            for (int j = 0; j < 128; j++) {
+                int32_t a;
+                memcpy(&a, &v[j], 4);
+                a &= 0x7fffffff;
+                m = a > m ? a : m;
+            }
+            mbits = (uint32_t)m;
+        }
+        float amax;
+        memcpy(&amax, &mbits, 4);
+        if (mbits > 0x7f800000u) amax = __builtin_nanf("");        /* (one NaN, as torch's amax gives) */
+        else if (amax < 1e-4f) amax = 1e-4f;
+        float scale, mult;
+        if (helper) {
+            scale = amax / 448.0f;
+            if (rounded) {
+                scale = ceil_pow2(scale);
+                mult = 1.0f / scale;
+            } else {
+                const float r = 1.0f / amax;
+                mult = r * 448.0f;
+            }
+        } else {
+            scale = amax * inv448;
+            if (rounded) {
+                scale = ceil_pow2(scale);
+                mult = 1.0f / scale;
+            } else {
+                mult = 448.0f / amax;
+            }
+        }
+        scales[g] = scale;
+        uint8_t *o = q + g * 128;
+        for (int j = 0; j < 128; j++) o[j] = f32_to_e4m3(v[j] * mult);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* e4m3 byte -> float32, every value exact (the NaN entries, 0x7f and 0xff, hold a NaN) */
+static float e4m3_value[256];
+
+static void fill_e4m3_values(void) {
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        float v = e == 0 ? (float)m / 512.0f : (1.0f + (float)m / 8.0f) * (float)(1 << e) / 128.0f;
+        if (e == 15 && m == 7) v = __builtin_nanf("");
+        e4m3_value[b] = (b & 0x80) ? -v : v;
+    }
+}
+
+/* fp8_dequant(src, groups, scales, out)
+ *
+ * out (bf16) = float32(e4m3 value) * scale of its group, rounded to bf16 as torch does (f32_to_bf16), for
+ * ``groups`` runs of 128 contiguous bytes of src, one float32 scale each. */
+static PyObject *fp8_dequant(PyObject *self, PyObject *args) {
+    unsigned long long src_p, s_p, out_p;
+    Py_ssize_t groups;
+    if (!PyArg_ParseTuple(args, "KnKK", &src_p, &groups, &s_p, &out_p)) return NULL;
+    if (groups < 0) {
+        PyErr_SetString(PyExc_ValueError, "fp8_dequant: negative group count");
+        return NULL;
+    }
+    const uint8_t *src = (const uint8_t *)(uintptr_t)src_p;
+    const float *scales = (const float *)(uintptr_t)s_p;
+    uint16_t *out = (uint16_t *)(uintptr_t)out_p;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        const float sc = scales[g];
+        const uint8_t *in = src + g * 128;
+        uint16_t *o = out + g * 128;
+        for (int j = 0; j < 128; j++) o[j] = f32_to_bf16(e4m3_value[in[j]] * sc);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"write_rows", write_rows, METH_VARARGS, "TFF token-group stores into a peer's slots"},
     {"write_ctrl", write_ctrl, METH_VARARGS, "count-group store of one control message"},
@@ -1362,6 +1523,8 @@ static PyMethodDef methods[] = {
     {"unpack_items", unpack_items, METH_VARARGS, "low-latency Token-Reordering of one-row-per-token rows"},
     {"combine_rows_bf16", combine_rows_bf16, METH_VARARGS, "bf16 normal combine of any number of sources"},
     {"weighted_combine_bf16", weighted_combine_bf16, METH_VARARGS, "bf16 low-latency weighted combine"},
+    {"fp8_cast", fp8_cast, METH_VARARGS, "per-128-channel e4m3 quantization of bf16 or float32 rows"},
+    {"fp8_dequant", fp8_dequant, METH_VARARGS, "e4m3 rows times their per-128-channel scales, to bf16"},
     {"set_simd", set_simd, METH_VARARGS, "use the AVX-512 sums where the CPU has them (True) or not (False)"},
     {NULL, NULL, 0, NULL},
 };
@@ -1371,6 +1534,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
+    fill_e4m3_values();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "BLOCK_BYTES", BLOCK_BYTES) < 0 ||
