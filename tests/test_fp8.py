@@ -205,3 +205,39 @@ def test_the_c_cast_back_gives_the_torch_bits():
         got = per_token_cast_back(q, scales)
         ref = _torch_cast(per_token_cast_back, q, scales=scales)
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+def test_nan_rows_cast_back_alike_at_every_cpu_capability():
+    """torch's scalar kernels (``ATEN_CPU_CAPABILITY=default``) store a bf16 NaN as 0x7fc0 where its vector
+    kernels and the C loop store 0xffff: the torch path settles on 0xffff, so both paths agree there too."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import torch, ubep_torch.fp8 as f\n"
+        "q = torch.tensor([[0x7f, 0xff] + [0x38] * 126], dtype=torch.uint8).view(torch.float8_e4m3fn)\n"
+        "sc = torch.tensor([[1.0]])\n"
+        "c = f.per_token_cast_back(q, sc).view(torch.int16)[0, :3].tolist()\n"
+        "f._native_module = lambda: None\n"
+        "t = f.per_token_cast_back(q, sc).view(torch.int16)[0, :3].tolist()\n"
+        "print(c, t)\n"
+        "assert c == t == [-1, -1, 0x3f80], (c, t)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_out_buffers_and_negated_views():
+    x = torch.randn(4, 256)
+    with pytest.raises(ValueError, match="on x's device"):
+        low_latency_cast_to_fp8(x, out=(torch.empty(4, 256, dtype=torch.float8_e4m3fn, device="meta"),
+                                        torch.empty(4, 2, device="meta")))
+    with pytest.raises(ValueError, match="contiguous"):
+        low_latency_cast_to_fp8(x, out=(torch.empty(4, 256, dtype=torch.float8_e4m3fn), torch.empty(4, 3)))
+    q, sc = torch.empty(4, 256, dtype=torch.float8_e4m3fn), torch.empty(4, 2)
+    assert low_latency_cast_to_fp8(x, out=(q, sc))[0] is q
+    if hasattr(torch, "_neg_view"):            # a contiguous view whose values are the negated memory
+        neg = torch._neg_view(x)
+        for cast in (per_token_cast_to_fp8, low_latency_cast_to_fp8):
+            assert torch.equal(cast(neg)[0].view(torch.uint8), cast(-x)[0].view(torch.uint8))

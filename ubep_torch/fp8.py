@@ -73,11 +73,13 @@ def _cast(x: torch.Tensor, round_scale: bool, helper: bool, out) -> Tuple[torch.
     else:
         q, sc = out
         if q.dtype != FP8 or q.shape != x.shape or not q.is_contiguous() or sc.dtype != torch.float32 \
-                or tuple(sc.shape) != lead + (H // GROUP,) or not sc.is_contiguous():
-            raise ValueError("out must be contiguous (float8_e4m3fn like x, float32 [..., H/128]) tensors")
+                or tuple(sc.shape) != lead + (H // GROUP,) or not sc.is_contiguous() \
+                or q.device != x.device or sc.device != x.device:
+            raise ValueError("out must be contiguous tensors on x's device (float8_e4m3fn like x, float32 "
+                             "[..., H/128])")
     native = _native_module() if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
     if native is not None:
-        src = x.contiguous()
+        src = x.resolve_neg().contiguous()      # (the C loop reads memory: a negated view must be resolved)
         if src.numel():
             native.fp8_cast(src.data_ptr(), src.numel() // H, H, 0 if src.dtype == torch.bfloat16 else 1, q.data_ptr(),
                    sc.data_ptr(), int(bool(round_scale)) | (2 if helper else 0))
@@ -199,13 +201,17 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.
     native = _native_module() if dtype == torch.bfloat16 and x_fp8.device.type == scales.device.type == "cpu" \
         else None
     if native is not None:     # (one C pass: torch converts fp8 to float32 slowly, and through a temporary)
-        src, sc = x_fp8.contiguous(), _fresh(scales, torch.float32)
+        src, sc = x_fp8.resolve_neg().contiguous(), _fresh(scales, torch.float32)
         out = torch.empty(x_fp8.shape, dtype=torch.bfloat16)
         if n_groups:
             native.fp8_dequant(src.data_ptr(), n_groups, sc.data_ptr(), out.data_ptr())
         return out
     xf = x_fp8.float().reshape(n_groups, GROUP) * scales.reshape(n_groups, 1)
-    return xf.reshape(x_fp8.shape).to(dtype)
+    out = xf.reshape(x_fp8.shape).to(dtype)
+    if dtype == torch.bfloat16:
+        # every NaN 0xffff, as the C loop and torch's vector code store it (its scalar code stores 0x7fc0)
+        out.view(torch.int16).masked_fill_(out.isnan(), -1)
+    return out
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
