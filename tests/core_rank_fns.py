@@ -248,6 +248,8 @@ def low_latency_only_buffer(ctx, T=4, H=128, E=4):
     buf = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(T, H, ctx.world_size, E), True, 12, True, False,
                  True, use_fabric=True, timeout_s=30.0)
     assert buf.low_latency_mode and buf.explicitly_destroy and buf.num_qps_per_rank == 12
+    assert repr(buf).startswith(f"<ubep_torch.Buffer rank {ctx.rank} of {ctx.world_size}, no normal region, "
+                                f"low-latency "), repr(buf)
     assert (buf.get_num_rdma_ranks(), buf.get_rdma_rank()) == (1, 0)
     topk, w = make_routing(3, ctx.rank, T, 2, E, drop=0.0)
     x = torch.randn(T, H).bfloat16()

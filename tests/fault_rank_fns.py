@@ -433,7 +433,8 @@ def refused_call(ctx, case):
     fails too. ``"prompt"``: rank 1 calls again at once and that call is the one rank 0 waits in.
     ``"both"``: both ranks' first calls are refused, rank 1 calls again after 2.5 s, and rank 0, waiting
     in its retry of the call, does not count rank 1's refusal. ``"layout"``: as ``"late"``, with rank 1's
-    error raised by ``get_dispatch_layout``. Returns what each step raised or returned
+    error raised by ``get_dispatch_layout``. ``"destroy"``: rank 1 destroys its Buffer right after the
+    refusal (as a ``with`` block ended by the error does). Returns what each step raised or returned
     (the seconds it took and, for an error, its type, whether it says refused, the ranks it names)."""
     import time
 
@@ -457,7 +458,9 @@ def refused_call(ctx, case):
     steps = [lambda: dispatch(first)]
     if case == "layout" and ctx.rank == 1:     # the error comes from get_dispatch_layout, before dispatch
         steps = [lambda: buf.get_dispatch_layout(bad, E)]
-    if ctx.rank == 1 or case == "both":
+    if ctx.rank == 1 and case == "destroy":
+        steps.append(buf.destroy)
+    elif ctx.rank == 1 or case == "both":
         if ctx.rank == 1 and case != "prompt":
             steps.append(lambda: time.sleep(2.5))
         steps.append(lambda: dispatch(good))
@@ -840,3 +843,8 @@ def exit_on_rank(ctx, rank: int, code: int) -> int:
     if ctx.rank == rank:
         os._exit(code)
     return ctx.rank
+
+
+def unpicklable_result(ctx):
+    """A result the pool cannot send back (a lambda)."""
+    return lambda: ctx.rank

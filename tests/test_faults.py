@@ -313,6 +313,12 @@ def test_a_call_refused_on_one_rank_fails_its_peers_fast():
         waiting, refusing = pool.run(FR.refused_call, "layout", timeout_s=60)
         assert waiting[0][0] == "UBEPPeerAbortedError" and waiting[0][2] and waiting[0][1] < 3.0, waiting
         assert refusing[0][0] == "ValueError" and refusing[2][0] == "UBEPPeerAbortedError", refusing
+        # refused, then destroyed (a with block ended by the error): the refusal is named at once, not the
+        # destroyed Buffer, and without the second a retry would take
+        waiting, refusing = pool.run(FR.refused_call, "destroy", timeout_s=60)
+        assert waiting[0][0] == "UBEPPeerAbortedError" and waiting[0][2] and waiting[0][3] == [1], waiting
+        assert waiting[0][1] < 0.9 and "refused this call" in waiting[0][4], waiting
+        assert [step[0] for step in refusing] == ["ValueError", "ok"], refusing
         waiting, refusing = pool.run(FR.refused_call, "prompt", timeout_s=60)
         assert waiting[0][0] == "ok" and waiting[0][2] == 0.0, waiting
         assert refusing[0][0] == "ValueError" and refusing[1][0] == "ok" and refusing[1][2] == 0.0, refusing
@@ -478,17 +484,30 @@ def test_combines_of_different_dispatches_fail_instead_of_mixing_rows(mode):
 
 def test_rank_pool_reports_a_rank_process_that_died_at_once():
     """``RankPool.run`` names a rank whose process exited without answering (here with code 3) within a
-    second, not at the pool's deadline, and the answers of the other ranks stay out of the error."""
+    second, not at the pool's deadline, and the answers of the other ranks stay out of the error; the pool
+    is stopped then, and says so. What cannot be pickled (the function, or a result) is named at once."""
     import time
 
     from ubep_torch.testing import RankFailure
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with pytest.raises(ValueError, match="world_size"):
+        RankPool(0)
     with RankPool(2, env=env, timeout_s=60) as pool:
         assert pool.run(FR.exit_on_rank, -1, 0) == [0, 1]
+        with pytest.raises(TypeError, match="picklable"):
+            pool.run(lambda ctx: ctx.rank)
+        start = time.monotonic()
+        with pytest.raises(RankFailure) as bad_result:
+            pool.run(FR.unpicklable_result)
+        assert time.monotonic() - start < 5 and sorted(bad_result.value.failures) == [0, 1]
+        assert all("pickle" in tb for tb in bad_result.value.failures.values()), bad_result.value.failures
+        assert pool.run(FR.exit_on_rank, -1, 0) == [0, 1]          # (an error in the function: still usable)
         start = time.monotonic()
         with pytest.raises(RankFailure) as info:
             pool.run(FR.exit_on_rank, 1, 3)
         took = time.monotonic() - start
+        with pytest.raises(RuntimeError, match=r"closed \(rank\(s\) \[1\] died\)"):
+            pool.run(FR.exit_on_rank, -1, 0)
     assert took < 5, took
     assert list(info.value.failures) == [1] and "exited (code 3) before answering" in info.value.failures[1], \
         info.value.failures

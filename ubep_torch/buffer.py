@@ -595,8 +595,8 @@ class Buffer:
         try:
             state = "destroyed" if self._destroyed else f"broken ({self._broken})" if self._broken else \
                 f"{self._calls} calls"
-            regions = f"normal {self.num_nvl_bytes / 2**20:.1f} MiB" + (
-                f", low-latency {self.num_rdma_bytes / 2**20:.1f} MiB" if self.low_latency_mode else "")
+            regions = (f"normal {self.num_nvl_bytes / 2**20:.1f} MiB" if self.num_nvl_bytes else "no normal region") \
+                + (f", low-latency {self.num_rdma_bytes / 2**20:.1f} MiB" if self.low_latency_mode else "")
             return (f"<ubep_torch.Buffer rank {self.rank} of {self.group_size}, {regions}, sync={self.sync!r}, "
                     f"backend={self.backend!r}, {state}>")
         except AttributeError:       # (a Buffer whose set-up failed)
@@ -930,10 +930,13 @@ class Buffer:
             return 0
         R = self.group_size
         how = P.abort_how(int(self._aux_words[_ABORT_ROW * R + r]))
-        if how:
-            return how
         refused = int(self._aux_words[_REFUSED_ROW * R + r])
-        if not refused or refused > self._active_call or refused in self._refused_calls:
+        refused_here = refused and refused <= self._active_call and refused not in self._refused_calls
+        if how:
+            # a rank that refused this call and then destroyed its Buffer (as a ``with`` block ended by the
+            # bad input's error does) will not call again: its refusal is the cause, named at once
+            return P.ABORT_REFUSED if how == P.ABORT_DESTROYED and refused_here else how
+        if not refused_here:
             return 0
         age = time.monotonic_ns() - int(self._aux_words[_REFUSED_AT_ROW * R + r])
         return P.ABORT_REFUSED if age >= min(_REFUSAL_GRACE_S, self.timeout_s / 4) * 1e9 else 0

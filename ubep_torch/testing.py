@@ -5,12 +5,14 @@
 order. ``fn`` must be importable (a module-level function). ``ctx`` is a :class:`RankContext` with the
 rank, world size, group and a per-process ``cache`` dict where tests keep Buffers between calls (buffers
 are created once per pool, not once per test). An exception on any rank is re-raised in the caller with
-every failing rank's traceback; a rank that does not answer within ``timeout_s`` fails the call.
+every failing rank's traceback (the pool stays usable); a rank whose process dies, or that does not answer
+within ``timeout_s``, fails the call and stops the pool (later calls raise RuntimeError: start a new pool).
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -55,9 +57,12 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str,
             break
         fn, args, kwargs = msg
         try:
-            outbox.put((rank, True, fn(ctx, *args, **kwargs)))
+            result = fn(ctx, *args, **kwargs)
+            pickle.dumps(result)     # (the queue pickles in a thread of its own, where a failure is only printed)
         except BaseException:  # noqa: BLE001 - report everything to the parent
             outbox.put((rank, False, traceback.format_exc()))
+        else:
+            outbox.put((rank, True, result))
     for obj in ctx.cache.values():
         destroy = getattr(obj, "destroy", None)
         if callable(destroy):
@@ -75,8 +80,11 @@ class RankPool:
     """``world_size`` persistent gloo ranks. Use as a context manager or call :meth:`close`."""
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, env: Optional[Dict[str, str]] = None):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self._closed: Optional[str] = None      # why the pool can no longer run anything
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._outbox = ctx.Queue()
@@ -92,12 +100,21 @@ class RankPool:
             p.start()
 
     def run(self, fn: Callable, *args, timeout_s: Optional[float] = None, **kwargs) -> List[Any]:
+        if self._closed:
+            raise RuntimeError(f"this RankPool is closed ({self._closed}): start a new one")
+        try:       # (the queues pickle in threads of their own, where a failure is only printed)
+            pickle.dumps((fn, args, kwargs))
+        except Exception as e:  # noqa: BLE001 - pickling raises many types
+            raise TypeError(f"RankPool.run: the function and its arguments must be picklable for the spawned ranks "
+                            f"to receive them (a module-level function of a module or script file, not a lambda or "
+                            f"a nested function): {type(e).__name__}: {e}") from None
         for q in self._inboxes:
             q.put((fn, args, kwargs))
         results: Dict[int, Any] = {}
         failures: Dict[int, str] = {}
         limit = timeout_s or self.timeout_s
-        deadline = time.monotonic() + limit
+        start = time.monotonic()
+        deadline = start + limit
         while len(results) + len(failures) < self.world_size:
             try:
                 # (short waits: a rank process that died is reported at once, not at the deadline)
@@ -108,10 +125,14 @@ class RankPool:
                 if not dead and time.monotonic() < deadline:
                     continue
                 self.close(force=True)
-                why = {r: f"its process exited (code {code}) before answering (at start-up, that is usually a "
-                          f"function the spawned ranks cannot import: define it in a module or a script file, "
+                elapsed = time.monotonic() - start
+                why = {r: f"its process exited (code {code}) before answering: it crashed or was killed in the "
+                          f"function, or, at start-up, could not import it (define it in a module or a script file, "
                           f"not in an interactive session or a script read from stdin)" for r, code in dead.items()}
-                why.update({r: f"no answer within {limit}s" for r in missing if r not in dead})
+                why.update({r: f"still running {elapsed:.1f} s into the call when rank(s) {sorted(dead)} died; "
+                               f"stopped with the pool" if dead else f"no answer within {limit}s"
+                            for r in missing if r not in dead})
+                self._closed = f"rank(s) {sorted(dead)} died" if dead else f"a call ran past {limit}s"
                 raise RankFailure(why | failures) from None
             (results if ok else failures)[rank] = value
         if failures:
@@ -119,6 +140,7 @@ class RankPool:
         return [results[r] for r in range(self.world_size)]
 
     def close(self, force: bool = False) -> None:
+        self._closed = self._closed or "closed"
         if not force:
             for q in self._inboxes:
                 try:
