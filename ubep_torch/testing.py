@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import pickle
 import queue
 import socket
 import time
 import traceback
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional
 
 
@@ -58,7 +58,7 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str,
         fn, args, kwargs = msg
         try:
             result = fn(ctx, *args, **kwargs)
-            pickle.dumps(result)     # (the queue pickles in a thread of its own, where a failure is only printed)
+            ForkingPickler.dumps(result)   # (the queue pickles in a thread of its own: a failure there is only printed)
         except BaseException:  # noqa: BLE001 - report everything to the parent
             outbox.put((rank, False, traceback.format_exc()))
         else:
@@ -103,7 +103,7 @@ class RankPool:
         if self._closed:
             raise RuntimeError(f"this RankPool is closed ({self._closed}): start a new one")
         try:       # (the queues pickle in threads of their own, where a failure is only printed)
-            pickle.dumps((fn, args, kwargs))
+            ForkingPickler.dumps((fn, args, kwargs))   # (what the queues do, serializing only)
         except Exception as e:  # noqa: BLE001 - pickling raises many types
             raise TypeError(f"RankPool.run: the function and its arguments must be picklable for the spawned ranks "
                             f"to receive them (a module-level function of a module or script file, not a lambda or "
