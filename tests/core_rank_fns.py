@@ -416,6 +416,12 @@ def bad_inputs(ctx, sync):
         "ll hidden too large": (ValueError, lambda: buf.low_latency_dispatch(
             torch.randn(T, 128 * 1024).bfloat16(), topk, 16, E)),
         "ll dtype": (TypeError, lambda: buf.low_latency_dispatch(x.float(), topk, 16, E)),
+        "ll fp8 rows": (TypeError, lambda: buf.low_latency_dispatch(x.float().to(torch.float8_e4m3fn), topk, 16, E)),
+        "ll fp8 pair": (TypeError, lambda: buf.low_latency_dispatch((x.float().to(torch.float8_e4m3fn),
+                                                                      torch.ones(T, 2)), topk, 16, E)),
+        "ll flag": (TypeError, lambda: buf.low_latency_dispatch(x, topk, 16, E, round_scale="yes")),
+        "ll combine fp8 rows": (TypeError, lambda: buf.low_latency_combine(
+            ll_x.float().to(torch.float8_e4m3fn), topk, w, ll_handle)),
         "ll duplicate expert": (ValueError, lambda: buf.low_latency_dispatch(
             x, torch.zeros(T, K, dtype=torch.int64), 16, E)),
         "bad handle": (TypeError, lambda: buf.combine(x, ("not", "a", "handle"))),
@@ -443,6 +449,8 @@ def bad_inputs(ctx, sync):
         else:
             raise AssertionError(f"{name}: no {exc.__name__}")
     assert "no normal-mode region" in seen["no normal region"], seen["no normal region"]
+    assert all("per_token_cast_back" in seen[k] for k in ("ll fp8 rows", "ll fp8 pair", "ll combine fp8 rows")), seen
+    assert "round_scale must be True or False" in seen["ll flag"], seen["ll flag"]
     ll_only.destroy()
     # still usable: the pending low-latency call completes, then a fresh round trip (and a combine of rows
     # with no columns, which every sync mode takes)

@@ -90,7 +90,7 @@ def test_low_latency_two_in_flight(pool2, sync):
 @pytest.mark.parametrize("sync", SYNCS)
 def test_bad_inputs_raise_before_sending_and_buffer_stays_usable(pool2, sync):
     names = pool2.run(F.bad_inputs, sync)
-    assert names[0] == names[1] and len(names[0]) == 28
+    assert names[0] == names[1] and len(names[0]) == 32
 
 
 @pytest.mark.parametrize("sync", ["tff", "sp"])

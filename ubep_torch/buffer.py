@@ -1866,16 +1866,25 @@ class Buffer:
         self._check_usable()
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook are exclusive")
+        for name, flag in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0)):
+            if not isinstance(flag, (bool, np.bool_, numbers.Integral)):     # (what DeepEP's binding converts)
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0 needs round_scale=True")
         N = num_max_dispatch_tokens_per_rank
         if not isinstance(N, int) or N <= 0:
             raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {N!r}")
         E = self._check_num_experts(num_experts, low_latency=True)
+        if isinstance(x, tuple):
+            raise TypeError("low_latency_dispatch takes bfloat16 x and quantizes it itself with use_fp8=True (an "
+                            "(fp8, scales) pair is normal dispatch's input: ubep_torch.per_token_cast_back "
+                            "turns one back into bf16)")
         if not isinstance(x, torch.Tensor):
             raise TypeError("x must be a tensor")
         if x.dtype != torch.bfloat16:
-            raise TypeError(f"low_latency_dispatch takes bfloat16 x, got {x.dtype}")
+            hint = " (fp8 rows: ubep_torch.per_token_cast_back makes bf16 of them; use_fp8=True quantizes)" \
+                if x.dtype == FP8 else ""
+            raise TypeError(f"low_latency_dispatch takes bfloat16 x, got {x.dtype}{hint}")
         if x.dim() != 2:
             raise ValueError(f"x must be [num_tokens, hidden], got {tuple(x.shape)}")
         T, H = x.shape
@@ -2252,7 +2261,10 @@ class Buffer:
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
-            raise TypeError("low_latency_combine x must be a bfloat16 tensor")
+            fp8_rows = isinstance(x, tuple) or (isinstance(x, torch.Tensor) and x.dtype == FP8)
+            raise TypeError("low_latency_combine x must be a bfloat16 tensor" + (
+                " (the experts' outputs; fp8 rows of a dispatch become bf16 with ubep_torch.per_token_cast_back)"
+                if fp8_rows else ""))
         if tuple(x.shape) != (E_local, R * N, H):
             raise ValueError(f"low_latency_combine x must have shape {(E_local, R * N, H)}, got {tuple(x.shape)}")
         same_routing = _same_routing(topk_idx, handle.topk_snapshot)    # the dispatch's routing, by content
