@@ -16,17 +16,13 @@ from typing import Tuple
 
 import torch
 
+from .protocol import fresh
+
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0           # the largest finite float8_e4m3fn value
 GROUP = 128               # channels per scale
 _MIN_AMAX = 1e-4          # an all-zero group still gets a usable (non-zero) scale
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-
-
-def _fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A copy with standard contiguous strides, which a dtype ``view`` always accepts (``contiguous()`` may
-    keep odd strides of size-1 dimensions)."""
-    return torch.empty(t.shape, dtype=dtype, device=t.device).copy_(t)
 
 
 def _need_fp8() -> None:
@@ -44,7 +40,7 @@ def _ceil_pow2(s: torch.Tensor) -> torch.Tensor:
     """``2 ** ceil(log2(s))`` exactly, for positive float32 ``s``, from its bits as DeepEP's kernels compute
     it (``exp2(ceil(log2(s)))`` can land one power of two low just above a power of two); a non-finite
     ``s`` gives +inf."""
-    bits = _fresh(s, torch.float32).view(torch.int32)
+    bits = fresh(s).view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
     return ((e.clamp(max=128) + 127) << 23).view(torch.float32)
 
@@ -86,20 +82,14 @@ def _cast(x: torch.Tensor, round_scale: bool, helper: bool, out) -> Tuple[torch.
         return q, sc
     xf = x.float().reshape(x.numel() // H, H // GROUP, GROUP)
     amax = xf.abs().amax(-1).clamp(min=_MIN_AMAX)
-    if helper:
-        scale = amax / FP8_MAX
-        if round_scale:
-            scale = _ceil_pow2(scale)
-            mult = 1.0 / scale                   # (a power of two: exact)
-        else:
-            mult = FP8_MAX / amax                # (as DeepEP's helper writes it: the reciprocal times 448)
+    scale = amax / FP8_MAX if helper else amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+    if round_scale:
+        scale = _ceil_pow2(scale)
+        mult = 1.0 / scale                       # (a power of two: exact)
+    elif helper:
+        mult = FP8_MAX / amax                    # (as DeepEP's helper writes it: the reciprocal times 448)
     else:
-        scale = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
-        if round_scale:
-            scale = _ceil_pow2(scale)
-            mult = 1.0 / scale
-        else:
-            mult = torch.full_like(amax, FP8_MAX).div_(amax)     # (correctly rounded, as the kernel divides)
+        mult = torch.full_like(amax, FP8_MAX).div_(amax)     # (correctly rounded, as the kernel divides)
     q.view(-1, H // GROUP, GROUP).copy_((xf * mult.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8))
     qb = q.view(torch.uint8)
     qb.masked_fill_(qb == 0xFF, 0x7F)            # (every NaN the positive one: its sign is the operators' whim)
@@ -146,18 +136,18 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     if scales.dim() < 1 or scales.shape[-1] % 4:
         raise ValueError(f"scales must be [..., G] with G a multiple of 4 (four exponents per int32), got shape "
                          f"{tuple(scales.shape)}")
-    bits = _fresh(scales, torch.float32).view(torch.int32)
+    bits = fresh(scales).view(torch.int32)
     if bool(((bits & 0x7FFFFF) != 0).any() | (bits < 0).any() | (bits >= 0x7F800000).any()):
         raise ValueError("UE8M0 holds positive powers of two only: round the scales first "
                          "(per_token_cast_to_fp8(..., round_scale=True))")
-    return _fresh(((bits >> 23) & 0xFF).to(torch.uint8), torch.uint8).view(torch.int32)
+    return fresh(((bits >> 23) & 0xFF).to(torch.uint8)).view(torch.int32)
 
 
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_ue8m0`: int32 ``[..., G/4]`` -> float32 scales ``[..., G]``."""
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32 or packed.dim() < 1:
         raise TypeError("packed UE8M0 scales must be an int32 tensor of at least one dimension")
-    exp = _fresh(packed, torch.int32).view(torch.uint8).to(torch.int32)
+    exp = fresh(packed).view(torch.uint8).to(torch.int32)
     return (exp << 23).view(torch.float32)
 
 
@@ -201,7 +191,7 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.
     native = _native_module() if dtype == torch.bfloat16 and x_fp8.device.type == scales.device.type == "cpu" \
         else None
     if native is not None:     # (one C pass: torch converts fp8 to float32 slowly, and through a temporary)
-        src, sc = x_fp8.resolve_neg().contiguous(), _fresh(scales, torch.float32)
+        src, sc = x_fp8.resolve_neg().contiguous(), fresh(scales)
         out = torch.empty(x_fp8.shape, dtype=torch.bfloat16)
         if n_groups:
             native.fp8_dequant(src.data_ptr(), n_groups, sc.data_ptr(), out.data_ptr())

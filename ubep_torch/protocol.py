@@ -302,8 +302,8 @@ def field_views(blocks: torch.Tensor, fmt: "RowFormat", i: int, dtype: torch.dty
 
 def fresh(t: torch.Tensor) -> torch.Tensor:
     """A copy with standard contiguous strides, always (``contiguous()``/``clone()`` may keep odd strides of
-    size-1 dimensions, which a dtype ``view`` then rejects)."""
-    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+    size-1 dimensions, which a dtype ``view`` then rejects), on the tensor's device."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

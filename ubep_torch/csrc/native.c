@@ -1436,24 +1436,12 @@ static PyObject *fp8_cast(PyObject *self, PyObject *args) {
         memcpy(&amax, &mbits, 4);
         if (mbits > 0x7f800000u) amax = __builtin_nanf("");        /* (one NaN, as torch's amax gives) */
         else if (amax < 1e-4f) amax = 1e-4f;
-        float scale, mult;
-        if (helper) {
-            scale = amax / 448.0f;
-            if (rounded) {
-                scale = ceil_pow2(scale);
-                mult = 1.0f / scale;
-            } else {
-                const float r = 1.0f / amax;
-                mult = r * 448.0f;
-            }
+        float scale = helper ? amax / 448.0f : amax * inv448, mult;
+        if (rounded) {
+            scale = ceil_pow2(scale);
+            mult = 1.0f / scale;
         } else {
-            scale = amax * inv448;
-            if (rounded) {
-                scale = ceil_pow2(scale);
-                mult = 1.0f / scale;
-            } else {
-                mult = 448.0f / amax;
-            }
+            mult = helper ? (1.0f / amax) * 448.0f : 448.0f / amax;
         }
         scales[g] = scale;
         uint8_t *o = q + g * 128;
