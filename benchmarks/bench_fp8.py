@@ -3,14 +3,15 @@
 Prints, side by side in one run: ``per_token_cast_to_fp8``, ``low_latency_cast_to_fp8`` and
 ``per_token_cast_back`` through the C module's one-pass loops and through torch operators (the fallback where
 the C module was not built; both give the same bits), on one core; then ``low_latency_dispatch`` on 2 ranks
-with ``use_fp8=True`` (DeepEP's default: the tokens are quantized, then half as many bytes travel) and with
-bf16 rows, alternating. Times are medians.
+with bf16 rows, with ``use_fp8=True`` (DeepEP's default: the tokens are quantized, then half as many bytes
+travel), and with ``use_fp8=True`` quantizing through torch operators, in turn. Times are medians.
 
     python benchmarks/bench_fp8.py [--tokens 128] [--hidden 7168] [--iters 20]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -48,19 +49,25 @@ def _torch_only(fn):
 
 
 def ll_dispatch(ctx, T: int, H: int, iters: int, K: int = 8, E: int = 16) -> dict:
+    """Median ms of ``low_latency_dispatch`` with bf16 rows, with fp8 rows, and with fp8 rows quantized by
+    torch operators (the C pass switched off), the three in turn."""
     torch.manual_seed(ctx.rank)
     x = torch.randn(T, H).bfloat16()
     _, topk = torch.randn(T, E).topk(K, dim=-1)
-    out = {True: [], False: []}
+    modes = ("bf16", "fp8", "fp8, torch quantization")
+    out = {m: [] for m in modes}
     with Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(T, H, ctx.world_size, E),
                 low_latency_mode=True) as buf:
-        for rnd in range(2 * iters + 4):
-            use_fp8 = bool(rnd % 2)
+        for rnd in range(3 * (iters + 2)):
+            mode = modes[rnd % 3]
+            call = functools.partial(buf.low_latency_dispatch, x, topk, T, E, use_fp8=mode != "bf16")
+            if mode == "fp8, torch quantization":
+                call = _torch_only(call)
             t0 = time.perf_counter()
-            buf.low_latency_dispatch(x, topk, T, E, use_fp8=use_fp8)
-            if rnd >= 4:
-                out[use_fp8].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in out.items()}
+            call()
+            if rnd >= 6:
+                out[mode].append(time.perf_counter() - t0)
+    return {m: statistics.median(v) * 1e3 for m, v in out.items()}
 
 
 def main() -> None:
@@ -90,9 +97,10 @@ def main() -> None:
             print(f"{name:<28}{'-':>10}{t_torch:>12.3f}   (the C module was not built)")
     with RankPool(2) as pool:
         res = pool.run(ll_dispatch, T, H, a.iters)
-    slow = {k: max(r[k] for r in res) for k in (True, False)}
-    print(f"\nlow_latency_dispatch, 2 ranks, top-8 of 16 experts (slowest rank): use_fp8=True {slow[True]:.3f} ms, "
-          f"bf16 {slow[False]:.3f} ms ({slow[True] / slow[False]:.2f}x)")
+    slow = {m: max(r[m] for r in res) for m in res[0]}
+    print("\nlow_latency_dispatch, 2 ranks, top-8 of 16 experts, slowest rank:")
+    for mode, ms in slow.items():
+        print(f"  {mode:<28}{ms:>8.3f} ms  ({ms / slow['bf16']:.2f}x bf16)")
 
 
 if __name__ == "__main__":
