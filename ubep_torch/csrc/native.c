@@ -1347,14 +1347,15 @@ static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
  * to even), with the exponent rebiased from 127 to 7. Smaller values are multiples of 2^-9: adding 2^14,
  * whose unit in the last place is 2^-9, makes the float adder round them to that grid with ties to even,
  * and the low bits then hold the multiple. Every NaN becomes 0x7f, whatever its sign (torch's operators do
- * not settle it). Branch-free (masks, no conditional jumps), so the loops around it vectorize. */
+ * not settle it): its magnitude is replaced by 480's, whose bits the normal path turns into 0x7f, and its
+ * sign dropped. Branch-free (masks and a minimum, no conditional jumps), so the loops around it vectorize. */
 static inline uint8_t f32_to_e4m3(float f) {
     int32_t u;
     memcpy(&u, &f, 4);
     const int32_t a = u & 0x7fffffff;
     const int32_t nan = -(int32_t)(a > 0x7f800000);
-    const int32_t big = -(int32_t)(a > 0x43e00000);                      /* 0x43e00000: 448 */
-    const int32_t c = (a & ~big) | (0x43e00000 & big);
+    const int32_t sat = a < 0x43e00000 ? a : 0x43e00000;                /* 0x43e00000: 448 */
+    const int32_t c = (sat & ~nan) | (0x43f00000 & nan);                /* 0x43f00000: 480 */
     const int32_t normal = (c + 0x7ffff + ((c >> 20) & 1) - (120 << 23)) >> 20;
     float cf;
     memcpy(&cf, &c, 4);
@@ -1362,8 +1363,7 @@ static inline uint8_t f32_to_e4m3(float f) {
     int32_t rb;
     memcpy(&rb, &r, 4);
     const int32_t tiny = -(int32_t)(c < (121 << 23));                   /* below 2^-6 */
-    const int32_t res = ((rb - 0x46800000) & tiny) | (normal & ~tiny) | ((u >> 24) & 0x80);
-    return (uint8_t)((res & ~nan) | (0x7f & nan));
+    return (uint8_t)(((rb - 0x46800000) & tiny) | (normal & ~tiny) | ((u >> 24) & 0x80 & ~nan));
 }
 
 /* exact 2^ceil(log2(s)) of a positive float from its bits (DeepEP's power-of-two scales); a non-finite s
@@ -1390,23 +1390,12 @@ static inline float ceil_pow2(float s) {
  *   helper: scale = amax / 448, values times (1/amax) * 448 (rounded: scale = 2^ceil(log2(amax/448))).
  * Then saturated at +-448 and rounded to e4m3: each step one float32 operation, the same ones and in the
  * same order as ubep_torch/fp8.py's torch code, so the bits agree with it. */
-static PyObject *fp8_cast(PyObject *self, PyObject *args) {
-    unsigned long long src_p, q_p, s_p;
-    Py_ssize_t rows, H;
-    int kind, mode;
-    if (!PyArg_ParseTuple(args, "KnniKKi", &src_p, &rows, &H, &kind, &q_p, &s_p, &mode)) return NULL;
-    if (H <= 0 || H % 128 || rows < 0 || (kind != 0 && kind != 1) || mode < 0 || mode > 3) {
-        PyErr_SetString(PyExc_ValueError, "fp8_cast: H must be a positive multiple of 128, kind 0 or 1, mode 0..3");
-        return NULL;
-    }
-    const uint16_t *src16 = (const uint16_t *)(uintptr_t)src_p;
-    const float *src32 = (const float *)(uintptr_t)src_p;
-    uint8_t *q = (uint8_t *)(uintptr_t)q_p;
-    float *scales = (float *)(uintptr_t)s_p;
-    const int rounded = mode & 1, helper = (mode >> 1) & 1;
+/* the groups of fp8_cast; compiled for AVX2 and the baseline ISA like the sums (HOT) */
+HOT static void cast_groups(const void *src, Py_ssize_t groups, int kind, int rounded, int helper, uint8_t *q,
+                            float *scales) {
+    const uint16_t *src16 = (const uint16_t *)src;
+    const float *src32 = (const float *)src;
     const float inv448 = (float)(1.0 / 448.0);
-    const Py_ssize_t groups = rows * (H / 128);
-    Py_BEGIN_ALLOW_THREADS
     float v[128];
     for (Py_ssize_t g = 0; g < groups; g++) {
         /* amax from the magnitudes' bits: for non-negative floats the integer order is the float order,
@@ -1447,6 +1436,20 @@ static PyObject *fp8_cast(PyObject *self, PyObject *args) {
         uint8_t *o = q + g * 128;
         for (int j = 0; j < 128; j++) o[j] = f32_to_e4m3(v[j] * mult);
     }
+}
+
+static PyObject *fp8_cast(PyObject *self, PyObject *args) {
+    unsigned long long src_p, q_p, s_p;
+    Py_ssize_t rows, H;
+    int kind, mode;
+    if (!PyArg_ParseTuple(args, "KnniKKi", &src_p, &rows, &H, &kind, &q_p, &s_p, &mode)) return NULL;
+    if (H <= 0 || H % 128 || rows < 0 || (kind != 0 && kind != 1) || mode < 0 || mode > 3) {
+        PyErr_SetString(PyExc_ValueError, "fp8_cast: H must be a positive multiple of 128, kind 0 or 1, mode 0..3");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    cast_groups((const void *)(uintptr_t)src_p, rows * (H / 128), kind, mode & 1, (mode >> 1) & 1,
+                (uint8_t *)(uintptr_t)q_p, (float *)(uintptr_t)s_p);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1463,6 +1466,16 @@ static void fill_e4m3_values(void) {
     }
 }
 
+/* the groups of fp8_dequant (HOT: see cast_groups) */
+HOT static void dequant_groups(const uint8_t *src, Py_ssize_t groups, const float *scales, uint16_t *out) {
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        const float sc = scales[g];
+        const uint8_t *in = src + g * 128;
+        uint16_t *o = out + g * 128;
+        for (int j = 0; j < 128; j++) o[j] = f32_to_bf16(e4m3_value[in[j]] * sc);
+    }
+}
+
 /* fp8_dequant(src, groups, scales, out)
  *
  * out (bf16) = float32(e4m3 value) * scale of its group, rounded to bf16 as torch does (f32_to_bf16), for
@@ -1475,16 +1488,9 @@ static PyObject *fp8_dequant(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "fp8_dequant: negative group count");
         return NULL;
     }
-    const uint8_t *src = (const uint8_t *)(uintptr_t)src_p;
-    const float *scales = (const float *)(uintptr_t)s_p;
-    uint16_t *out = (uint16_t *)(uintptr_t)out_p;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t g = 0; g < groups; g++) {
-        const float sc = scales[g];
-        const uint8_t *in = src + g * 128;
-        uint16_t *o = out + g * 128;
-        for (int j = 0; j < 128; j++) o[j] = f32_to_bf16(e4m3_value[in[j]] * sc);
-    }
+    dequant_groups((const uint8_t *)(uintptr_t)src_p, groups, (const float *)(uintptr_t)s_p,
+                   (uint16_t *)(uintptr_t)out_p);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
