@@ -429,8 +429,9 @@ def late_rank(ctx, case):
 def refused_call(ctx, case):
     """Rank 1's first dispatch has an expert id out of range (refused with ValueError before it reaches
     rank 0); rank 0's is valid. ``"late"``: rank 1 calls again only after 2.5 s, so rank 0, waiting in the
-    call rank 1 refused, raises once the refusal is 1 s old (its deadline is 20 s), and rank 1's next call
-    fails too. ``"prompt"``: rank 1 calls again at once and that call is the one rank 0 waits in.
+    call rank 1 refused, raises once the refusal is 1 s old (its deadline is 20 s): the call is cancelled
+    on both ranks, and both go on with a round trip that completes (rank 0's waits for rank 1's).
+    ``"prompt"``: rank 1 calls again at once and that call is the one rank 0 waits in.
     ``"both"``: both ranks' first calls are refused, rank 1 calls again after 2.5 s, and rank 0, waiting
     in its retry of the call, does not count rank 1's refusal. ``"layout"``: as ``"late"``, with rank 1's
     error raised by ``get_dispatch_layout``. ``"destroy"``: rank 1 destroys its Buffer right after the
@@ -460,7 +461,7 @@ def refused_call(ctx, case):
         steps = [lambda: buf.get_dispatch_layout(bad, E)]
     if ctx.rank == 1 and case == "destroy":
         steps.append(buf.destroy)
-    elif ctx.rank == 1 or case == "both":
+    elif ctx.rank == 1 or case in ("both", "late", "layout"):
         if ctx.rank == 1 and case != "prompt":
             steps.append(lambda: time.sleep(2.5))
         steps.append(lambda: dispatch(good))
@@ -779,7 +780,10 @@ def dropped_buffers_release_memory(ctx):
 
 def refusal_on_a_sub_group(ctx):
     """Global ranks 1 and 2 of three build a Buffer on their own group; rank 2 refuses a dispatch (bad
-    input) and rank 1 waits for it in that call. Returns rank 1's error (type, group ranks it names, text)."""
+    input), then destroys its Buffer, and rank 1 waits for it in that call; rank 1's next dispatch finds
+    rank 2 gone, and a call after that finds its own Buffer broken. Returns rank 1's first error (type,
+    group ranks it names, text), the last one's text, and the error of Buffers built with sizes that
+    differ."""
     import torch
     import torch.distributed as dist
 
@@ -796,7 +800,13 @@ def refusal_on_a_sub_group(ctx):
     except Exception as e:  # noqa: BLE001
         out = (type(e).__name__, getattr(e, "aborted_ranks", None), str(e))
     later = mismatch = None
-    if ctx.rank == 1:       # a later call of the broken Buffer names the same ranks
+    if ctx.rank == 2:
+        buf.destroy()
+    else:                   # a call of the Buffer broken by the lost peer names the same ranks
+        try:
+            buf.dispatch(torch.ones(2, 64).bfloat16(), topk_idx=topk, num_experts=4)
+        except Exception:  # noqa: BLE001
+            pass
         try:
             buf.get_dispatch_layout(topk, 4)
         except Exception as e:  # noqa: BLE001
@@ -848,3 +858,104 @@ def exit_on_rank(ctx, rank: int, code: int) -> int:
 def unpicklable_result(ctx):
     """A result the pool cannot send back (a lambda)."""
     return lambda: ctx.rank
+
+
+def refused_then_retried(ctx, sync, cases):
+    """Rank 1 refuses a call (an expert id out of range), then makes it again with valid input after a
+    delay; every other rank makes the call with valid input, and makes it again if it raised (the call was
+    cancelled on every rank). Each case is ``(kind, delay)``, kind ``"normal"`` (dispatch and combine) or
+    ``"ll"`` (low-latency dispatch and combine, no recv hook). Every case's inputs differ (tokens, routing,
+    values), so rows left from a cancelled attempt would show. Returns per case: each attempt's outcome
+    (``"ok"`` or the error's type, and for an error whether it was cancelled) and the largest error of the
+    results against plain torch, then the same for two round trips of each kind after all cases."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, H, N = ctx.world_size, 128, 8
+    E = 2 * R
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
+                 low_latency_mode=True, timeout_s=20.0, sync=sync)
+    gen = torch.Generator().manual_seed(100 + ctx.rank)
+
+    def inputs(i):
+        T = 3 + (i + ctx.rank) % 5
+        x = (torch.randn(T, H, generator=gen) + i).bfloat16()
+        topk = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
+        w = torch.rand(T, 2, generator=gen)
+        return x, topk, w
+
+    def run(kind, x, topk, w):
+        if kind == "normal":
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+            out = buf.combine(recv_x, handle)[0]
+            reached = torch.zeros(x.shape[0], R, dtype=torch.bool)
+            reached.scatter_(1, topk // (E // R), True)
+            ref = x.float() * reached.sum(1, keepdim=True)
+        else:
+            recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+            out = buf.low_latency_combine(recv_x, topk, w, handle)[0]
+            ref = x.float() * w.sum(1, keepdim=True)
+        return float((out.float() - ref).abs().max() / (ref.abs().max() + 1))
+
+    results = []
+    for i, (kind, delay) in enumerate(cases):
+        x, topk, w = inputs(i)
+        attempts, err = [], None
+        if ctx.rank == 1:
+            bad = topk.clone()
+            bad[0, 0] = E
+            try:
+                run(kind, x, bad, w)
+            except ValueError:
+                attempts.append(("ValueError", False))
+            time.sleep(delay)
+        while err is None and len(attempts) < 3:
+            try:
+                err = run(kind, x, topk, w)
+                attempts.append(("ok", False))
+            except Exception as e:  # noqa: BLE001
+                attempts.append((type(e).__name__, getattr(e, "cancelled", None)))
+                if not getattr(e, "cancelled", False):
+                    break
+        results.append((attempts, err))
+    after = []
+    for i, kind in enumerate(["normal", "ll", "normal", "ll"]):
+        after.append(run(kind, *inputs(len(cases) + i)))
+    dist.barrier()
+    buf.destroy()
+    return results, after
+
+
+def sp_cancel_rearms(ctx):
+    """``sync="sp"``: rank 1 refuses a dispatch that rank 0 makes; once rank 0's call is cancelled, the
+    slots rank 0 wrote into rank 1's memory hold the sentinel again (else the first words of rows never
+    read would look arrived when the slots are next used). Returns rank 0's error type and whether it was
+    cancelled, and on rank 1 the number of rank 0's slot blocks in its memory whose first word is not the
+    sentinel."""
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    from ubep_torch import protocol as P
+    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0, sync="sp")
+    x = torch.randn(6, 128).bfloat16() + 3
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1], [2, 3]])
+    out = None
+    if ctx.rank == 1:
+        topk[0, 0] = 4
+    try:
+        buf.dispatch(x, topk_idx=topk, num_experts=4)
+    except Exception as e:  # noqa: BLE001
+        out = (type(e).__name__, getattr(e, "cancelled", None))
+    dist.barrier()
+    if ctx.rank == 1:
+        region = buf._regions[P.REGION_DISPATCH]
+        first = region.rows_base          # (half 0, part 0: the slots of rank 0's rows)
+        heads = buf._heap.local[first:first + 64 * P.BLOCK_BYTES].view(torch.int64).view(64, -1)[:, 0]
+        out = (out, int((heads != P.SP_SENTINEL).sum()))
+    dist.barrier()
+    buf.destroy()
+    return out

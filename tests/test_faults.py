@@ -300,8 +300,9 @@ def test_late_rank_learns_which_call_was_aborted():
 
 def test_a_call_refused_on_one_rank_fails_its_peers_fast():
     """Bad input on one rank only: the rank that waits for it in that call raises within about a second
-    (not at its 20 s deadline), naming that rank and saying it refused the call; a call made again at
-    once is the one the peer waits for, and a refusal on every rank is not counted against a retry."""
+    (not at its 20 s deadline), naming that rank and saying it refused the call, which is then cancelled
+    on every rank, every Buffer usable; a call made again at once is the one the peer waits for, and a
+    refusal on every rank is not counted against a retry."""
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with RankPool(2, env=env) as pool:
         waiting, refusing = pool.run(FR.refused_call, "late", timeout_s=60)
@@ -309,10 +310,14 @@ def test_a_call_refused_on_one_rank_fails_its_peers_fast():
         assert name == "UBEPPeerAbortedError" and refused and aborted == [1], waiting
         assert 0.9 < took < 3.0, waiting
         assert "refused this call" in waiting[0][4] and "invalid" in waiting[0][4], waiting
-        assert refusing[0][0] == "ValueError" and refusing[2][0] == "UBEPPeerAbortedError", refusing
+        assert "cancelled on every rank" in waiting[0][4] and "stays usable" in waiting[0][4], waiting
+        # the call is cancelled on both ranks: both go on with the next one, which completes
+        assert waiting[1][0] == "ok" and waiting[1][2] == 0.0, waiting
+        assert [step[0] for step in refusing] == ["ValueError", "ok", "ok"] and refusing[2][2] == 0.0, refusing
         waiting, refusing = pool.run(FR.refused_call, "layout", timeout_s=60)
         assert waiting[0][0] == "UBEPPeerAbortedError" and waiting[0][2] and waiting[0][1] < 3.0, waiting
-        assert refusing[0][0] == "ValueError" and refusing[2][0] == "UBEPPeerAbortedError", refusing
+        assert [step[0] for step in waiting[1:]] == ["ok"] and waiting[1][2] == 0.0, waiting
+        assert [step[0] for step in refusing] == ["ValueError", "ok", "ok"] and refusing[2][2] == 0.0, refusing
         # refused, then destroyed (a with block ended by the error): the refusal is named at once, not the
         # destroyed Buffer, and without the second a retry would take
         waiting, refusing = pool.run(FR.refused_call, "destroy", timeout_s=60)
@@ -511,3 +516,49 @@ def test_rank_pool_reports_a_rank_process_that_died_at_once():
     assert took < 5, took
     assert list(info.value.failures) == [1] and "exited (code 3) before answering" in info.value.failures[1], \
         info.value.failures
+
+
+@pytest.mark.parametrize("sync", ["tff", "dc", "sp", "sw"])
+def test_a_call_refused_on_one_rank_is_cancelled_on_every_rank(sync):
+    """Bad input on one rank only, then every rank makes the call again (the refusing one after a delay,
+    the others once the call raised): whether the retry came before the peers gave up (the call continues)
+    or after (it is cancelled on every rank, each Buffer usable), every rank ends with the same call done
+    and correct results, in every sync mode, normal and low-latency (former behaviour: the ranks that
+    waited were broken, and every Buffer had to be rebuilt)."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    cases = [("normal", 0.0), ("normal", 1.6), ("ll", 1.6), ("normal", 1.0), ("ll", 0.95)]
+    with RankPool(2, env=env) as pool:
+        waiting, refusing = pool.run(FR.refused_then_retried, sync, cases, timeout_s=120)
+    for (kind, delay), (w_attempts, w_err), (r_attempts, r_err) in zip(cases, waiting[0], refusing[0]):
+        assert r_attempts[0][0] == "ValueError" and r_attempts[-1][0] == "ok", (kind, delay, r_attempts)
+        assert w_attempts[-1][0] == "ok", (kind, delay, w_attempts)
+        assert all(c for name, c in w_attempts[:-1]), (kind, delay, w_attempts)  # errors: cancelled calls
+        assert w_err < 1e-2 and r_err < 1e-2, (kind, delay, w_err, r_err)
+        if delay == 0.0:
+            assert w_attempts == [("ok", False)], w_attempts
+        if delay == 1.6:
+            assert w_attempts[0] == ("UBEPPeerAbortedError", True) and len(w_attempts) == 2, w_attempts
+    assert max(waiting[1] + refusing[1]) < 1e-2, (waiting[1], refusing[1])
+
+
+def test_a_call_refused_on_one_of_three_ranks_is_cancelled_on_all_three():
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    cases = [("normal", 1.5), ("ll", 1.5)]
+    with RankPool(3, env=env) as pool:
+        out = pool.run(FR.refused_then_retried, "tff", cases, timeout_s=120)
+    for rank, (results, after) in enumerate(out):
+        for attempts, err in results:
+            if rank == 1:
+                assert [a[0] for a in attempts] == ["ValueError", "ok"], attempts
+            else:
+                assert attempts == [("UBEPPeerAbortedError", True), ("ok", False)], attempts
+            assert err < 1e-2, err
+        assert max(after) < 1e-2, after
+
+
+def test_a_cancelled_sp_call_rearms_the_slots_it_wrote():
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        waiting, refusing = pool.run(FR.sp_cancel_rearms, timeout_s=60)
+    assert waiting == ("UBEPPeerAbortedError", True), waiting
+    assert refusing == (("ValueError", None), 0), refusing

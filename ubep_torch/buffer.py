@@ -48,10 +48,16 @@ from .utils import Config, EventOverlap, TensorCache, check_count, check_host
 
 _AUX_REGIONS = 8          # region ids that have an ack table
 # aux words, R per row: acks [region][half][source] | SyncAll counters | abort words | refused calls |
-# refusal times (one word per rank in each of the last four rows; row * R + rank)
+# refusal times | calls given up on a refusing rank | refused calls settled as cancelled (one word per rank
+# in each of the last six rows; row * R + rank)
 _ACK_WORDS = 2 * _AUX_REGIONS
 _SYNC_ROW, _ABORT_ROW, _REFUSED_ROW, _REFUSED_AT_ROW = _ACK_WORDS, _ACK_WORDS + 1, _ACK_WORDS + 2, _ACK_WORDS + 3
-_AUX_ROWS = _ACK_WORDS + 4
+_GIVEUP_ROW, _CANCELLED_ROW = _ACK_WORDS + 4, _ACK_WORDS + 5
+_AUX_ROWS = _ACK_WORDS + 6
+# the region whose epoch a refused call would have taken, by the call (or the step preparing it) that refused
+_REFUSED_REGION = {"dispatch": P.REGION_DISPATCH, "combine": P.REGION_DISPATCH,
+                   "get_dispatch_layout": P.REGION_DISPATCH, "low_latency_dispatch": P.REGION_LL_DISPATCH,
+                   "low_latency_combine": P.REGION_LL_COMBINE, "clean_low_latency_buffer": None}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _TOPK_RANGE = "{name} values must be in [-1, {E}); got min {lo}, max {hi} (rank {rank})"
 _LL_MAX_TOPK = 16         # top-k the low-latency size hint provisions for
@@ -326,6 +332,8 @@ def _collective(fn):
     Calls (and their recv hooks) run without autograd recording, as DeepEP's kernels do: inputs that
     require grad are read as data and results do not require grad (``ubep_torch.functional`` is the
     differentiable API)."""
+    _REFUSED_REGION[fn.__name__]     # (every collective call says which region a refusal of it skips)
+
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         _enter_call(self, fn.__name__)
@@ -342,13 +350,15 @@ def _collective(fn):
             _raise_if_destroyed(self, e, fn.__name__)
             name_global_ranks(e, self._global_ranks)
             if self._in_call and not isinstance(e, UBEPBrokenError):
-                self._fail(e)
+                if not self._cancel_call(e):
+                    self._fail(e)
             elif self._calls == calls and refusal(e):
-                self._refuse()         # failed before reaching the peers: tell those waiting
+                self._refuse(fn.__name__)    # failed before reaching the peers: tell those waiting
             raise
         finally:
             torch._C._set_grad_enabled(grad)
             self._in_call = False
+            self._cancel_point = None
             self._call_lock.release()
         hook = out[-1] if isinstance(out, tuple) and out and callable(out[-1]) else None
         if hook is None:
@@ -533,6 +543,9 @@ class Buffer:
         self._pending: List[_Pending] = []
         self._refused_calls: set = set()   # numbers of the (recent) calls this rank refused (bad input)
         self._refusal_posted = False    # whether the peers' memories still say so
+        self._refusal = (0, None)       # (call, region of its epoch) of the refusal posted last
+        self._cancelled_calls: set = set()   # calls cancelled on every rank because a rank refused them
+        self._cancel_point: Optional[dict] = None   # how to cancel the call in progress (see _cancel_call)
         self._ll_combine_buffer: Optional[torch.Tensor] = None    # flat; see get_next_low_latency_combine_buffer
         self._ll_combine_zeroed = 0
         # the latest handles of each mode, to recognise copies kept as plain tuples
@@ -699,7 +712,8 @@ class Buffer:
             if not self._destroyed and not poll():    # (most waits are over at the first poll)
                 return
         except UBEPError as e:
-            self._fail(e)
+            if not self._cancel_call(e):
+                self._fail(e)
             raise
 
         def poll_unless_destroyed():   # (destroy() from a signal handler or another thread ends the wait)
@@ -710,7 +724,8 @@ class Buffer:
         try:
             self._waiter.wait(phase, poll_unless_destroyed)
         except UBEPError as e:
-            self._fail(e)
+            if not self._cancel_call(e):
+                self._fail(e)
             raise
 
     def _ack_base(self, rid: int, half: int) -> int:
@@ -751,7 +766,7 @@ class Buffer:
         polls = count()
 
         def same_call(missing):   # (the other regions too once the wait lasts: see _same_call)
-            return self._same_call(region, half, flag, missing, next(polls) >= _POLLS_BEFORE_REGION_CHECK)
+            return self._same_call(region, half, flag, missing, next(polls) >= _POLLS_BEFORE_REGION_CHECK, phase)
         poller = eng.ctrl_poller(ctrl, nctrl)
         if poller is not None:   # every source at once
             got = [None] * self.group_size
@@ -772,7 +787,7 @@ class Buffer:
         return words
 
     def _same_call(self, region: "_Region", half: int, flag: int, missing: List[int],
-                   all_regions: bool = False) -> List[int]:
+                   all_regions: bool = False, phase: str = "") -> List[int]:
         """``missing``, the sources whose control message of this call (``flag``) has not arrived, unless one
         of them is in another operation: a mismatch, raised at once instead of at the deadline.
 
@@ -801,6 +816,11 @@ class Buffer:
             now = region.ctrl_heads(local, half)[list(ahead)].tolist() if ahead else []
             other = {s: k for (s, k), head in zip(ahead.items(), now) if head >> 8 != flag >> 8}
         if other:
+            # (a rank that refused this call and settled it as cancelled goes on with its next call at once)
+            cancelled = [s for s in other if self._cancellable(s)]
+            if cancelled:
+                self._cancel_point["refused"] = True
+                raise UBEPPeerAbortedError(phase, self.rank, list(missing), cancelled, refused=True)
             op = P.REGION_NAMES.get(flag & 0xFF, str(flag & 0xFF))
             theirs = ", ".join(f"rank {s} called {P.REGION_NAMES.get(k, 'another operation')}"
                                for s, k in sorted(other.items()))
@@ -877,27 +897,64 @@ class Buffer:
         ``_calls`` (only calls that reach their peers count; every rank makes the same ones, so the numbers
         agree)."""
         if not self._in_call:
-            if self._refusal_posted:
-                self._post_refusal(0)
+            self._settle_refusal()
             self._calls += 1
             self._active_call = self._calls
         self._in_call = True
 
-    def _refuse(self) -> None:
+    def _refuse(self, what: str) -> None:
         """An error in a collective call (bad input, a failed allocation: see ``errors.refusal``), or in a step
         that leads to one (``get_dispatch_layout``, ``ubep_torch.functional``), before it reached the peers:
-        post the refusal of the call they may be waiting in (see ``_post_refusal``). Only the process that
-        built the Buffer, and not while another thread is inside a call (its call is the one the peers wait
-        in)."""
+        post the refusal of the call they may be waiting in (see ``_post_refusal``); ``what`` names the call
+        (or step). Only the process that built the Buffer, and not while another thread is inside a call (its
+        call is the one the peers wait in)."""
         if self._pid != os.getpid() or not self._call_lock.acquire(blocking=False):
             return
         try:
             if not self._destroyed and self._broken is None and not self._in_call:
-                self._post_refusal(self._calls + 1)
+                self._settle_refusal()
+                self._post_refusal(self._calls + 1, _REFUSED_REGION[what])
         finally:
             self._call_lock.release()
 
-    def _post_refusal(self, call: int) -> None:
+    def _settle_refusal(self) -> None:
+        """Before this rank's next call (or refusal) after refusing call N: withdraw the refusal, then learn
+        whether a peer gave up on it meanwhile. Then call N was cancelled on every rank (see
+        ``_peer_aborted``): this rank counts it too and moves its region's epoch past it, tells the peers
+        still waiting in it, and makes its next call as N + 1. Else its next call is N.
+
+        A peer gives up by storing N into this rank's memory, then (after a full fence) reading whether the
+        refusal is still posted; this rank withdraws it, then (after a full fence) reads those stores. Of two
+        such store-then-load pairs at least one load sees the other's store, so the two sides never decide
+        differently: a peer that saw the refusal still posted has its store seen here."""
+        if not self._refusal_posted:
+            return
+        call, rid = self._refusal
+        self._post_refusal(0)
+        P.full_fence()
+        R = self.group_size
+        if any(int(w) == call for w in self._aux_words[_GIVEUP_ROW * R:_GIVEUP_ROW * R + R]):
+            for r in range(R):
+                if r != self.rank:
+                    self._peer_words[r][_CANCELLED_ROW * R + self.rank] = call
+            self._calls += 1
+            epoch = None
+            if rid is not None and rid in self._regions:
+                epoch = self._next_epoch_number(rid)
+            self._cancel_done(call, rid, epoch)
+
+    def _cancel_done(self, call: int, rid: Optional[int], epoch: Optional[int]) -> None:
+        """Call ``call`` is cancelled on every rank; on this one it took ``epoch`` of region ``rid`` (None:
+        none). Acknowledge every source's rows of that epoch (this rank will not read them: the peers may
+        reuse that half), move the SyncAll count to the value every rank takes after a cancelled call, and
+        ignore refusals of that call from now on."""
+        if epoch is not None:
+            for s in range(self.group_size):
+                self._send_ack(rid, s, epoch)
+        self._barrier_count = max(self._barrier_count, (call + 1) << 24)
+        self._cancelled_calls = {c for c in self._cancelled_calls if c > call - 1024} | {call}
+
+    def _post_refusal(self, call: int, rid=None) -> None:
         """Write into every peer's memory that this rank refused call number ``call`` because of bad input,
         and when (0: withdrawn, when this rank's next call reaches the peers). A peer that waits for this
         rank in that call raises once the refusal is ``_REFUSAL_GRACE_S`` old instead of waiting for its
@@ -911,11 +968,17 @@ class Buffer:
                 self._peer_words[r][_REFUSED_ROW * R + self.rank] = call
         if call:
             self._refused_calls = {c for c in self._refused_calls if c > call - 1024} | {call}
+            self._refusal = (call, rid)
         self._refusal_posted = bool(call)
 
     def _next_epoch(self, rid: int) -> int:
         """The next epoch of region ``rid`` (see ``_begin_call``)."""
         self._begin_call()
+        epoch = self._next_epoch_number(rid)
+        self._cancel_point = {"call": self._active_call, "rid": rid, "epoch": epoch, "sent": []}
+        return epoch
+
+    def _next_epoch_number(self, rid: int) -> int:
         rid = self._regions[rid].rid      # (normal combine counts in the region it shares with dispatch)
         self._epoch[rid] += 1
         return self._epoch[rid]
@@ -931,15 +994,41 @@ class Buffer:
         R = self.group_size
         how = P.abort_how(int(self._aux_words[_ABORT_ROW * R + r]))
         refused = int(self._aux_words[_REFUSED_ROW * R + r])
-        refused_here = refused and refused <= self._active_call and refused not in self._refused_calls
+        refused_here = refused and refused <= self._active_call and refused not in self._refused_calls \
+            and refused not in self._cancelled_calls
+        if self._cancellable(r):
+            return P.ABORT_REFUSED      # (it refused this call and found that a peer gave up on it)
         if how:
             # a rank that refused this call and then destroyed its Buffer (as a ``with`` block ended by the
             # bad input's error does) will not call again: its refusal is the cause, named at once
-            return P.ABORT_REFUSED if how == P.ABORT_DESTROYED and refused_here else how
+            return self._give_up(r, refused) if how == P.ABORT_DESTROYED and refused_here else how
         if not refused_here:
             return 0
         age = time.monotonic_ns() - int(self._aux_words[_REFUSED_AT_ROW * R + r])
-        return P.ABORT_REFUSED if age >= min(_REFUSAL_GRACE_S, self.timeout_s / 4) * 1e9 else 0
+        return self._give_up(r, refused) if age >= min(_REFUSAL_GRACE_S, self.timeout_s / 4) * 1e9 else 0
+
+    def _cancellable(self, r: int) -> bool:
+        """Rank r refused the call this rank is in, and has settled it as cancelled (``_settle_refusal``)."""
+        cp = self._cancel_point
+        return cp is not None and cp["call"] == self._active_call and \
+            int(self._aux_words[_CANCELLED_ROW * self.group_size + r]) == cp["call"]
+
+    def _give_up(self, r: int, refused: int) -> int:
+        """``P.ABORT_REFUSED``: rank r refused call ``refused`` long enough ago (or destroyed its Buffer since).
+        Inside that very call (not a recv hook of it), this rank first gives up on it in r's memory; the call
+        is cancelled on every rank if r still refuses it after that (then r, when it calls again, finds the
+        give-up: see ``_settle_refusal``), and this rank waits on if r has just called again (r then finds
+        the give-up or not, and says which)."""
+        cp = self._cancel_point
+        if cp is None or cp["call"] != self._active_call or refused != cp["call"]:
+            return P.ABORT_REFUSED
+        R = self.group_size
+        self._peer_words[r][_GIVEUP_ROW * R + self.rank] = refused
+        P.full_fence()
+        if int(self._aux_words[_REFUSED_ROW * R + r]) != refused and not self._cancellable(r):
+            return 0
+        cp["refused"] = True
+        return P.ABORT_REFUSED
 
     def _signal_abort(self, how: int = P.ABORT_FAILED) -> None:
         """Tell every peer that this rank failed inside a call (``how``: see ``_peer_aborted``), so they fail
@@ -950,6 +1039,34 @@ class Buffer:
                 self._peer_words[r][slot] = P.abort_word(how, self._active_call)
             except Exception:
                 pass
+
+    def _note_send(self, job: SendJob) -> None:
+        """What a cancel of this call re-arms (SP): the slots the send phase ``job`` writes into."""
+        if self.sync == "sp" and self._cancel_point is not None:
+            self._cancel_point["sent"].append((job.fmt, list(job.dests)))
+
+    def _cancel_call(self, e: BaseException) -> bool:
+        """True, with the call cancelled and this Buffer usable, when ``e`` says that the ranks this call
+        waits for refused it and it is cancelled on every rank (see ``_give_up``); else False.
+
+        Every rank that took part leaves the call: it acknowledges the rows of the call's epoch (it will not
+        read them), re-arms (SP) the slots it wrote into its peers, whose first words would otherwise read as
+        arrived when the half is next used, and takes the SyncAll count every rank takes after a cancelled
+        call. The refusing ranks count the call too, when they next call (``_settle_refusal``). Flags and
+        checksums carry the epoch, so no other stale block can match a later call."""
+        if getattr(e, "cancelled", False):
+            return True
+        cp = self._cancel_point
+        if not (isinstance(e, UBEPPeerAbortedError) and e.refused and cp is not None and cp.get("refused")
+                and cp["call"] == self._active_call):
+            return False
+        for fmt, dests in cp["sent"]:
+            for d in dests:
+                if d.sel.numel():
+                    self.engine.rearm(fmt, d.rows[:d.sel.numel()])
+        self._cancel_done(cp["call"], cp["rid"], cp["epoch"])
+        e.cancel()
+        return True
 
     def _fail(self, e: BaseException) -> None:
         name_global_ranks(e, self._global_ranks)      # (its text is kept for later calls' errors)
@@ -1083,7 +1200,7 @@ class Buffer:
             layout = self._layout(topk_idx, E)[0]
         except Exception as e:
             if refusal(e):
-                self._refuse()  # (the dispatch it prepares will not come: tell the peers waiting in it)
+                self._refuse("get_dispatch_layout")  # (the dispatch it prepares will not come: tell the peers)
             raise
         return tuple(None if t is None else t.clone() for t in layout) + (EventOverlap(None),)
 
@@ -1488,6 +1605,7 @@ class Buffer:
                 peer = self._peer_mem[d]
                 job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt),
                                              region.ctrl(peer, half, me, nctrl), list(w)))
+            self._note_send(job)
             eng.send_phase(job, key)
         # receive the control messages of every source (verification of flags and counts)
         ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
@@ -1966,6 +2084,7 @@ class Buffer:
             job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt, nrows_l[d]),
                                          region.ctrl(peer, half, me, nctrl), ctrl_payload(d),
                                          meta_patch=row_items[d][:sel.numel()]))
+        self._note_send(job)
         eng.send_phase(job)
         local_x = (xq, sc) if use_fp8 else (x, None)
 
@@ -2350,6 +2469,7 @@ class Buffer:
             sel = sels[s][:0] if s == me and own_direct else sels[s]
             job.dests.append(Destination(s, sel, region.rows(peer, half, 0, fmt, N * K)[at:at + n],
                                          region.ctrl(peer, half, me, nctrl), payload))
+        self._note_send(job)
         eng.send_phase(job)
 
         result = out if out is not None else self._out.empty((T, H), torch.bfloat16)
@@ -2430,6 +2550,7 @@ class Buffer:
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
         self._begin_call()
+        self._cancel_point = {"call": self._active_call, "rid": None, "epoch": None, "sent": []}
         self._sync_all("clean_low_latency_buffer: SyncAll")
         self._call_complete("clean_low_latency_buffer")
 

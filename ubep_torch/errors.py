@@ -45,7 +45,8 @@ class UBEPPeerAbortedError(UBEPError):
     silent. ``when`` says which call: ``"this call"``, or an earlier one by its number. A rank too slow for
     its peers' deadline may still find all its data there; it learns of the abort when its part is done or
     at its next call. ``refused``: the peers left this call with an error before reaching the others (bad
-    input on those ranks only, above all: they raised ValueError or TypeError)."""
+    input on those ranks only, above all: they raised ValueError or TypeError). ``cancelled``: that call is
+    cancelled on every rank and this Buffer stays usable (every rank goes on with its next call)."""
 
     def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], aborted_ranks: Sequence[int],
                  when: str = "this call", refused: bool = False):
@@ -59,10 +60,17 @@ class UBEPPeerAbortedError(UBEPError):
         what = (f"refused {when} (an error before they reached the others, as for invalid input: see their "
                 f"error)" if refused else
                 f"failed or gave up in {when} and aborted it (see their error)")
+        self.cancelled = False
         super().__init__(
             f"ubep_torch: rank {rank} in phase '{phase}': peer rank(s) {self.aborted_ranks} {what}{missing}. "
             f"This Buffer is now unusable."
         )
+
+    def cancel(self) -> None:
+        """The refused call was cancelled on every rank, and this rank's Buffer stays usable."""
+        self.cancelled = True
+        self.args = (self.args[0].replace("This Buffer is now unusable.", "The call is cancelled on every rank "
+                                          "and this Buffer stays usable: every rank goes on with its next call."),)
 
 
 class UBEPBrokenError(UBEPError):

@@ -111,7 +111,7 @@ def _refuses_bad_input(fn):
         except Exception as e:
             refuse = getattr(buffer, "_refuse", None)
             if refuse is not None and buffer._calls == calls and refusal(e):
-                refuse()
+                refuse(fn.__name__)
             raise
     return wrapper
 

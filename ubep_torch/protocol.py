@@ -336,6 +336,14 @@ def memory_fence() -> None:
             pass
 
 
+def full_fence() -> None:
+    """Full barrier on every CPU, x86-64 included: a store before it is visible to every core before any
+    load after it (TSO lets a load pass an older store to another address; a locked instruction, which
+    acquiring and releasing a lock executes, does not)."""
+    with _fence_lock:
+        pass
+
+
 # ----------------------------------------------------------------------------- waiting
 #: the longest deadline a wait takes (about 116 days: beyond it the clocks' arithmetic overflows)
 MAX_TIMEOUT_S = 1e7
