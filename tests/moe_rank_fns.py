@@ -363,3 +363,75 @@ def rank_empty_receiver(ctx, kind: str, layout: str):
     with torch.no_grad():
         return recv_x.shape[0], float((out - x).abs().max()), float((x.grad - 1).abs().max()), \
             float((w.grad - x.sum(-1, keepdim=True)).abs().max())
+
+
+def rank_double_backward(ctx, kind: str, mode: str):
+    """A second derivative through dispatch/combine (``create_graph=True``, then a backward through the
+    gradient) raises instead of silently leaving out the terms through the exchanges; the first
+    derivative is still right. Returns (first derivative right, error text or None)."""
+    buf = make_buffer(ctx, kind)
+    r, world = ctx.rank, ctx.world_size
+    e_total, k, t, h, n = 2 * world, 2, 3, 4, 4
+    idx, w = routing(31 + r, t, k, e_total)
+    x = torch.randn(t, h, dtype=torch.float64, generator=torch.Generator().manual_seed(7 + r)).requires_grad_()
+    if mode == "normal":
+        recv_x, _, _, handle = F.dispatch(buf, x, idx, w, e_total)
+        out = F.combine(buf, recv_x ** 2, handle)
+        m = torch.stack([((idx >= 0) & (idx.clamp(min=0) // (e_total // world) == d)).any(1)
+                         for d in range(world)], 1).sum(1, keepdim=True).double()
+        want = 2 * x.detach() * m
+    else:
+        xb = x.bfloat16()
+        recv_x, _, handle = F.low_latency_dispatch(buf, xb, idx, n, e_total)
+        out = F.low_latency_combine(buf, (recv_x.float() ** 2).bfloat16(), idx, w.float(), handle).double()
+        want = 2 * xb.detach().double() * (w * (idx >= 0)).sum(1, keepdim=True)
+    g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    first_ok = bool(torch.allclose(g.detach(), want, rtol=2e-2, atol=2e-2))
+    try:
+        (g ** 2).sum().backward()
+        err = None
+    except RuntimeError as e:
+        err = str(e)
+    return first_ok, err
+
+
+def rank_sync_after_reload(ctx, kind: str):
+    """``data_parallel_sync`` after the PyTorch idioms that put new Parameter objects into a layer
+    (``load_state_dict(..., assign=True)``, meta device then ``to_empty()``) gives the gradients it gives
+    the layer they were loaded from; and a dense MoE (no Buffer) in data-parallel training has its experts
+    all-reduced like any replicated parameter. Returns (reloaded layers' gradients equal, dense experts'
+    gradients equal on every rank, dense experts' gradients differ before the sync)."""
+    buf = make_buffer(ctx, kind)
+    cfg = moe_config("softmax", False)
+    x = torch.randn(6, cfg["hidden"], generator=torch.Generator().manual_seed(80 + ctx.rank))
+
+    def grads(layer):
+        layer.zero_grad()
+        (layer(x) ** 2).sum().backward()
+        unn.data_parallel_sync(layer)
+        return [p.grad.clone() for p in layer.parameters()]
+    torch.manual_seed(0)
+    a = unn.MoE(**cfg, buffer=buf)
+    ref = grads(a)
+    b = unn.MoE(**cfg, buffer=buf)
+    b.load_state_dict(a.state_dict(), assign=True)
+    with torch.device("meta"):
+        c = unn.MoE(**cfg, buffer=buf)
+    c.to_empty(device="cpu")
+    c.load_state_dict(a.state_dict())
+    same = all(torch.allclose(g, r, rtol=1e-5, atol=1e-6) for layer in (b, c) for g, r in zip(grads(layer), ref))
+    torch.manual_seed(1)
+    dense = unn.MoE(**cfg)
+    dense.zero_grad()
+    (dense(x) ** 2).sum().backward()
+    before = dense.experts.w_gate.grad.clone()
+    dense.zero_grad()
+    (dense(x) ** 2).sum().backward()
+    unn.data_parallel_sync(dense)
+    after = dense.experts.w_gate.grad.clone()
+    gathered, gathered_before = [torch.empty_like(after) for _ in range(ctx.world_size)], \
+        [torch.empty_like(before) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, after)
+    dist.all_gather(gathered_before, before)
+    return same, all(torch.equal(g, gathered[0]) for g in gathered), \
+        not all(torch.equal(g, gathered_before[0]) for g in gathered_before)

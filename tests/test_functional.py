@@ -92,3 +92,13 @@ def test_token_listing_an_expert_twice(pool, kind, layout, wdtype):
     in the Buffer's weight field, so the output lost the other slots)"""
     for rank, errors in enumerate(pool.run(M.rank_repeated_expert, kind, layout, wdtype)):
         assert max(errors) < 1e-5, f"rank {rank}: relative errors (out, grad x, grad w) {errors}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_second_derivatives_raise(pool, kind, mode):
+    """(former bug: ``create_graph=True`` gave first-order gradients that did not require grad, so a
+    gradient penalty through the exchanges silently added nothing)"""
+    for rank, (first_ok, err) in enumerate(pool.run(M.rank_double_backward, kind, mode)):
+        assert first_ok, rank
+        assert err is not None and "differentiate twice" in err, (rank, err)

@@ -133,3 +133,13 @@ def test_expert_without_rows_gets_zero_gradients():
     experts(torch.zeros(0, 8, requires_grad=True), [0, 0]).sum().backward()
     for p in (experts.w_gate, experts.w_up, experts.w_down):
         assert p.grad is not None and not bool(p.grad.any())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_data_parallel_sync_finds_experts_by_their_place(pool, kind):
+    """(former bug: expert parameters were known by an attribute on the Parameter object, which
+    ``load_state_dict(..., assign=True)`` and meta-device construction drop: their gradients were then
+    averaged with other ranks' experts' gradients; and a dense MoE's experts, replicated on every rank, were
+    not all-reduced)"""
+    for rank, (same, dense_synced, dense_differed) in enumerate(pool.run(M.rank_sync_after_reload, kind)):
+        assert same and dense_synced and dense_differed, (rank, same, dense_synced, dense_differed)

@@ -20,6 +20,10 @@ Shapes: ``T`` tokens on this rank, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R
 
 Weights in a dtype other than float32 (float64 for ``gradcheck``) travel as a payload of their own
 through a cached dispatch/combine, so no precision is lost on the way.
+
+The backward passes are collective calls that record no graph themselves, so they are differentiable
+once: a second derivative (``create_graph=True`` then a backward through the gradients) raises an error
+instead of silently leaving out the terms that go through these exchanges.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .errors import refusal
 from .utils import check_host
@@ -210,6 +215,7 @@ class _Dispatch(torch.autograd.Function):
         return recv_x, recv_topk_idx, recv_topk_weights
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_recv_x, _grad_recv_topk_idx, grad_recv_topk_weights):
         handle: AutogradHandle = ctx.handle
         buffer = ctx.buffer
@@ -258,6 +264,7 @@ class _Combine(torch.autograd.Function):
         return combined
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         handle: AutogradHandle = ctx.handle
         grad_y = ctx.buffer.dispatch(grad_out.contiguous(), handle=handle.buffer_handle)[0]
@@ -395,6 +402,7 @@ class _LowLatencyDispatch(torch.autograd.Function):
         return recv_x, recv_count
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_recv_x, _grad_count):
         h: LowLatencyAutogradHandle = ctx.handle
         g = _ll_combine_raw(ctx.buffer, grad_recv_x.contiguous(), h.topk_idx, _unit_weights(h.topk_idx),
@@ -412,6 +420,7 @@ class _LowLatencyCombine(torch.autograd.Function):
         return out.to(y.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         h: LowLatencyAutogradHandle = ctx.handle
         buffer = ctx.buffer

@@ -31,8 +31,23 @@ ROUTERS = ("softmax", "sigmoid")
 
 
 def is_expert_parameter(p: torch.Tensor) -> bool:
-    """True for parameters that live on one rank only (sharded experts); they are not all-reduced."""
+    """True for parameters tagged ``expert_parallel = True``: they live on one rank only (sharded experts)
+    and are not all-reduced. (:func:`data_parallel_sync` also finds the experts of :class:`MoE` layers by
+    their place in the module, where a tag may have been lost: see there.)"""
     return bool(getattr(p, "expert_parallel", False))
+
+
+def _expert_parameters(module: nn.Module) -> set:
+    """Ids of the parameters of ``module`` that live on one rank only: the experts of every expert-parallel
+    :class:`MoE` inside it, found by their place (idioms such as ``load_state_dict(..., assign=True)``,
+    building on the meta device then ``to_empty()``, or ``copy.deepcopy`` put new Parameter objects there,
+    without the tag), else those tagged (:func:`is_expert_parameter`). The experts of a dense MoE (no
+    Buffer) are replicated like any other parameter."""
+    placed, dense = set(), set()
+    for m in module.modules():
+        if isinstance(m, MoE):
+            (placed if m.expert_parallel else dense).update(id(p) for p in m.experts.parameters())
+    return placed | {id(p) for p in module.parameters() if is_expert_parameter(p) and id(p) not in dense}
 
 
 class Router(nn.Module):
@@ -261,14 +276,16 @@ class MoE(nn.Module):
 def data_parallel_sync(module: nn.Module, group=None) -> None:
     """Make gradients those of the mean loss over the ranks of ``group`` (call after ``backward``).
 
-    Replicated parameters are all-reduced and divided by the group size. Expert parameters are not
-    reduced: every rank's loss already sent its gradient to the owning rank through combine's backward,
-    so they hold the sum over ranks and are only divided by the group size.
+    Replicated parameters are all-reduced and divided by the group size. Expert parameters (those of
+    expert-parallel :class:`MoE` layers, and others tagged ``expert_parallel = True``) are not reduced:
+    every rank's loss already sent its gradient to the owning rank through combine's backward, so they hold
+    the sum over ranks and are only divided by the group size.
     """
     world = dist.get_world_size(group)
     if world == 1:
         return
-    replicated = [p.grad for p in module.parameters() if p.grad is not None and not is_expert_parameter(p)]
+    experts = _expert_parameters(module)
+    replicated = [p.grad for p in module.parameters() if p.grad is not None and id(p) not in experts]
     if replicated:
         flat = torch.cat([g.reshape(-1) for g in replicated])
         dist.all_reduce(flat, group=group)
@@ -278,5 +295,5 @@ def data_parallel_sync(module: nn.Module, group=None) -> None:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
     for p in module.parameters():
-        if p.grad is not None and is_expert_parameter(p):
+        if p.grad is not None and id(p) in experts:
             p.grad /= world
