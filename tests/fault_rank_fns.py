@@ -959,3 +959,66 @@ def sp_cancel_rearms(ctx):
     dist.barrier()
     buf.destroy()
     return out
+
+
+def bad_constructor_argument(ctx, case, tmp):
+    """Rank 1 builds its Buffer with a bad argument (``"sync"``: an unknown sync mode, ``"size"``: a string
+    for num_nvl_bytes) or another shared-memory directory (``"shm_dir"``: ``tmp``); rank 0 builds it
+    correctly (20 s deadline). Returns each rank's (error type, seconds, text), then whether both could
+    build a Buffer afterwards and make a round trip."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    kwargs = {"timeout_s": 20.0}
+    nvl = 1 << 22
+    if ctx.rank == 1:
+        if case == "sync":
+            kwargs["sync"] = "bogus"
+        elif case == "size":
+            nvl = "2M"
+        else:
+            kwargs["shm_dir"] = tmp
+    t0 = time.monotonic()
+    try:
+        Buffer(dist.group.WORLD, nvl, **kwargs).destroy()
+        out = ("ok", time.monotonic() - t0, "")
+    except Exception as e:  # noqa: BLE001
+        out = (type(e).__name__, time.monotonic() - t0, str(e))
+    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
+    x = torch.randn(4, 64).bfloat16()
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=torch.tensor([[0, 2]] * 4), num_experts=4)
+    ok = torch.equal(buf.combine(recv_x, handle)[0], (x.float() * 2).bfloat16())
+    buf.destroy()
+    return out, ok
+
+
+def dropped_buffer(ctx):
+    """Rank 1 drops its Buffer without destroy() (and stays alive); rank 0, waiting for it in a dispatch
+    (20 s deadline), learns that it is gone at once. Returns rank 0's (error type, seconds, text)."""
+    import gc
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
+    dist.barrier()
+    if ctx.rank == 1:
+        del buf
+        gc.collect()
+        dist.barrier()
+        time.sleep(3.0)
+        return None
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(torch.randn(2, 64).bfloat16(), topk_idx=torch.tensor([[0, 2], [1, 3]]), num_experts=4)
+        out = ("ok", time.monotonic() - t0, "")
+    except Exception as e:  # noqa: BLE001
+        out = (type(e).__name__, time.monotonic() - t0, str(e))
+    buf.destroy()
+    return out

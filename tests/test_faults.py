@@ -562,3 +562,27 @@ def test_a_cancelled_sp_call_rearms_the_slots_it_wrote():
         waiting, refusing = pool.run(FR.sp_cancel_rearms, timeout_s=60)
     assert waiting == ("UBEPPeerAbortedError", True), waiting
     assert refusing == (("ValueError", None), 0), refusing
+
+
+@pytest.mark.parametrize("case", ["sync", "size", "shm_dir"])
+def test_a_bad_constructor_argument_on_one_rank_is_named_by_the_others(case, tmp_path):
+    """(former behaviour: the other ranks waited for their whole deadline, then named no cause, and
+    different shared-memory directories gave errors about an invalid segment path)"""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        (good, ok0), (bad, ok1) = pool.run(FR.bad_constructor_argument, case, str(tmp_path), timeout_s=60)
+    assert ok0 and ok1, (good, bad)
+    assert good[0] == "ValueError" and good[1] < 10.0, good
+    assert bad[0] in ("ValueError", "TypeError"), bad
+    if case == "shm_dir":
+        assert "directory" in good[2] and str(tmp_path) in good[2] and str(tmp_path) in bad[2], (good, bad)
+    else:
+        assert "rank(s) [1]" in good[2] and ("bogus" in good[2] or "num_nvl_bytes" in good[2]), good
+
+
+def test_a_buffer_dropped_without_destroy_is_seen_to_be_gone():
+    """(former behaviour: its peers waited for their whole deadline)"""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        waiting, _ = pool.run(FR.dropped_buffer, timeout_s=60)
+    assert waiting[0] == "UBEPPeerLostError" and waiting[1] < 2.0 and "destroyed its Buffer" in waiting[2], waiting

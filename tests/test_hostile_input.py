@@ -149,6 +149,24 @@ def bad_case(ctx, sync, kind):
         "meta ll x": lambda: buf.low_latency_dispatch(x.to(meta), topk, S.N_LL, E),
         "meta ll weights": lambda: ll_combine(w=torch.rand(T, K, device=meta)),
         "meta ll out": lambda: ll_combine(out=torch.empty(T, H, dtype=torch.bfloat16, device=meta)),
+        # sparse tensors (former bug: a sparse low-latency weight or combine bias passed the checks and broke the
+        # Buffer once the call had reached the peers)
+        "sparse ll weights": lambda: ll_combine(w=torch.rand(T, K).to_sparse()),
+        "sparse combine bias": lambda: combine(bias=torch.zeros(T, H).bfloat16().to_sparse()),
+        "sparse bias in a pair": lambda: combine(bias=(None, torch.zeros(T, H).bfloat16().to_sparse())),
+        "sparse x": lambda: buf.dispatch(x.to_sparse(), topk_idx=topk, num_experts=E),
+        "sparse ll out": lambda: ll_combine(out=torch.zeros(T, H).bfloat16().to_sparse()),
+        "sparse ll stats": lambda: buf.low_latency_dispatch(
+            x, topk, S.N_LL, E, cumulative_local_expert_recv_stats=torch.zeros(
+                stats_of["recv"], dtype=torch.int32).to_sparse()),
+        # flags and counts of the wrong type (former bugs: taken by their truth value, or True as 1)
+        "ll zero_copy str": lambda: ll_combine(zero_copy="no"),
+        "ll combine hook str": lambda: ll_combine(return_recv_hook="no"),
+        "ll dispatch hook str": lambda: buf.low_latency_dispatch(x, topk, S.N_LL, E, return_recv_hook="no"),
+        "worst True": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E, num_worst_tokens=True),
+        "alignment True": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E, expert_alignment=True),
+        "ll N True": lambda: buf.low_latency_dispatch(x, topk, True, E),
+        "bias triple": lambda: combine(bias=(torch.zeros(T, H).bfloat16(),) * 3),
         # tensors the call writes whose elements share memory
         "ll recv stats expanded": lambda: buf.low_latency_dispatch(
             x, topk, S.N_LL, E, cumulative_local_expert_recv_stats=torch.zeros(1, dtype=torch.int32).expand(
@@ -312,12 +330,17 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
              "meta ll weights", "meta ll out", "ll recv stats expanded", "ll wait stats expanded", "ll out expanded",
              "worst huge", "E huge", "ll experts per rank", "experts per rank", "ll clean args",
              "tuple rank mask edited", "tuple source index edited", "ll layout edited", "cost model str",
-             "on_report not callable"]
+             "on_report not callable", "sparse ll weights", "sparse combine bias", "sparse bias in a pair",
+             "sparse x", "sparse ll out", "sparse ll stats", "ll zero_copy str", "ll combine hook str",
+             "ll dispatch hook str", "worst True", "alignment True", "ll N True", "bias triple"]
 
 
 # what the error of some kinds must say (an earlier check could refuse them for another reason)
 BAD_SAYS = {"meta combine x": "meta tensor", "meta ll out": "meta tensor", "ll experts per rank": "control message",
-            "experts per rank": "control message", "ll layout edited": "changed after"}
+            "experts per rank": "control message", "ll layout edited": "changed after",
+            **{k: "layout torch.sparse_coo" for k in ("sparse ll weights", "sparse combine bias",
+                                                       "sparse bias in a pair", "sparse x", "sparse ll out",
+                                                       "sparse ll stats")}}
 
 
 @pytest.mark.parametrize("sync", ["tff", "sp"])
@@ -480,6 +503,31 @@ def odd_but_valid(ctx):
         buf.on_report = None
     recv_x, _, h, _, _ = buf.low_latency_dispatch(x, topk, S.N_LL, E, use_fp8=False)
     check("after", buf.low_latency_combine(recv_x, topk, w, h)[0])
+    # numpy integers for the counts DeepEP's binding converts (former bug: refused, while num_experts took them)
+    recv_x, _, h, _, _ = buf.low_latency_dispatch(x, topk, np.int64(S.N_LL), E, use_fp8=False)
+    check("numpy N", buf.low_latency_combine(recv_x, topk, w, h)[0])
+    for kw in ({"expert_alignment": np.int32(2)}, {"num_worst_tokens": np.int64(4 * R)}):
+        recv_x, _, _, _, hn, _ = buf.dispatch(x, topk_idx=topk, num_experts=E, **kw)
+        got = buf.combine(recv_x, hn)[0].float()
+        reached = torch.zeros(T, R)
+        reached.scatter_(1, topk.clamp(min=0) // (E // R), 1.0)
+        reached[2] = 0          # (every slot of token 2 is -1)
+        if not torch.allclose(got, x.float() * reached.sum(1, keepdim=True), rtol=1e-2, atol=1e-2):
+            fails.append(f"numpy {kw}")
+    # [n, 1] tensors with the stride of a transposed [1, n] one, which torch calls contiguous but no dtype
+    # view takes (former bug: a RuntimeError): fp8 scales of H = 128, a hidden size of 1, combine rows of it
+    xq = (torch.randn(T, 128) * 8).to(torch.float8_e4m3fn)
+    sc_t = torch.rand(1, T).add(0.5).t()
+    (rq, rs), _, _, _, _, _ = buf.dispatch((xq, sc_t), topk_idx=topk, num_experts=E)
+    (rq2, rs2), _, _, _, _, _ = buf.dispatch((xq, sc_t.contiguous().clone()), topk_idx=topk, num_experts=E)
+    if not (torch.equal(rq.view(torch.uint8), rq2.view(torch.uint8)) and torch.equal(rs, rs2)):
+        fails.append("fp8 scales of stride (1, T)")
+    x1 = torch.randn(1, T).bfloat16().t()
+    recv_x, _, _, _, h1, _ = buf.dispatch(x1, topk_idx=topk, num_experts=E)
+    back = buf.combine(torch.randn(1, recv_x.shape[0]).bfloat16().t().copy_(recv_x), h1)[0]
+    if back.shape != (T, 1) or not torch.allclose(back.float(), x1.float() * reached.sum(1, keepdim=True),
+                                                  rtol=1e-2, atol=1e-2):
+        fails.append("hidden size 1 of stride (1, T)")
     return fails
 
 

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import numbers
 import os
+import sys
 import threading
 import time
 import warnings
@@ -43,7 +44,7 @@ from .errors import (
     refusal,
 )
 from .fp8 import FP8, low_latency_cast_to_fp8, pack_ue8m0
-from .ugas import SymmetricHeap
+from .ugas import SymmetricHeap, refuse_setup
 from .utils import Config, EventOverlap, TensorCache, check_count, check_host
 
 _AUX_REGIONS = 8          # region ids that have an ack table
@@ -278,16 +279,18 @@ def _raise_if_destroyed(buf: "Buffer", e: BaseException, what: str) -> None:
 
 def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
     """Every tensor among the arguments of ``fn`` (and inside tuple or list arguments: fp8 pairs, bias
-    pairs, handles) lives in host memory, where the UGAS and the C loops read it by address; else
-    ValueError naming the argument, before anything is read. (One pass over the values; an argument's
-    name is looked up only for the one that fails.)"""
+    pairs, handles) is a dense (strided) tensor in host memory, where the UGAS and the C loops read it by
+    address; else ValueError (another device) or TypeError (a sparse or other layout) naming the argument,
+    before anything is read. (One pass over the values; an argument's name is looked up only for the one
+    that fails.)"""
     for k, value in enumerate(chain(args, kwargs.values())):
         if isinstance(value, torch.Tensor):
-            if value.is_cpu:
+            if value.is_cpu and value.layout == torch.strided:
                 continue
             where = ""
         elif isinstance(value, (tuple, list)):
-            bad = [i for i, t in enumerate(value) if isinstance(t, torch.Tensor) and not t.is_cpu]
+            bad = [i for i, t in enumerate(value) if isinstance(t, torch.Tensor)
+                   and not (t.is_cpu and t.layout == torch.strided)]
             if not bad:
                 continue
             where, value = f"[{bad[0]}]", value[bad[0]]
@@ -295,6 +298,16 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
             continue
         name = fn.__code__.co_varnames[1 + k] if k < len(args) else list(kwargs)[k - len(args)]
         check_host(f"{fn.__name__}: {name}{where}", value)
+        raise TypeError(f"ubep_torch: {fn.__name__}: {name}{where} is a tensor of layout {value.layout}; pass a "
+                        f"dense (strided) tensor (.to_dense())")
+
+
+def _check_flags(**flags) -> None:
+    """Flags must be bools (or numpy bools or ints, as DeepEP's binding converts them): a string or None would
+    be taken as True or False by its truth value."""
+    for name, flag in flags.items():
+        if not isinstance(flag, (bool, np.bool_, numbers.Integral)):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
 
 
 def _group_global_ranks(group) -> List[int]:
@@ -450,7 +463,12 @@ class Buffer:
                 self._init(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                            allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, timeout_s, sync,
                            backend, cost_model, on_report, num_max_tokens_per_rank, hidden, shm_dir, num_count_aivs)
-            except (UBEPError, ValueError, RuntimeError) as e:   # (the set-up's errors name ranks of the group)
+            except (ValueError, TypeError) as e:
+                if not getattr(self, "_heap_set_up", False):    # (a bad argument of this rank's own)
+                    refuse_setup(group, e)
+                name_global_ranks(e, _group_global_ranks(group), also=(ValueError, RuntimeError))
+                raise
+            except (UBEPError, RuntimeError) as e:   # (the set-up's errors name ranks of the group)
                 name_global_ranks(e, _group_global_ranks(group), also=(ValueError, RuntimeError))
                 raise
 
@@ -526,6 +544,7 @@ class Buffer:
         # each region's memory once, if it can take calls at all (a region too small for one slot takes
         # none, and its control words may lie in the next region's memory): what _same_call looks at
         self._call_regions = [r for r in dict.fromkeys(self._regions.values()) if r.part_bytes]
+        self._heap_set_up = True     # (from here on the set-up tells the peers of its own errors)
         self._heap = SymmetricHeap(group, base, directory=shm_dir, timeout_s=self.timeout_s,
                                    agree={"num_nvl_bytes": self.num_nvl_bytes,
                                           "num_rdma_bytes": self.num_rdma_bytes,
@@ -572,6 +591,16 @@ class Buffer:
     def group(self):
         """The process group this Buffer was built on (None once the Buffer, or the group, is destroyed)."""
         return None if self._destroyed else self._group_ref()
+
+    def __del__(self):
+        # a Buffer dropped without destroy() (its memory goes with it): peers that wait for it fail at once,
+        # as after destroy(), instead of at their deadline (not at interpreter exit: a process that exits is
+        # seen to be gone)
+        try:
+            if not self._destroyed and self._broken is None and self._pid == os.getpid() and not sys.is_finalizing():
+                self._signal_abort(P.ABORT_DESTROYED)
+        except Exception:  # noqa: BLE001  (a Buffer whose construction failed has nothing to tell)
+            pass
 
     def destroy(self) -> None:
         """Release the shared memory (the segments are already unlinked; this unmaps them). A segment that
@@ -1263,10 +1292,8 @@ class Buffer:
         self._apply_config(config)
         if layout not in ("rank_major", "expert_major"):
             raise ValueError(f"layout must be 'rank_major' or 'expert_major', got {layout!r}")
-        if not isinstance(expert_alignment, int) or expert_alignment < 1:
-            raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
-        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
-            raise ValueError(f"num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
+        expert_alignment = check_count("expert_alignment", expert_alignment, 1)
+        num_worst_tokens = check_count("num_worst_tokens", num_worst_tokens)
         if num_worst_tokens and layout == "expert_major":
             raise ValueError("num_worst_tokens sizes the rank-major outputs (rows of tokens); layout='expert_major' "
                              "returns one row per (token, local expert) padded per expert: pass one of the two")
@@ -1883,6 +1910,9 @@ class Buffer:
             topk_weights = topk_weights[: base.num_recv].contiguous()
             K = topk_weights.shape[1]
         biases = []
+        if isinstance(bias, tuple) and len(bias) > 2:
+            raise ValueError(f"bias must be a [T, H] tensor or a pair of them (as DeepEP takes it), got a tuple "
+                             f"of {len(bias)}")
         if bias is not None:
             for b in (bias if isinstance(bias, tuple) else (bias,)):
                 if b is None:
@@ -1984,14 +2014,11 @@ class Buffer:
         self._check_usable()
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook are exclusive")
-        for name, flag in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0)):
-            if not isinstance(flag, (bool, np.bool_, numbers.Integral)):     # (what DeepEP's binding converts)
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        _check_flags(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
+                     return_recv_hook=return_recv_hook)
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0 needs round_scale=True")
-        N = num_max_dispatch_tokens_per_rank
-        if not isinstance(N, int) or N <= 0:
-            raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {N!r}")
+        N = check_count("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
         E = self._check_num_experts(num_experts, low_latency=True)
         if isinstance(x, tuple):
             raise TypeError("low_latency_dispatch takes bfloat16 x and quantizes it itself with use_fp8=True (an "
@@ -2363,6 +2390,8 @@ class Buffer:
             ``(combined_x [T, H] bf16, event, hook)`` (hook None without ``return_recv_hook``).
         """
         self._check_usable()
+        _check_flags(use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
+                     return_recv_hook=return_recv_hook)
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook are exclusive")
         exact = isinstance(handle, LowLatencyHandle)    # (see combine: a plain-tuple copy's dispatch is not sure)

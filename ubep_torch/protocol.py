@@ -316,6 +316,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:   # empty tensors may carry strides that no dtype view accepts
         return torch.empty(t.shape[0] if t.dim() else 0, row, dtype=torch.uint8)
     t = t.contiguous()
+    if t.stride(-1) != 1:    # (contiguous with an odd stride on a size-1 last dimension: ``x.t()`` of [1, T])
+        t = fresh(t)
     return t.view(torch.uint8).reshape(t.shape[0], row)
 
 

@@ -170,11 +170,15 @@ class SymmetricHeap:
                  agree: Optional[Dict[str, object]] = None):
         from .protocol import default_timeout
         from .utils import check_count
-        self.timeout_s = default_timeout(timeout_s)
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.directory = shm_dir(directory)
-        self.nbytes = check_count("nbytes", nbytes)
+        try:
+            self.timeout_s = default_timeout(timeout_s)
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+            self.directory = shm_dir(directory)
+            self.nbytes = check_count("nbytes", nbytes)
+        except (ValueError, TypeError) as e:
+            refuse_setup(group, e)
+            raise
         self.segment_bytes = HEADER_BYTES + _round_up(self.nbytes, 4096)
         self._maps: List[tuple] = []      # (mmap, (st_dev, st_ino) of its file) of every mapped segment
         self._views: Dict[int, torch.Tensor] = {}
@@ -186,8 +190,17 @@ class SymmetricHeap:
         info = {"host": socket.gethostname(), "pid": os.getpid(), "pidns": _pid_namespace(),
                 "bytes": self.segment_bytes, "token": token, "free": _free_bytes(self.directory),
                 "dir": self.directory, "path": own_path, "agree": agree or {}}
-        infos = _all_gather(info, group, self.world_size, self.timeout_s,
-                            "Buffer set-up: waiting for every rank to create its Buffer")
+        infos = _all_gather(info, group, self.world_size, self.timeout_s, _FIRST_STEP)
+        refused = {r: i["refused"] for r, i in enumerate(infos) if "refused" in i}
+        if refused:
+            raise ValueError(f"ubep_torch: rank(s) {sorted(refused)} of the group could not build their Buffer ("
+                             + "; ".join(f"rank {r}: {m}" for r, m in sorted(refused.items()))
+                             + "), so no rank did")
+        dirs = [i["dir"] for i in infos]
+        if any(d != dirs[0] for d in dirs):
+            raise ValueError("ubep_torch: the shared-memory directory must be the same on every rank of the group "
+                             "(shm_dir= or UBEP_SHM_DIR), but it differs: "
+                             + ", ".join(f"rank {r}: {d!r}" for r, d in enumerate(dirs)))
         for key in sorted({k for i in infos for k in i["agree"]}):
             values = [i["agree"].get(key) for i in infos]
             if any(v != values[0] for v in values):
@@ -449,6 +462,24 @@ def _wait_work(work, deadline: float, in_flight: tuple) -> None:
         raise RuntimeError("the wait timed out")
     if failed:
         raise failed[0]
+
+
+_FIRST_STEP = "Buffer set-up: waiting for every rank to create its Buffer"
+
+
+def refuse_setup(group, error: BaseException) -> None:
+    """This rank cannot build its Buffer (an argument it was given is bad): take part in the set-up's first
+    step with ``error`` instead of its own data, so that the peers, which wait there, raise at once naming
+    this rank and its error instead of timing out, and no bootstrap message of this set-up is left over
+    for the next one. It waits for the peers' messages 10 s at most (they arrive with theirs then); its
+    own failures are dropped, as the caller raises ``error``."""
+    try:
+        group = dist.group.WORLD if group is None else group
+        world = dist.get_world_size(group)
+        if world > 1 and dist.get_rank(group) >= 0:
+            _all_gather({"refused": f"{type(error).__name__}: {error}"[:1000]}, group, world, 10.0, _FIRST_STEP)
+    except Exception:  # noqa: BLE001  (a group this rank cannot use: the peers time out, as before)
+        pass
 
 
 def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase: str = "Buffer set-up"):
