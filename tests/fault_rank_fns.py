@@ -860,14 +860,15 @@ def unpicklable_result(ctx):
     return lambda: ctx.rank
 
 
-def refused_then_retried(ctx, sync, cases):
+def refused_then_retried(ctx, sync, cases, late=None):
     """Rank 1 refuses a call (an expert id out of range), then makes it again with valid input after a
     delay; every other rank makes the call with valid input, and makes it again if it raised (the call was
     cancelled on every rank). Each case is ``(kind, delay)``, kind ``"normal"`` (dispatch and combine) or
     ``"ll"`` (low-latency dispatch and combine, no recv hook). Every case's inputs differ (tokens, routing,
     values), so rows left from a cancelled attempt would show. Returns per case: each attempt's outcome
     (``"ok"`` or the error's type, and for an error whether it was cancelled) and the largest error of the
-    results against plain torch, then the same for two round trips of each kind after all cases."""
+    results against plain torch, then the same for two round trips of each kind after all cases.
+    ``late``: {rank: seconds} a rank waits before its first attempt of every case."""
     import time
 
     import torch
@@ -912,6 +913,7 @@ def refused_then_retried(ctx, sync, cases):
             except ValueError:
                 attempts.append(("ValueError", False))
             time.sleep(delay)
+        time.sleep((late or {}).get(ctx.rank, 0.0))
         while err is None and len(attempts) < 3:
             try:
                 err = run(kind, x, topk, w)

@@ -541,11 +541,14 @@ def test_a_call_refused_on_one_rank_is_cancelled_on_every_rank(sync):
     assert max(waiting[1] + refusing[1]) < 1e-2, (waiting[1], refusing[1])
 
 
-def test_a_call_refused_on_one_of_three_ranks_is_cancelled_on_all_three():
+@pytest.mark.parametrize("late", [None, {2: 2.5}])
+def test_a_call_refused_on_one_of_three_ranks_is_cancelled_on_all_three(late):
+    """Both waiting ranks give up on the refusing one; or (``late``) rank 2 comes to the call only after
+    rank 0 gave up on it and rank 1 made its next call: it learns of the cancel from rank 1 at once."""
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     cases = [("normal", 1.5), ("ll", 1.5)]
     with RankPool(3, env=env) as pool:
-        out = pool.run(FR.refused_then_retried, "tff", cases, timeout_s=120)
+        out = pool.run(FR.refused_then_retried, "tff", cases, late, timeout_s=120)
     for rank, (results, after) in enumerate(out):
         for attempts, err in results:
             if rank == 1:

@@ -1025,8 +1025,9 @@ class Buffer:
         refused = int(self._aux_words[_REFUSED_ROW * R + r])
         refused_here = refused and refused <= self._active_call and refused not in self._refused_calls \
             and refused not in self._cancelled_calls
-        if self._cancellable(r):
-            return P.ABORT_REFUSED      # (it refused this call and found that a peer gave up on it)
+        if self._cancellable(r):        # (it refused this call and found that a peer gave up on it)
+            self._cancel_point["refused"] = True
+            return P.ABORT_REFUSED
         if how:
             # a rank that refused this call and then destroyed its Buffer (as a ``with`` block ended by the
             # bad input's error does) will not call again: its refusal is the cause, named at once
