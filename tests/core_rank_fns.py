@@ -1071,3 +1071,31 @@ def bench_copies_only(ctx, T=12, H=64, E=8):
         bound = float(((summed.float() - ref).abs() - (R * 2.0 ** -8) * mag).max())
         out.append((torch.equal(recv, want), bound))
     return out
+
+
+def ll_k_in_flight(ctx, sync, k):
+    """``low_latency_buffers=k``: k low-latency dispatches in flight (hooks deferred), then their combines in
+    another order, each with its own inputs; call k + 1 is refused while they wait. The size hint for k
+    buffers makes room for them."""
+    T, H, K, E, N = 5, 256, 2, 8, 16
+    hint = Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E, num_buffers=k)
+    assert hint > (k - 1) / 2 * Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E), hint
+    buf = Buffer(ctx.group, 0, hint, low_latency_mode=True, sync=sync, timeout_s=30.0, low_latency_buffers=k)
+    r = ctx.rank
+    calls = []
+    for i in range(k):
+        t, w = make_routing(20 + i, r, T, K, E, drop=0.1)
+        x = torch.randn(T, H).bfloat16() + i
+        calls.append((x, t, w, buf.low_latency_dispatch(x, t, N, E, use_fp8=False, return_recv_hook=True)))
+    try:
+        buf.low_latency_dispatch(calls[0][0], calls[0][1], N, E, use_fp8=False, return_recv_hook=True)
+        raise AssertionError(f"call {k + 1} was accepted with {k} in flight")
+    except ValueError as e:
+        assert f"{k} halves" in str(e), e
+    for _, _, _, d in reversed(calls):
+        d[4]()
+    for x, t, w, d in calls[::2] + calls[1::2]:
+        out, _, _ = buf.low_latency_combine(d[0], t, w, d[2])
+        assert torch.allclose(out.float(), x.float() * w.sum(1, keepdim=True), atol=0.05, rtol=0.02)
+    buf.destroy()
+    return True

@@ -87,6 +87,13 @@ def test_low_latency_two_in_flight(pool2, sync):
     pool2.run(F.ll_two_in_flight, sync)
 
 
+@pytest.mark.parametrize("sync,k", [("tff", 3), ("sp", 4), ("dc", 8)])
+def test_low_latency_more_buffers_in_flight(pool2, sync, k):
+    """More calls waiting for their recv hook than DeepEP's two buffers allow (one of its users' pain
+    points), with ``low_latency_buffers``."""
+    assert pool2.run(F.ll_k_in_flight, sync, k) == [True, True]
+
+
 @pytest.mark.parametrize("sync", SYNCS)
 def test_bad_inputs_raise_before_sending_and_buffer_stays_usable(pool2, sync):
     names = pool2.run(F.bad_inputs, sync)

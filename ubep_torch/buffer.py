@@ -48,10 +48,11 @@ from .ugas import SymmetricHeap, refuse_setup
 from .utils import Config, EventOverlap, TensorCache, check_count, check_host
 
 _AUX_REGIONS = 8          # region ids that have an ack table
+_MAX_LL_BUFFERS = 8       # receive buffers (halves) a low-latency region may have, each with its acks
 # aux words, R per row: acks [region][half][source] | SyncAll counters | abort words | refused calls |
 # refusal times | calls given up on a refusing rank | refused calls settled as cancelled (one word per rank
 # in each of the last six rows; row * R + rank)
-_ACK_WORDS = 2 * _AUX_REGIONS
+_ACK_WORDS = _MAX_LL_BUFFERS * _AUX_REGIONS
 _SYNC_ROW, _ABORT_ROW, _REFUSED_ROW, _REFUSED_AT_ROW = _ACK_WORDS, _ACK_WORDS + 1, _ACK_WORDS + 2, _ACK_WORDS + 3
 _GIVEUP_ROW, _CANCELLED_ROW = _ACK_WORDS + 4, _ACK_WORDS + 5
 _AUX_ROWS = _ACK_WORDS + 6
@@ -95,7 +96,10 @@ def _max_local_experts(extra_counts: int) -> int:
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                             num_experts: int, num_topk: int = _LL_MAX_TOPK) -> int:
+                             num_experts: int, num_topk: int = _LL_MAX_TOPK, num_buffers: int = 2) -> int:
+    """``num_rdma_bytes`` for low-latency calls of this shape with ``num_buffers`` receive buffers (calls in
+    flight at once: see ``Buffer(low_latency_buffers=...)``)."""
+    k = _check_ll_buffers(num_buffers, "num_buffers")
     n = check_count("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
     h, num_ranks = check_count("hidden", hidden), check_count("num_ranks", num_ranks, 1)
     num_experts, num_topk = check_count("num_experts", num_experts, 1), check_count("num_topk", num_topk, 1)
@@ -103,23 +107,30 @@ def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int,
     if e_local > _max_local_experts(0):
         raise ValueError(f"num_experts={num_experts} gives {e_local} experts per rank; low-latency control messages "
                          f"carry the counts of at most {_max_local_experts(0)}")
-    ctrl = 2 * num_ranks * P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
-    dispatch_rows = 2 * num_ranks * e_local * n * _row_bytes_worst(h * 2, 0)
-    combine_rows = 2 * n * num_topk * _row_bytes_worst(h * 2)
+    ctrl = k * num_ranks * P.MAX_CTRL_BLOCKS * P.BLOCK_BYTES
+    dispatch_rows = k * num_ranks * e_local * n * _row_bytes_worst(h * 2, 0)
+    combine_rows = k * n * num_topk * _row_bytes_worst(h * 2)
     return 2 * _round(ctrl + max(dispatch_rows, combine_rows), 4096) + 4096
+
+
+def _check_ll_buffers(k, name: str) -> int:
+    k = check_count(name, k, 2)
+    if k > _MAX_LL_BUFFERS:
+        raise ValueError(f"{name} must be at most {_MAX_LL_BUFFERS}, got {k}")
+    return k
 
 
 class _Region:
     """Byte ranges of one protocol region inside every rank's segment (identical on all ranks).
 
     A region holds ``halves`` copies of its control blocks and slots; call ``epoch`` uses copy
-    ``epoch % halves``. Low-latency regions have two, so a call can be sent while a peer still holds the
-    previous call's rows (receive hooks, ``zero_copy``). Normal calls complete before they return, so
-    the normal region has one, and normal dispatch and combine share it: a peer's rows of the previous
-    call, whichever it was, are consumed (acknowledged) before the next call overwrites them, and one set
-    of slots stays warm in cache across a round trip. Epochs and acknowledgements belong to the memory,
-    so they are counted under the ``rid`` of the region object (``Buffer._next_epoch``, ``_ack_base``);
-    flags carry the call's own region id.
+    ``epoch % halves``. Low-latency regions have two (or ``low_latency_buffers``), so a call can be sent
+    while a peer still holds the previous call's rows (receive hooks, ``zero_copy``). Normal calls complete
+    before they return, so the normal region has one, and normal dispatch and combine share it: a peer's
+    rows of the previous call, whichever it was, are consumed (acknowledged) before the next call
+    overwrites them, and one set of slots stays warm in cache across a round trip. Epochs and
+    acknowledgements belong to the memory, so they are counted under the ``rid`` of the region object
+    (``Buffer._next_epoch``, ``_ack_base``); flags carry the call's own region id.
     """
 
     def __init__(self, rid: int, base: int, nbytes: int, world: int, parts: int, halves: int = 2):
@@ -437,6 +448,9 @@ class Buffer:
         shm_dir: shared-memory directory (default ``$UBEP_SHM_DIR`` or ``/dev/shm``).
         num_count_aivs: AIVs of the count group for ``backend="triton"`` (None = the Appendix-9 model;
             ``Config(num_count_aivs=...)`` overrides it per call).
+        low_latency_buffers: receive buffers of each low-latency region, used in turn (2, as in DeepEP, up to
+            8): how many low-latency calls can wait for their recv hook at once. Size ``num_rdma_bytes`` with
+            ``get_low_latency_rdma_size_hint(..., num_buffers=low_latency_buffers)``.
 
     Attributes: ``backend`` (the engine the Buffer got: ``"native"``, ``"torch"`` or ``"triton"``),
     ``rank``, ``group_size``, ``sync``, ``timeout_s``, ``last_report`` (with a cost model).
@@ -451,7 +465,7 @@ class Buffer:
                  on_report: Optional[Callable] = None, num_max_tokens_per_rank: Optional[int] = None,
                  hidden: Optional[int] = None, shm_dir: Optional[str] = None,
                  num_count_aivs: Optional[int] = None, use_fabric: bool = False, enable_shrink: bool = False,
-                 comm=None):
+                 comm=None, low_latency_buffers: int = 2):
         with torch.inference_mode(False):   # the Buffer's memory is reused in any mode later: plain tensors
             try:
                 if enable_shrink:
@@ -462,7 +476,8 @@ class Buffer:
                                      "sets up over its torch.distributed group; leave it None")
                 self._init(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                            allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, timeout_s, sync,
-                           backend, cost_model, on_report, num_max_tokens_per_rank, hidden, shm_dir, num_count_aivs)
+                           backend, cost_model, on_report, num_max_tokens_per_rank, hidden, shm_dir, num_count_aivs,
+                           low_latency_buffers)
             except (ValueError, TypeError) as e:
                 if not getattr(self, "_heap_set_up", False):    # (a bad argument of this rank's own)
                     refuse_setup(group, e)
@@ -474,7 +489,8 @@ class Buffer:
 
     def _init(self, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
               allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, timeout_s, sync, backend,
-              cost_model, on_report, num_max_tokens_per_rank, hidden, shm_dir, num_count_aivs) -> None:
+              cost_model, on_report, num_max_tokens_per_rank, hidden, shm_dir, num_count_aivs,
+              low_latency_buffers) -> None:
         if sync not in P.SYNC_MODES:
             raise ValueError(f"sync must be one of {P.SYNC_MODES}, got {sync!r}")
         if group is None:
@@ -509,6 +525,7 @@ class Buffer:
         shm_dir = ugas.shm_dir(shm_dir)     # (checked and normalised: every rank compares peers' paths to it)
         if num_count_aivs is not None and (not isinstance(num_count_aivs, int) or num_count_aivs < 1):
             raise ValueError(f"num_count_aivs must be a positive int, got {num_count_aivs!r}")
+        self.low_latency_buffers = _check_ll_buffers(low_latency_buffers, "low_latency_buffers")
         self.engine = make_engine(backend, num_count_aivs)
         self._default_n_count = getattr(self.engine, "n_count", None)   # includes UBEP_TRITON_COUNT_AIVS
         self._num_count_aivs = self._call_count_aivs = num_count_aivs  # the count group the cost model reports
@@ -538,8 +555,10 @@ class Buffer:
         base += nvl
         if self.num_rdma_bytes:
             half_ll = self.num_rdma_bytes // 2 // 4096 * 4096
-            self._regions[P.REGION_LL_DISPATCH] = _Region(P.REGION_LL_DISPATCH, base, half_ll, R, R)
-            self._regions[P.REGION_LL_COMBINE] = _Region(P.REGION_LL_COMBINE, base + half_ll, half_ll, R, 1)
+            k = self.low_latency_buffers
+            self._regions[P.REGION_LL_DISPATCH] = _Region(P.REGION_LL_DISPATCH, base, half_ll, R, R, halves=k)
+            self._regions[P.REGION_LL_COMBINE] = _Region(P.REGION_LL_COMBINE, base + half_ll, half_ll, R, 1,
+                                                         halves=k)
             base += 2 * half_ll
         # each region's memory once, if it can take calls at all (a region too small for one slot takes
         # none, and its control words may lie in the next region's memory): what _same_call looks at
@@ -549,6 +568,7 @@ class Buffer:
                                    agree={"num_nvl_bytes": self.num_nvl_bytes,
                                           "num_rdma_bytes": self.num_rdma_bytes,
                                           "low_latency_mode": self.low_latency_mode, "sync": sync,
+                                          "low_latency_buffers": self.low_latency_buffers,
                                           **({"low_latency_rows": _ll_rows(self.engine)} if low_latency_mode
                                              else {})})
         # views of every rank's memory and aux words, made once; the aux words (acks, SyncAll counters,
@@ -686,10 +706,12 @@ class Buffer:
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
-        """Bytes of ``num_rdma_bytes`` for low-latency calls of this shape (two alternating halves,
-        top-k up to 16)."""
-        return low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+                                       num_experts: int, *, num_buffers: int = 2) -> int:
+        """Bytes of ``num_rdma_bytes`` for low-latency calls of this shape (top-k up to 16), with
+        ``num_buffers`` receive buffers used in turn (two, as in DeepEP; ``low_latency_buffers`` of the
+        constructor)."""
+        return low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
+                                        num_buffers=num_buffers)
 
     def set_cost_model(self, cost_model, on_report: Optional[Callable] = None) -> None:
         """Enable (or with None disable) per-call CM384 latency reports: ``cost_model`` has a
@@ -758,7 +780,7 @@ class Buffer:
             raise
 
     def _ack_base(self, rid: int, half: int) -> int:
-        return (self._regions[rid].rid * 2 + half) * self.group_size
+        return (self._regions[rid].rid * _MAX_LL_BUFFERS + half) * self.group_size
 
     def _wait_acks(self, rid: int, epoch: int) -> None:
         """Before writing call ``epoch`` into a half of every peer: they consumed the call that used it last.
@@ -2325,8 +2347,9 @@ class Buffer:
         pend = [p for p in self._pending if not p.done and p.kind == name]
         if any(region.half(p.epoch) == half for p in pend):
             raise ValueError(f"{len(pend)} earlier {name} call(s) still wait for their recv hook, and one holds the "
-                             f"buffer half this call needs (the low-latency buffer has two halves, used in turn); "
-                             f"call hook() of the older one first")
+                             f"buffer half this call needs (the low-latency buffer has {region.halves} halves, used "
+                             f"in turn: Buffer(low_latency_buffers=...) sets how many); call hook() of the older "
+                             f"one first")
 
     # ================================================================== low-latency combine
     def _as_ll_handle(self, handle) -> "LowLatencyHandle":

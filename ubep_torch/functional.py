@@ -481,7 +481,7 @@ def low_latency_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, num_ma
         ``(recv_x [E_local, R*N, H], recv_count [E_local] int32, handle)``. Only the first ``recv_count[e]``
         rows of expert ``e`` are valid; the rows after them are zero, so a batched GEMM over the whole
         tensor gives finite (zero) contributions to weight gradients. ``recv_x`` is a private copy, safe
-        to keep for backward while later low-latency calls reuse the Buffer's two receive halves.
+        to keep for backward while later low-latency calls reuse the Buffer's receive halves.
     """
     if isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int32:
         topk_idx = topk_idx.to(torch.int64)

@@ -51,7 +51,7 @@ Epochs and buffer reuse
 Each region (normal, shared by dispatch and combine; low-latency dispatch; low-latency combine) has a
 call counter ``epoch`` that advances identically on every rank (calls are collective and ordered). A
 region holds ``halves`` copies of its control blocks and slots and call ``epoch`` uses copy
-``epoch % halves``: two for the low-latency regions (a call may be sent while a receive hook of the
+``epoch % halves``: two by default for the low-latency regions (a call may be sent while a receive hook of the
 previous one is still pending), one for the normal region (its calls complete before they return).
 Flags carry the epoch and the call's kind (``flag_word``), so stale blocks of earlier calls never match
 and buffers need no reset between calls.
