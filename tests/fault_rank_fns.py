@@ -863,12 +863,16 @@ def unpicklable_result(ctx):
 def refused_then_retried(ctx, sync, cases, late=None):
     """Rank 1 refuses a call (an expert id out of range), then makes it again with valid input after a
     delay; every other rank makes the call with valid input, and makes it again if it raised (the call was
-    cancelled on every rank). Each case is ``(kind, delay)``, kind ``"normal"`` (dispatch and combine) or
-    ``"ll"`` (low-latency dispatch and combine, no recv hook). Every case's inputs differ (tokens, routing,
-    values), so rows left from a cancelled attempt would show. Returns per case: each attempt's outcome
-    (``"ok"`` or the error's type, and for an error whether it was cancelled) and the largest error of the
-    results against plain torch, then the same for two round trips of each kind after all cases.
-    ``late``: {rank: seconds} a rank waits before its first attempt of every case."""
+    cancelled on every rank). Each case is ``(kind, delay)``, kind ``"normal"`` (dispatch and combine),
+    ``"ll"`` (low-latency dispatch and combine, no recv hook), ``"ll_hook"`` (low-latency dispatch with a
+    recv hook run at once; the ranks that wait, wait in the hook) or ``"clean"``
+    (``clean_low_latency_buffer``, refused for a wrong ``num_experts``, then a low-latency round trip);
+    ``delay`` may also be ``{rank: delay}``: every rank named refuses, each retrying after its delay.
+    Every case's inputs differ (tokens, routing, values), so rows left from a cancelled attempt would
+    show. Returns per case: each attempt's outcome (``"ok"`` or the error's type, and for an error whether
+    it was cancelled) and the largest error of the results against plain torch, then the same for two
+    round trips of each kind after all cases. ``late``: {rank: seconds} a rank waits before its first
+    attempt of every case."""
     import time
 
     import torch
@@ -888,7 +892,16 @@ def refused_then_retried(ctx, sync, cases, late=None):
         w = torch.rand(T, 2, generator=gen)
         return x, topk, w
 
-    def run(kind, x, topk, w):
+    def run(kind, x, topk, w, bad=False):
+        if kind == "clean":
+            buf.clean_low_latency_buffer(N, H, E + 1 if bad else E)
+            kind = "ll"
+        if kind == "ll_hook":
+            recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False,
+                                                                  return_recv_hook=True)
+            hook()
+            out = buf.low_latency_combine(recv_x, topk, w, handle)[0]
+            return float((out.float() - x.float() * w.sum(1, keepdim=True)).abs().max() / (x.abs().max() + 1))
         if kind == "normal":
             recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
             out = buf.combine(recv_x, handle)[0]
@@ -905,14 +918,15 @@ def refused_then_retried(ctx, sync, cases, late=None):
     for i, (kind, delay) in enumerate(cases):
         x, topk, w = inputs(i)
         attempts, err = [], None
-        if ctx.rank == 1:
+        refusers = delay if isinstance(delay, dict) else {1: delay}
+        if ctx.rank in refusers:
             bad = topk.clone()
             bad[0, 0] = E
             try:
-                run(kind, x, bad, w)
+                run(kind, x, bad, w, bad=True)
             except ValueError:
                 attempts.append(("ValueError", False))
-            time.sleep(delay)
+            time.sleep(refusers[ctx.rank])
         time.sleep((late or {}).get(ctx.rank, 0.0))
         while err is None and len(attempts) < 3:
             try:

@@ -526,7 +526,8 @@ def test_a_call_refused_on_one_rank_is_cancelled_on_every_rank(sync):
     and correct results, in every sync mode, normal and low-latency (former behaviour: the ranks that
     waited were broken, and every Buffer had to be rebuilt)."""
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
-    cases = [("normal", 0.0), ("normal", 1.6), ("ll", 1.6), ("normal", 1.0), ("ll", 0.95)]
+    cases = [("normal", 0.0), ("normal", 1.6), ("ll", 1.6), ("normal", 1.0), ("ll", 0.95), ("ll_hook", 1.6),
+             ("clean", 1.6)]
     with RankPool(2, env=env) as pool:
         waiting, refusing = pool.run(FR.refused_then_retried, sync, cases, timeout_s=120)
     for (kind, delay), (w_attempts, w_err), (r_attempts, r_err) in zip(cases, waiting[0], refusing[0]):
@@ -539,6 +540,23 @@ def test_a_call_refused_on_one_rank_is_cancelled_on_every_rank(sync):
         if delay == 1.6:
             assert w_attempts[0] == ("UBEPPeerAbortedError", True) and len(w_attempts) == 2, w_attempts
     assert max(waiting[1] + refusing[1]) < 1e-2, (waiting[1], refusing[1])
+
+
+def test_calls_refused_on_two_of_three_ranks_are_cancelled_consistently():
+    """Two ranks refuse a call; one makes it again before the third gives up on the other, one after: every
+    rank ends with the same calls done and correct results (former bugs: a rank whose early retry was
+    cancelled by the other refusal broke every Buffer; a barrier-only call completed on one rank while the
+    others cancelled it, and the next call waited for its deadline)."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    cases = [("clean", {0: 1.1, 2: 0.85}), ("normal", {1: 1.5, 2: 0.5}), ("ll", {0: 0.3, 1: 1.5})]
+    with RankPool(3, env=env) as pool:
+        out = pool.run(FR.refused_then_retried, "sp", cases, timeout_s=120)
+    for rank, (results, after) in enumerate(out):
+        for (kind, refusers), (attempts, err) in zip(cases, results):
+            assert attempts[-1][0] == "ok" and err < 1e-2, (rank, kind, attempts, err)
+            errors = attempts[1:-1] if rank in refusers else attempts[:-1]
+            assert all(c for _, c in errors), (rank, kind, attempts)     # every error: a cancelled call
+        assert max(after) < 1e-2, (rank, after)
 
 
 @pytest.mark.parametrize("late", [None, {2: 2.5}])

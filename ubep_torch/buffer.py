@@ -393,6 +393,11 @@ def _collective(fn):
         def guarded_hook():
             _enter_call(self, f"{fn.__name__} recv hook")
             outer, self._active_call = self._active_call, issued   # an abort it signals names its own call
+            # the hook of the latest call that reached the peers can cancel it (see _cancel_call); once a
+            # later call has gone out, the peers may be in it
+            pend = next((p for p in self._pending if p.call == issued and not p.done), None)
+            if pend is not None and self._calls == issued:
+                self._cancel_point = pend.extra.get("cancel_point")
             try:
                 # The hook fills tensors the call created, in the caller's mode then: under inference mode
                 # they may be inference tensors, which only inference mode may write (it records no grad).
@@ -402,10 +407,15 @@ def _collective(fn):
                 _raise_if_destroyed(self, e, f"{fn.__name__} recv hook")
                 name_global_ranks(e, self._global_ranks)
                 if not isinstance(e, UBEPBrokenError):
-                    self._fail(e)
+                    if self._cancel_call(e):
+                        pend.done = pend.extra["cancelled"] = True     # (its combine is refused)
+                        self._pending = [p for p in self._pending if not p.done]
+                    else:
+                        self._fail(e)
                 raise
             finally:
                 self._active_call = outer
+                self._cancel_point = None
                 self._call_lock.release()
         return out[:-1] + (guarded_hook,)
     return wrapper
@@ -892,7 +902,15 @@ class Buffer:
 
         def poll():
             vals = words[off:off + R].tolist()
-            return [r for r in range(R) if vals[r] < count]
+            missing = [r for r in range(R) if vals[r] < count]
+            if not missing and self._cancel_point is not None:
+                # (counts a rank stores in its call after a cancelled one pass any barrier of that call: a rank
+                # that settled this call as cancelled stored that before its next call's counts)
+                cancelled = [r for r in range(R) if self._cancellable(r)]
+                if cancelled:
+                    self._cancel_point["refused"] = True
+                    raise UBEPPeerAbortedError(phase, self.rank, cancelled, cancelled, refused=True)
+            return missing
         self._wait(phase, poll)
 
     def _check_call_words(self, ctrl_words, op: str) -> None:
@@ -1075,7 +1093,11 @@ class Buffer:
         if cp is None or cp["call"] != self._active_call or refused != cp["call"]:
             return P.ABORT_REFUSED
         R = self.group_size
-        self._peer_words[r][_GIVEUP_ROW * R + self.rank] = refused
+        # (into every rank that refuses this call: one that calls again later then finds it too and moves on
+        # at once, instead of making the call again that the others cancelled)
+        for q in range(R):
+            if q == r or int(self._aux_words[_REFUSED_ROW * R + q]) == refused:
+                self._peer_words[q][_GIVEUP_ROW * R + self.rank] = refused
         P.full_fence()
         if int(self._aux_words[_REFUSED_ROW * R + r]) != refused and not self._cancellable(r):
             return 0
@@ -2159,6 +2181,7 @@ class Buffer:
 
         def receive():
             if pending.done:
+                _raise_if_cancelled(pending)
                 return
             self._check_usable()
             local = self._heap.local
@@ -2327,6 +2350,7 @@ class Buffer:
         else:
             out_x = recv_x
         if return_recv_hook:
+            pending.extra["cancel_point"] = self._cancel_point
             self._pending.append(pending)
             if use_ue8m0:
                 def hook():
@@ -2424,6 +2448,9 @@ class Buffer:
         if not handle.pending.done:
             raise ValueError("low_latency_combine got the handle of a low_latency_dispatch whose recv hook has "
                              "not run yet; call hook() first")
+        if handle.pending.extra.get("cancelled"):
+            raise ValueError("low_latency_combine got the handle of a low_latency_dispatch that was cancelled (a "
+                             "peer refused it): it received nothing to send back")
         src_info, layout_range, N, H, E = handle
         if not torch.equal(layout_range, handle.layout_snapshot):
             raise ValueError("the handle's layout_range was changed after its low_latency_dispatch; the combine "
@@ -2533,6 +2560,7 @@ class Buffer:
 
         def receive():
             if pending.done:
+                _raise_if_cancelled(pending)
                 return
             self._check_usable()
             local = self._heap.local
@@ -2585,6 +2613,7 @@ class Buffer:
             self._report("low_latency_combine", topk_idx, E, H, H * 2)
 
         if return_recv_hook:
+            pending.extra["cancel_point"] = self._cancel_point
             self._pending.append(pending)
             return result, EventOverlap(None), receive
         receive()
@@ -2612,6 +2641,12 @@ def _ll_rows(engine) -> str:
     """The low-latency row layout an engine sends (every rank of a group must send the same)."""
     return ("one per (token, destination rank) (backend 'torch' or 'native')" if engine.direct_rows else
             "one per (token, expert) (backend 'triton')")
+
+
+def _raise_if_cancelled(pending: _Pending) -> None:
+    if pending.extra.get("cancelled"):
+        raise ValueError(f"this {pending.kind} was cancelled (a peer refused it; its recv hook raised so): it "
+                         f"received nothing")
 
 
 def _add_stats(stats: torch.Tensor, values: List[int]) -> None:
