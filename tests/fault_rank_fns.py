@@ -1038,3 +1038,40 @@ def dropped_buffer(ctx):
         out = (type(e).__name__, time.monotonic() - t0, str(e))
     buf.destroy()
     return out
+
+
+def refused_then_another_kind(ctx):
+    """Rank 1 refuses a low-latency dispatch, then (after rank 0 gave up on it) refuses a normal dispatch,
+    then makes the low-latency dispatch; rank 0 makes the low-latency dispatch until its third attempt. The
+    second call is a low-latency dispatch on rank 0 and a normal one on rank 1: the ranks' calls differ,
+    which both learn at once (no control message of a cancelled call is read as a later call's). Returns
+    each step's (error type or "ok", seconds, text)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, H, N = ctx.world_size, 64, 8
+    E = 2 * R
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
+                 low_latency_mode=True, timeout_s=20.0)
+    x = torch.randn(4, H).bfloat16()
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    bad = topk.clone()
+    bad[0, 0] = E
+    ll = lambda t: buf.low_latency_dispatch(x, t, N, E, use_fp8=False)  # noqa: E731
+    pause = lambda: time.sleep(1.5)  # noqa: E731
+    steps = [lambda: ll(topk)] * 3 if ctx.rank == 0 else \
+        [lambda: ll(bad), pause, lambda: buf.dispatch(x, topk_idx=bad, num_experts=E), pause, lambda: ll(topk)]
+    out = []
+    for step in steps:
+        t0 = time.monotonic()
+        try:
+            step()
+            out.append(("ok", time.monotonic() - t0, ""))
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, time.monotonic() - t0, str(e)))
+    dist.barrier()
+    buf.destroy()
+    return out

@@ -607,3 +607,16 @@ def test_a_buffer_dropped_without_destroy_is_seen_to_be_gone():
     with RankPool(2, env=env) as pool:
         waiting, _ = pool.run(FR.dropped_buffer, timeout_s=60)
     assert waiting[0] == "UBEPPeerLostError" and waiting[1] < 2.0 and "destroyed its Buffer" in waiting[2], waiting
+
+
+def test_a_refusing_rank_whose_next_call_is_of_another_kind_is_a_mismatch():
+    """(former bug: the refusing rank moved the epoch of its own call's region, the others that of theirs,
+    and its next call read a control message of the cancelled call, then waited for its deadline)"""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        waiting, refusing = pool.run(FR.refused_then_another_kind, timeout_s=60)
+    assert [w[0] for w in waiting] == ["UBEPPeerAbortedError"] * 3, waiting
+    assert all("cancelled on every rank" in w[2] for w in waiting[:2]), waiting
+    assert waiting[2][1] < 5.0 and "unusable" in waiting[2][2], waiting
+    assert [r[0] for r in refusing] == ["ValueError", "ok", "ValueError", "ok", "UBEPError"], refusing
+    assert "refused call 2" in refusing[4][2] and "same calls in the same order" in refusing[4][2], refusing

@@ -981,7 +981,10 @@ class Buffer:
             return
         try:
             if not self._destroyed and self._broken is None and not self._in_call:
-                self._settle_refusal()
+                try:
+                    self._settle_refusal()
+                except UBEPError:     # (the Buffer is broken and says why at its next call)
+                    return
                 self._post_refusal(self._calls + 1, _REFUSED_REGION[what])
         finally:
             self._call_lock.release()
@@ -995,14 +998,28 @@ class Buffer:
         A peer gives up by storing N into this rank's memory, then (after a full fence) reading whether the
         refusal is still posted; this rank withdraws it, then (after a full fence) reads those stores. Of two
         such store-then-load pairs at least one load sees the other's store, so the two sides never decide
-        differently: a peer that saw the refusal still posted has its store seen here."""
+        differently: a peer that saw the refusal still posted has its store seen here. A give-up names the
+        kind of call the peer was in: another kind than this rank refused (the ranks' calls differ) raises
+        ``UBEPError`` and breaks the Buffer, as any operation mismatch does."""
         if not self._refusal_posted:
             return
         call, rid = self._refusal
         self._post_refusal(0)
         P.full_fence()
         R = self.group_size
-        if any(int(w) == call for w in self._aux_words[_GIVEUP_ROW * R:_GIVEUP_ROW * R + R]):
+        gave_up = {s: int(w) & 15 for s, w in enumerate(self._aux_words[_GIVEUP_ROW * R:_GIVEUP_ROW * R + R])
+                   if int(w) >> 4 == call}
+        if gave_up:
+            other = {s: k for s, k in gave_up.items() if k != self._region_code(rid)}
+            if other:   # (the peers were in another kind of call: moving this rank's region would not match)
+                names = {**P.REGION_NAMES, P.REGION_DISPATCH: "dispatch or combine", 15: "clean_low_latency_buffer"}
+                self._broken = f"operation mismatch with rank(s) {sorted(other)}"
+                self._signal_abort()
+                raise UBEPError(f"ubep_torch: rank {self.rank} refused call {call} of this Buffer as "
+                                f"{names.get(self._region_code(rid), '?')}, but " + ", ".join(
+                                    f"rank {s} was in {names.get(k, 'another operation')}"
+                                    for s, k in sorted(other.items()))
+                                + ": every rank must make the same calls in the same order")
             for r in range(R):
                 if r != self.rank:
                     self._peer_words[r][_CANCELLED_ROW * R + self.rank] = call
@@ -1011,6 +1028,10 @@ class Buffer:
             if rid is not None and rid in self._regions:
                 epoch = self._next_epoch_number(rid)
             self._cancel_done(call, rid, epoch)
+
+    def _region_code(self, rid: Optional[int]) -> int:
+        """The region whose epoch a call of region ``rid`` takes, as 4 bits (15: none, a barrier-only call)."""
+        return 15 if rid is None else self._regions[rid].rid if rid in self._regions else rid
 
     def _cancel_done(self, call: int, rid: Optional[int], epoch: Optional[int]) -> None:
         """Call ``call`` is cancelled on every rank; on this one it took ``epoch`` of region ``rid`` (None:
@@ -1095,9 +1116,10 @@ class Buffer:
         R = self.group_size
         # (into every rank that refuses this call: one that calls again later then finds it too and moves on
         # at once, instead of making the call again that the others cancelled)
+        word = refused << 4 | self._region_code(cp["rid"])     # (the kind of call given up: see _settle_refusal)
         for q in range(R):
             if q == r or int(self._aux_words[_REFUSED_ROW * R + q]) == refused:
-                self._peer_words[q][_GIVEUP_ROW * R + self.rank] = refused
+                self._peer_words[q][_GIVEUP_ROW * R + self.rank] = word
         P.full_fence()
         if int(self._aux_words[_REFUSED_ROW * R + r]) != refused and not self._cancellable(r):
             return 0
