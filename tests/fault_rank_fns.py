@@ -1075,3 +1075,99 @@ def refused_then_another_kind(ctx):
     dist.barrier()
     buf.destroy()
     return out
+
+
+def refused_with_a_hook_between(ctx, sync):
+    """A low-latency dispatch with its recv hook deferred (call 1); rank 1 then refuses a normal dispatch
+    (call 2) that rank 0 makes; each rank runs hook 1 (rank 0 after its call was cancelled, rank 1 at once),
+    then makes the dispatch again (rank 1 after 1.5 s). Returns each step's (name, outcome, cancelled) and
+    the error of the final combine against plain torch."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, H, N = ctx.world_size, 128, 8
+    E = 2 * R
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
+                 low_latency_mode=True, timeout_s=20.0, sync=sync)
+    x = torch.randn(6, H).bfloat16()
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1], [2, 3]])
+    bad = topk.clone()
+    bad[0, 0] = E
+    held = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=True)
+    log, err = [], None
+
+    def step(name, f):
+        try:
+            f()
+            log.append((name, "ok", None))
+        except Exception as e:  # noqa: BLE001
+            log.append((name, type(e).__name__, getattr(e, "cancelled", None)))
+
+    def normal(t):
+        nonlocal err
+        d = buf.dispatch(x, topk_idx=t, num_experts=E)
+        out = buf.combine(d[0], d[4])[0]
+        reached = torch.zeros(6, R).scatter_(1, t.clamp(min=0) // (E // R), 1.0).sum(1, keepdim=True)
+        err = float((out.float() - x.float() * reached).abs().max())
+    if ctx.rank == 0:
+        step("normal", lambda: normal(topk))
+        step("hook", held[-1])
+        if log[0][1] != "ok":
+            step("retry", lambda: normal(topk))
+    else:
+        step("refuse", lambda: normal(bad))
+        step("hook", held[-1])
+        time.sleep(1.5)
+        step("retry", lambda: normal(topk))
+    dist.barrier()
+    buf.destroy()
+    return log, err
+
+
+def refused_while_a_half_is_held(ctx, k):
+    """``low_latency_buffers=k``: k - 1 low-latency dispatches wait for their recv hook; rank 1 refuses the
+    next one, which rank 0 makes (and the peers cancel), then makes it again after 1.5 s: the half it needs
+    is held, so it is refused like rank 0's next attempt, and after both run their hooks the call succeeds.
+    Returns the attempts' outcomes."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, H, N = ctx.world_size, 128, 8
+    E = 2 * R
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E, num_buffers=k),
+                 low_latency_mode=True, timeout_s=20.0, low_latency_buffers=k)
+    x = torch.randn(4, H).bfloat16()
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    bad = topk.clone()
+    bad[0, 0] = E
+    hooks = [buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=True)[-1] for _ in range(k - 1)]
+    log = []
+    if ctx.rank == 1:
+        try:
+            buf.low_latency_dispatch(x, bad, N, E, use_fp8=False)
+        except ValueError:
+            log.append("refused")
+        time.sleep(1.5)
+    for _ in range(4):
+        try:
+            buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+            log.append("ok")
+            break
+        except Exception as e:  # noqa: BLE001
+            held = isinstance(e, ValueError) and "recv hook" in str(e)
+            log.append("held" if held else (type(e).__name__, getattr(e, "cancelled", None)))
+            if held:
+                for h in hooks:
+                    h()
+                hooks = []
+            elif not getattr(e, "cancelled", False):
+                break
+    dist.barrier()
+    buf.destroy()
+    return log

@@ -620,3 +620,26 @@ def test_a_refusing_rank_whose_next_call_is_of_another_kind_is_a_mismatch():
     assert waiting[2][1] < 5.0 and "unusable" in waiting[2][2], waiting
     assert [r[0] for r in refusing] == ["ValueError", "ok", "ValueError", "ok", "UBEPError"], refusing
     assert "refused call 2" in refusing[4][2] and "same calls in the same order" in refusing[4][2], refusing
+
+
+@pytest.mark.parametrize("sync", ["tff", "sw"])
+def test_a_recv_hook_between_a_refused_call_and_its_retry(sync):
+    """(former bug, ``sync="sw"``: the refusing rank's hook took part in the barrier of the call its peer
+    was cancelling, every later barrier paired with the wrong one, and the retry waited for its deadline)"""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        (waiting, w_err), (refusing, r_err) = pool.run(FR.refused_with_a_hook_between, sync, timeout_s=90)
+    assert waiting == [("normal", "UBEPPeerAbortedError", True), ("hook", "ok", None), ("retry", "ok", None)], waiting
+    assert refusing == [("refuse", "ValueError", None), ("hook", "ok", None), ("retry", "ok", None)], refusing
+    assert w_err == 0.0 and r_err == 0.0, (w_err, r_err)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_retry_after_a_cancel_is_refused_when_its_half_is_held(k):
+    """(former bug: the refusing rank checked the half of the cancelled call, not of its retry, so the retry
+    waited for a hook it could not run, and both ranks waited for their deadline)"""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        waiting, refusing = pool.run(FR.refused_while_a_half_is_held, k, timeout_s=90)
+    assert waiting == [("UBEPPeerAbortedError", True), "held", "ok"], waiting
+    assert refusing == ["refused", "held", "ok"], refusing

@@ -49,13 +49,14 @@ from .utils import Config, EventOverlap, TensorCache, check_count, check_host
 
 _AUX_REGIONS = 8          # region ids that have an ack table
 _MAX_LL_BUFFERS = 8       # receive buffers (halves) a low-latency region may have, each with its acks
-# aux words, R per row: acks [region][half][source] | SyncAll counters | abort words | refused calls |
-# refusal times | calls given up on a refusing rank | refused calls settled as cancelled (one word per rank
-# in each of the last six rows; row * R + rank)
+# aux words, R per row: acks [region][half][source] | abort words | refused calls | refusal times | calls
+# given up on a refusing rank | refused calls settled as cancelled | SyncAll counters, a row per call modulo
+# _SYNC_SLOTS (one word per rank in each row; row * R + rank)
 _ACK_WORDS = _MAX_LL_BUFFERS * _AUX_REGIONS
-_SYNC_ROW, _ABORT_ROW, _REFUSED_ROW, _REFUSED_AT_ROW = _ACK_WORDS, _ACK_WORDS + 1, _ACK_WORDS + 2, _ACK_WORDS + 3
-_GIVEUP_ROW, _CANCELLED_ROW = _ACK_WORDS + 4, _ACK_WORDS + 5
-_AUX_ROWS = _ACK_WORDS + 6
+_ABORT_ROW, _REFUSED_ROW, _REFUSED_AT_ROW = _ACK_WORDS, _ACK_WORDS + 1, _ACK_WORDS + 2
+_GIVEUP_ROW, _CANCELLED_ROW = _ACK_WORDS + 3, _ACK_WORDS + 4
+_SYNC_ROW, _SYNC_SLOTS = _ACK_WORDS + 5, 64
+_AUX_ROWS = _SYNC_ROW + _SYNC_SLOTS
 # the region whose epoch a refused call would have taken, by the call (or the step preparing it) that refused
 _REFUSED_REGION = {"dispatch": P.REGION_DISPATCH, "combine": P.REGION_DISPATCH,
                    "get_dispatch_layout": P.REGION_DISPATCH, "low_latency_dispatch": P.REGION_LL_DISPATCH,
@@ -587,7 +588,7 @@ class Buffer:
         self._peer_mem = [self._heap.peer(r) for r in range(R)]
         self._peer_words = [m[:aux].view(torch.int64).numpy() for m in self._peer_mem]
         self._epoch = {region.rid: 0 for region in self._regions.values()}
-        self._barrier_count = 0
+        self._barriers: dict = {}      # call number -> SyncAll barriers it (and its recv hook) took so far
         self._broken: Optional[str] = None
         self._pending: List[_Pending] = []
         self._refused_calls: set = set()   # numbers of the (recent) calls this rank refused (bad input)
@@ -891,11 +892,20 @@ class Buffer:
         return missing
 
     def _sync_all(self, phase: str) -> None:
-        """SyncAll emulation for the "sw" baseline: a barrier through shared memory, not through gloo."""
-        self._barrier_count += 1
-        count = self._barrier_count
+        """SyncAll emulation for the "sw" baseline: a barrier through shared memory, not through gloo.
+
+        Barriers are counted per call (a recv hook's with its own call's): the i-th barrier of call c waits
+        until every rank stored ``c << 24 | i`` or more in the row of call c. So a barrier never pairs with
+        one of another call, whichever order ranks run recv hooks and calls in, and a call cancelled on
+        every rank (see ``_cancel_call``) leaves nothing out of step: no rank waits in its row again."""
+        call = self._active_call
+        index = self._barriers.get(call, 0) + 1
+        self._barriers[call] = index
+        if len(self._barriers) > 2 * _SYNC_SLOTS:
+            self._barriers = {c: i for c, i in self._barriers.items() if c > call - _SYNC_SLOTS}
+        count = call << 24 | index
         R = self.group_size
-        off = _SYNC_ROW * R
+        off = (_SYNC_ROW + call % _SYNC_SLOTS) * R
         for r in range(R):
             self._peer_words[r][off + self.rank] = count
         words = self._aux_words
@@ -904,8 +914,8 @@ class Buffer:
             vals = words[off:off + R].tolist()
             missing = [r for r in range(R) if vals[r] < count]
             if not missing and self._cancel_point is not None:
-                # (counts a rank stores in its call after a cancelled one pass any barrier of that call: a rank
-                # that settled this call as cancelled stored that before its next call's counts)
+                # (a rank that settled this call as cancelled goes on at once: its next call may have stored
+                # counts of a later call in this row)
                 cancelled = [r for r in range(R) if self._cancellable(r)]
                 if cancelled:
                     self._cancel_point["refused"] = True
@@ -1036,12 +1046,10 @@ class Buffer:
     def _cancel_done(self, call: int, rid: Optional[int], epoch: Optional[int]) -> None:
         """Call ``call`` is cancelled on every rank; on this one it took ``epoch`` of region ``rid`` (None:
         none). Acknowledge every source's rows of that epoch (this rank will not read them: the peers may
-        reuse that half), move the SyncAll count to the value every rank takes after a cancelled call, and
-        ignore refusals of that call from now on."""
+        reuse that half), and ignore refusals of that call from now on."""
         if epoch is not None:
             for s in range(self.group_size):
                 self._send_ack(rid, s, epoch)
-        self._barrier_count = max(self._barrier_count, (call + 1) << 24)
         self._cancelled_calls = {c for c in self._cancelled_calls if c > call - 1024} | {call}
 
     def _post_refusal(self, call: int, rid=None) -> None:
@@ -1146,10 +1154,10 @@ class Buffer:
         waits for refused it and it is cancelled on every rank (see ``_give_up``); else False.
 
         Every rank that took part leaves the call: it acknowledges the rows of the call's epoch (it will not
-        read them), re-arms (SP) the slots it wrote into its peers, whose first words would otherwise read as
-        arrived when the half is next used, and takes the SyncAll count every rank takes after a cancelled
-        call. The refusing ranks count the call too, when they next call (``_settle_refusal``). Flags and
-        checksums carry the epoch, so no other stale block can match a later call."""
+        read them) and re-arms (SP) the slots it wrote into its peers, whose first words would otherwise read
+        as arrived when the half is next used. The refusing ranks count the call too, when they next call
+        (``_settle_refusal``). Flags and checksums carry the epoch, so no other stale block can match a later
+        call, and SyncAll barriers are counted per call (``_sync_all``)."""
         if getattr(e, "cancelled", False):
             return True
         cp = self._cancel_point
@@ -2389,7 +2397,8 @@ class Buffer:
         """Refuse (before anything is sent) a call whose buffer half an earlier call still holds because its
         recv hook has not run: the halves alternate, so waiting for that half would wait for this rank."""
         region, name = self._region(rid), P.REGION_NAMES[rid]
-        half = region.half(self._epoch[rid] + 1)
+        self._settle_refusal()     # (a call this rank refused and the peers cancelled moves the epoch first)
+        half = region.half(self._epoch[region.rid] + 1)
         pend = [p for p in self._pending if not p.done and p.kind == name]
         if any(region.half(p.epoch) == half for p in pend):
             raise ValueError(f"{len(pend)} earlier {name} call(s) still wait for their recv hook, and one holds the "
