@@ -1171,3 +1171,93 @@ def refused_while_a_half_is_held(ctx, k):
     dist.barrier()
     buf.destroy()
     return log
+
+
+def after_a_cancel(ctx, case):
+    """What a program may do after a call was cancelled (2 ranks, 20 s deadline; rank 1 refuses a
+    low-latency dispatch its peer makes with a recv hook or without one). ``"hook twice"``: rank 0 runs
+    the cancelled call's hook twice. ``"combine"``: rank 0 combines the cancelled dispatch's handle, waits
+    1.5 s, then both make round trips. ``"held"``: a hook of call 1 pending, the refusing rank's retry
+    finds its half held, runs the hook 2 s later and makes the call again, while rank 0 retries after any
+    cancel. ``"sw late hook"`` (sync="sw"): a hook run 32 round trips (64 calls) after its call, rank 1
+    stalled 0.3 s in call 65's last barrier. Returns each step's (name, outcome, seconds, cancelled) and
+    the largest error of the round trips against plain torch."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    N, H, E = 4, 128, 4
+    sync = "sw" if case == "sw late hook" else "tff"
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, 2, E),
+                 low_latency_mode=True, timeout_s=20.0, sync=sync)
+    x = torch.randn(N, H).bfloat16()
+    good = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    bad = good.clone()
+    bad[0, 0] = E
+    w = torch.rand(N, 2)
+    log, errs = [], []
+
+    def step(name, f, retry=False):
+        for _ in range(3 if retry else 1):
+            t0 = time.monotonic()
+            try:
+                f()
+                log.append((name, "ok", time.monotonic() - t0, None))
+                return
+            except Exception as e:  # noqa: BLE001
+                log.append((name, type(e).__name__, time.monotonic() - t0, getattr(e, "cancelled", None)))
+                if not (retry and getattr(e, "cancelled", False)):
+                    return
+
+    def ll(t=good, hook=False):
+        return buf.low_latency_dispatch(x, t, N, E, use_fp8=False, return_recv_hook=hook)
+
+    def rt():
+        recv_x, _, h, _, _ = ll()
+        out, ref = buf.low_latency_combine(recv_x, good, w, h)[0].float(), x.float() * w.sum(1, keepdim=True)
+        errs.append(float((out - ref).abs().max() / ref.abs().max()))      # (bf16 rounding: about 1e-2 at most)
+
+    def normal_rt():
+        recv_x, _, _, _, h, _ = buf.dispatch(x, topk_idx=good, num_experts=E)
+        errs.append(float((buf.combine(recv_x, h)[0].float() - 2 * x.float()).abs().max()))
+    if case in ("hook twice", "combine"):
+        if ctx.rank == 0:
+            a = ll(hook=True)
+            step("hook", a[-1])
+            if case == "hook twice":
+                step("hook again", a[-1])
+            else:
+                step("combine", lambda: buf.low_latency_combine(a[0], good, w, a[2]))
+                time.sleep(1.5)
+        else:
+            step("refuse", lambda: ll(bad, hook=True))
+            time.sleep(1.5)
+        step("rt", rt)
+        step("rt", rt)
+    elif case == "held":
+        first = ll(hook=True)
+        if ctx.rank == 0:
+            step("hook 1", first[-1])
+            step("call", ll, retry=True)
+        else:
+            step("refuse", lambda: ll(bad))
+            time.sleep(1.5)
+            step("retry", ll)
+            time.sleep(2.0)
+            step("hook 1", first[-1])
+            step("retry", ll, retry=True)
+        step("rt", rt)
+    else:
+        first = ll(hook=True)
+        if ctx.rank == 1:     # (a stall in call 65's last barrier, when its row is the hook's row too)
+            buf.delay_hook = lambda phase: time.sleep(0.3) if buf._active_call == 65 and "flag" in phase else None
+        step("64 calls", lambda: [normal_rt() for _ in range(32)])
+        step("hook 1", first[-1])
+        buf.delay_hook = None
+        step("combine 1", lambda: buf.low_latency_combine(first[0], good, w, first[2]))
+        step("rt", rt)
+    dist.barrier()
+    buf.destroy()
+    return log, max(errs) if errs else None

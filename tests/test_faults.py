@@ -643,3 +643,28 @@ def test_a_retry_after_a_cancel_is_refused_when_its_half_is_held(k):
         waiting, refusing = pool.run(FR.refused_while_a_half_is_held, k, timeout_s=90)
     assert waiting == [("UBEPPeerAbortedError", True), "held", "ok"], waiting
     assert refusing == ["refused", "held", "ok"], refusing
+
+
+def test_what_follows_a_cancel():
+    """(former bugs: a cancelled call's hook run again broke the Buffer and aborted the peers; the refusal of
+    a retry that found its half held was not posted once the cancel had been counted, so the peer waited
+    for the retry; combining a cancelled dispatch's handle was posted as a refusal of the next call; with
+    sync="sw", a hook run 64 calls late lowered the barrier count of a later call that shares its row)"""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        (w, w_err), (r, r_err) = pool.run(FR.after_a_cancel, "hook twice", timeout_s=90)
+        assert [s[:2] for s in w] == [("hook", "UBEPPeerAbortedError"), ("hook again", "CancelledCallError"),
+                                      ("rt", "ok"), ("rt", "ok")] and w[0][3] and w_err < 1e-2, w
+        assert [s[1] for s in r] == ["ValueError", "ok", "ok"] and r_err < 1e-2, r
+        (w, w_err), (r, r_err) = pool.run(FR.after_a_cancel, "combine", timeout_s=90)
+        assert [s[:2] for s in w] == [("hook", "UBEPPeerAbortedError"), ("combine", "CancelledCallError"),
+                                      ("rt", "ok"), ("rt", "ok")] and w_err < 1e-2, w
+        assert [s[1] for s in r] == ["ValueError", "ok", "ok"] and r_err < 1e-2, r
+        (w, w_err), (r, r_err) = pool.run(FR.after_a_cancel, "held", timeout_s=90)
+        # rank 0's second attempt is cancelled by rank 1's refusal of it (half held), not kept waiting for the
+        # retry 2 s later
+        assert [s[1] for s in w] == ["ok", "UBEPPeerAbortedError", "UBEPPeerAbortedError", "ok", "ok"], w
+        assert w[2][2] < 1.9 and w[2][3], w
+        assert [s[1] for s in r] == ["ValueError", "ValueError", "ok", "ok", "ok"] and r_err < 1e-2, r
+        (w, w_err), (r, r_err) = pool.run(FR.after_a_cancel, "sw late hook", timeout_s=90)
+        assert [s[1] for s in w] == [s[1] for s in r] == ["ok"] * 4 and w_err < 1e-2 and r_err < 1e-2, (w, r)

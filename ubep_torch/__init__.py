@@ -8,6 +8,7 @@ slot layout), ``engine`` (the torch data path), ``buffer`` (the public ``Buffer`
 from . import functional, nn
 from .buffer import Buffer, DispatchHandle, LowLatencyHandle
 from .errors import (
+                     CancelledCallError,
                      UBEPBrokenError,
                      UBEPError,
                      UBEPPeerAbortedError,
@@ -23,5 +24,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Buffer", "Config", "EventOverlap", "DispatchHandle", "LowLatencyHandle",
     "UBEPError", "UBEPTimeoutError", "UBEPPeerLostError", "UBEPPeerAbortedError", "UBEPBrokenError", "UBEPUsageError",
+    "CancelledCallError",
     "functional", "nn", "per_token_cast_to_fp8", "per_token_cast_back", "calc_diff",
 ]

@@ -34,6 +34,7 @@ from . import protocol as P
 from . import ugas
 from .engine import Destination, SendJob, make_engine, send_lists
 from .errors import (
+    CancelledCallError,
     UBEPBrokenError,
     UBEPError,
     UBEPPeerAbortedError,
@@ -363,7 +364,7 @@ def _collective(fn):
     def wrapper(self, *args, **kwargs):
         _enter_call(self, fn.__name__)
         self._in_call = False
-        calls = self._calls
+        begun = self._begun
         grad = torch.is_grad_enabled()
         try:
             _check_host_tensors(fn, args, kwargs)
@@ -377,7 +378,7 @@ def _collective(fn):
             if self._in_call and not isinstance(e, UBEPBrokenError):
                 if not self._cancel_call(e):
                     self._fail(e)
-            elif self._calls == calls and refusal(e):
+            elif self._begun == begun and refusal(e):
                 self._refuse(fn.__name__)    # failed before reaching the peers: tell those waiting
             raise
         finally:
@@ -392,6 +393,8 @@ def _collective(fn):
 
         @functools.wraps(hook)
         def guarded_hook():
+            if getattr(hook, "pending", None) is not None:
+                _raise_if_cancelled(hook.pending)    # (before anything is touched: the Buffer stays usable)
             _enter_call(self, f"{fn.__name__} recv hook")
             outer, self._active_call = self._active_call, issued   # an abort it signals names its own call
             # the hook of the latest call that reached the peers can cancel it (see _cancel_call); once a
@@ -611,6 +614,7 @@ class Buffer:
         self._pid = os.getpid()      # calls are refused in any other process (a fork's child)
         self._call_lock = threading.RLock()   # held by the thread inside a call (see _enter_call)
         self._calls = 0              # calls that reached their peers (the same count on every rank)
+        self._begun = 0              # of those, the ones this rank made (not refused ones the peers cancelled)
         self._active_call = 0        # the call whose work runs now (a recv hook's own), named by aborts
         self._destroyed = False
         self._out = TensorCache()   # output tensors are reused once the caller has dropped them
@@ -906,8 +910,10 @@ class Buffer:
         count = call << 24 | index
         R = self.group_size
         off = (_SYNC_ROW + call % _SYNC_SLOTS) * R
-        for r in range(R):
-            self._peer_words[r][off + self.rank] = count
+        for r in range(R):     # (never lowered: a hook run _SYNC_SLOTS calls late shares a later call's row)
+            words_r = self._peer_words[r]
+            if words_r[off + self.rank] < count:
+                words_r[off + self.rank] = count
         words = self._aux_words
 
         def poll():
@@ -977,6 +983,7 @@ class Buffer:
         agree)."""
         if not self._in_call:
             self._settle_refusal()
+            self._begun += 1
             self._calls += 1
             self._active_call = self._calls
         self._in_call = True
@@ -2386,7 +2393,9 @@ class Buffer:
                 def hook():
                     receive()
                     out_x[1].copy_(pack_ue8m0(recv_sc))
+                hook.pending = pending
                 return out_x, recv_count, handle, EventOverlap(None), hook
+            receive.pending = pending
             return out_x, recv_count, handle, EventOverlap(None), receive
         receive()
         if use_ue8m0:
@@ -2480,8 +2489,8 @@ class Buffer:
             raise ValueError("low_latency_combine got the handle of a low_latency_dispatch whose recv hook has "
                              "not run yet; call hook() first")
         if handle.pending.extra.get("cancelled"):
-            raise ValueError("low_latency_combine got the handle of a low_latency_dispatch that was cancelled (a "
-                             "peer refused it): it received nothing to send back")
+            raise CancelledCallError("low_latency_combine got the handle of a low_latency_dispatch that was "
+                                     "cancelled (a peer refused it): it received nothing to send back")
         src_info, layout_range, N, H, E = handle
         if not torch.equal(layout_range, handle.layout_snapshot):
             raise ValueError("the handle's layout_range was changed after its low_latency_dispatch; the combine "
@@ -2646,6 +2655,7 @@ class Buffer:
         if return_recv_hook:
             pending.extra["cancel_point"] = self._cancel_point
             self._pending.append(pending)
+            receive.pending = pending
             return result, EventOverlap(None), receive
         receive()
         return result, EventOverlap(None), None
@@ -2676,8 +2686,8 @@ def _ll_rows(engine) -> str:
 
 def _raise_if_cancelled(pending: _Pending) -> None:
     if pending.extra.get("cancelled"):
-        raise ValueError(f"this {pending.kind} was cancelled (a peer refused it; its recv hook raised so): it "
-                         f"received nothing")
+        raise CancelledCallError(f"this {pending.kind} was cancelled (a peer refused it; its recv hook raised so): "
+                                 f"it received nothing")
 
 
 def _add_stats(stats: torch.Tensor, values: List[int]) -> None:

@@ -83,11 +83,18 @@ class UBEPUsageError(UBEPError, RuntimeError):
     are as they were, and no refusal is posted for them (it is not this rank's call that failed)."""
 
 
+class CancelledCallError(ValueError):
+    """The handle or recv hook of a call that was cancelled on every rank (a peer refused it): it received
+    nothing. No peer makes a call with it, so none is told (no refusal is posted) and the Buffer stays
+    usable."""
+
+
 def refusal(e: BaseException) -> bool:
     """Whether an error raised before a call reached the peers makes this rank leave the call in a way its
     peers should learn of (``Buffer._refuse``): bad input above all, also a failed allocation. Protocol
-    errors (``UBEPError``) are about the peers and leave nothing to tell."""
-    return isinstance(e, Exception) and not isinstance(e, UBEPError)
+    errors (``UBEPError``) are about the peers and leave nothing to tell, and a cancelled call's handle
+    (``CancelledCallError``) is this rank's alone."""
+    return isinstance(e, Exception) and not isinstance(e, (UBEPError, CancelledCallError))
 
 
 def name_global_ranks(e: BaseException, global_ranks: Sequence[int], also: tuple = ()) -> None:
