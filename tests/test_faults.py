@@ -167,7 +167,7 @@ def test_ctrl_c_ends_a_setup_wait_at_once(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
     try:
         assert ranks[0].stdout.readline().strip() == "building"
-        time.sleep(1.0)
+        time.sleep(2.0)     # (into the set-up's wait, on a loaded machine too: rank 1 comes after 8 s)
         t0 = time.monotonic()
         ranks[0].send_signal(signal.SIGINT)
         _, err = ranks[0].communicate(timeout=60)
