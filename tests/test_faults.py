@@ -163,8 +163,11 @@ def test_ctrl_c_ends_a_setup_wait_at_once(tmp_path):
     import time
     env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), UBEP_SHM_DIR=str(tmp_path))
     port = str(FR._free_port())
+    # (Ctrl-C's default action restored in the ranks: a shell running this suite in the background ignores
+    # SIGINT, the ranks would inherit that, and Python then installs no KeyboardInterrupt handler)
     ranks = [subprocess.Popen([sys.executable, "-c", _SETUP_RANK, str(r), port], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) for r in range(2)]
     try:
         assert ranks[0].stdout.readline().strip() == "building"
         time.sleep(2.0)     # (into the set-up's wait, on a loaded machine too: rank 1 comes after 8 s)
