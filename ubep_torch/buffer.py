@@ -883,10 +883,7 @@ class Buffer:
             other = {s: k for (s, k), head in zip(ahead.items(), now) if head >> 8 != flag >> 8}
         if other:
             # (a rank that refused this call and settled it as cancelled goes on with its next call at once)
-            cancelled = [s for s in other if self._cancellable(s)]
-            if cancelled:
-                self._cancel_point["refused"] = True
-                raise UBEPPeerAbortedError(phase, self.rank, list(missing), cancelled, refused=True)
+            self._raise_if_settled(phase, missing, other)
             op = P.REGION_NAMES.get(flag & 0xFF, str(flag & 0xFF))
             theirs = ", ".join(f"rank {s} called {P.REGION_NAMES.get(k, 'another operation')}"
                                for s, k in sorted(other.items()))
@@ -922,10 +919,7 @@ class Buffer:
             if not missing and self._cancel_point is not None:
                 # (a rank that settled this call as cancelled goes on at once: its next call may have stored
                 # counts of a later call in this row)
-                cancelled = [r for r in range(R) if self._cancellable(r)]
-                if cancelled:
-                    self._cancel_point["refused"] = True
-                    raise UBEPPeerAbortedError(phase, self.rank, cancelled, cancelled, refused=True)
+                self._raise_if_settled(phase, [], range(R))
             return missing
         self._wait(phase, poll)
 
@@ -1118,6 +1112,14 @@ class Buffer:
         cp = self._cancel_point
         return cp is not None and cp["call"] == self._active_call and \
             int(self._aux_words[_CANCELLED_ROW * self.group_size + r]) == cp["call"]
+
+    def _raise_if_settled(self, phase: str, missing: Sequence[int], ranks) -> None:
+        """The refused-call error (cancelling this call) if any of ``ranks`` refused this call and has settled
+        it as cancelled (``_cancellable``); it names them (and ``missing``, or them again)."""
+        cancelled = [r for r in ranks if self._cancellable(r)]
+        if cancelled:
+            self._cancel_point["refused"] = True
+            raise UBEPPeerAbortedError(phase, self.rank, list(missing) or cancelled, cancelled, refused=True)
 
     def _give_up(self, r: int, refused: int) -> int:
         """``P.ABORT_REFUSED``: rank r refused call ``refused`` long enough ago (or destroyed its Buffer since).
@@ -2217,8 +2219,7 @@ class Buffer:
         wait_ns = [0] * R            # per source: ns from the start of the receive until its rows were in
 
         def receive():
-            if pending.done:
-                _raise_if_cancelled(pending)
+            if pending.done:     # (a cancelled call's hook raises before it gets here: see _collective)
                 return
             self._check_usable()
             local = self._heap.local
@@ -2599,8 +2600,7 @@ class Buffer:
             topk_weights.contiguous()
 
         def receive():
-            if pending.done:
-                _raise_if_cancelled(pending)
+            if pending.done:     # (a cancelled call's hook raises before it gets here: see _collective)
                 return
             self._check_usable()
             local = self._heap.local
