@@ -42,6 +42,12 @@ outputs.
   loops a ``Buffer`` moves its rows with), which are at least as fast: the round trip no implementation
   that makes these copies with these loops can beat on this machine.
 
+The C path stores rows into a peer's slots with plain or streaming stores, whichever it measured cheaper
+(``native_engine.store_policy``; ``UBEP_STORES`` fixes one): the last lines print each rank's choice and
+its estimates. On a VM whose vCPUs are sometimes placed far apart, plain stores into memory another core
+last read cost several times more in those minutes, and the plain-store references above (the copies, the
+store to the peer) with them.
+
 Bandwidth is the bytes one rank receives per dispatch (``recv_x`` rows, its own included, as DeepEP
 counts them; the mean over ranks) over the dispatch time.
 """
@@ -63,6 +69,7 @@ from ubep_torch import protocol as P  # noqa: E402
 from ubep_torch.buffer import normal_buffer_bytes  # noqa: E402
 from ubep_torch.native_engine import NativeEngine  # noqa: E402
 from ubep_torch.native_engine import available as native_available  # noqa: E402
+from ubep_torch.native_engine import store_policy as native_store_policy  # noqa: E402
 from ubep_torch.testing import RankPool  # noqa: E402
 from ubep_torch.ugas import SymmetricHeap  # noqa: E402
 from ubep_torch.utils import int_at_least  # noqa: E402
@@ -337,7 +344,7 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
     floor_heap.close()
     for buf in bufs:
         buf.destroy()
-    return res, recv_bytes, ll_bytes, list(paths)
+    return res, recv_bytes, ll_bytes, list(paths), native_store_policy()
 
 
 def main() -> None:
@@ -412,6 +419,15 @@ def main() -> None:
             print(f"  {how}: dispatch {f['disp'] * 1e3:.3f} ms, combine {f['comb'] * 1e3:.3f} ms, round trip "
                   f"{f['rt'] * 1e3:.3f} ms ({t['naive_n'] / f['rt']:.1f}x naive gloo, rank rows); ubep normal "
                   f"takes {rt / f['rt']:.2f}x as long")
+    print("\nrows into the peers' slots (the C path's stores, native_engine.store_policy), per rank at the end:")
+    for r, st in enumerate(r[4] for r in per_rank):
+        if not st:
+            print(f"  rank {r}: the C module is not built")
+            continue
+        kinds = "; ".join(f"{name} {k['in_use']} ({k['plain_ns_per_kib']:.0f} / {k['streaming_ns_per_kib']:.0f})"
+                          for name, k in st["kinds"].items())
+        print(f"  rank {r}: policy {st['policy']}, sends plain {st['sends']['plain']}, streaming "
+              f"{st['sends']['streaming']}; in use (ns per KiB plain / streaming, 0: not measured): {kinds}")
 
 if __name__ == "__main__":
     main()

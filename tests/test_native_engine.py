@@ -50,7 +50,15 @@ def _rows_case(fields, meta_words, n=7, T=9, seed=0):
     return fmt, data, meta, sel, patch
 
 
+@pytest.fixture
+def stores():
+    """``native_engine.store_policy``, set back to ``auto`` after the test."""
+    yield native_engine.store_policy
+    native_engine.store_policy("auto")
+
+
 @needs_native
+@pytest.mark.parametrize("policy", ["plain", "streaming"])
 @pytest.mark.parametrize("fields,meta_words", [
     ((("x", 256 * 2),), 4),                       # one field, two blocks
     ((("x", 7168 * 2),), 16),                     # 29 full blocks and a partial one
@@ -58,14 +66,17 @@ def _rows_case(fields, meta_words, n=7, T=9, seed=0):
     ((("x", 1000), ("scales", 8 * 4)), 1),        # fp8 payload + scales
     ((("x", 4),), 0),                             # a tiny payload, no meta items
 ])
-def test_stores_into_peer_memory_are_byte_identical(fields, meta_words):
+def test_stores_into_peer_memory_are_byte_identical(fields, meta_words, policy, stores):
     """Every byte of the slots (heads, payload, zeroed padding, patched meta item, flags) matches torch's
-    ``write_rows`` of the same staged rows, and the received payload, meta items and source tokens too."""
+    ``write_rows`` of the same staged rows, and the received payload, meta items and source tokens too, with
+    plain and with streaming stores."""
     fmt, data, meta, sel, patch = _rows_case(fields, meta_words)
+    stores(policy)
     out = {}
     for name, eng in (("torch", TorchEngine()), ("native", native_engine.NativeEngine())):
         st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(data[0].shape[0]), 3)
         dst = torch.full((sel.numel() + 2, fmt.blocks, P.BLOCK_BYTES), 0xA5, dtype=torch.uint8)  # stale bytes
+        assert dst.data_ptr() % 64 == 0     # (slots are: streaming stores need whole lines)
         eng.write_rows(fmt, st, None, sel, dst, P.flag_word(5, P.REGION_DISPATCH), meta_patch=patch)
         assert eng.rows_arrived(fmt, dst[: sel.numel()], P.flag_word(5, P.REGION_DISPATCH))
         assert not eng.rows_arrived(fmt, dst, P.flag_word(5, P.REGION_DISPATCH))   # stale rows: not arrived
@@ -79,6 +90,56 @@ def test_stores_into_peer_memory_are_byte_identical(fields, meta_words):
     for i, d in enumerate(data):
         assert torch.equal(out["native"][1][i], d[sel])
     assert torch.equal(out["torch"][2], out["native"][2])
+    state = stores()
+    assert state["policy"] == policy and state["sends"][policy] == 1, state
+
+
+@needs_native
+def test_store_policy_auto_keeps_the_cheaper(stores):
+    """``auto`` times both kinds of stores on sends of 256 KiB or more, for each kind of send apart, and uses
+    the one that measured cheaper; smaller sends take plain stores; every way gives the same bytes."""
+    fmt, data, meta, sel, patch = _rows_case(((("x", 7168 * 2),)), 4, n=24, T=24)
+    eng = native_engine.NativeEngine()
+    st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(24), 1)
+    assert 24 * fmt.blocks * P.BLOCK_BYTES >= 256 << 10
+    flag = P.flag_word(9, P.REGION_COMBINE)
+    stores("plain")
+    ref = torch.zeros(24, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    eng.write_rows(fmt, st, None, sel, ref, flag, meta_patch=patch)
+    stores("auto")
+    dst = torch.zeros_like(ref)
+    eng.write_rows(fmt, st, None, sel[:2], dst[:2], flag, meta_patch=patch[:2])     # small: plain, not timed
+    state = stores()
+    assert state["sends"] == {"plain": 1, "streaming": 0}, state
+    assert state["kinds"]["combine"]["plain_ns_per_kib"] == 0.0, state
+    for i in range(40):
+        dst.zero_()
+        eng.write_rows(fmt, st, None, sel, dst, flag, meta_patch=patch)
+        assert torch.equal(dst, ref), i
+        k = stores()["kinds"]["combine"]
+        best = "streaming" if 0.0 < k["streaming_ns_per_kib"] < k["plain_ns_per_kib"] else "plain"
+        assert k["in_use"] == best, (i, k)
+    state = stores()
+    assert state["kinds"]["combine"]["plain_ns_per_kib"] > 0.0, state
+    assert state["kinds"]["combine"]["streaming_ns_per_kib"] > 0.0, state
+    assert state["sends"]["plain"] > 1 and state["sends"]["streaming"] >= 1, state
+    assert all(k["plain_ns_per_kib"] == k["streaming_ns_per_kib"] == 0.0          # (measured apart)
+               for name, k in state["kinds"].items() if name != "combine"), state
+    with pytest.raises(ValueError, match="store policy must be one of"):
+        stores("fast")
+
+
+@needs_native
+def test_store_policy_from_environment(monkeypatch, stores):
+    """``UBEP_STORES`` sets the policy when a native engine is built; a bad value is a ValueError that
+    names the variable."""
+    monkeypatch.setattr(native_engine, "_env_applied", "")
+    monkeypatch.setenv("UBEP_STORES", "streaming")
+    native_engine.NativeEngine()
+    assert stores()["policy"] == "streaming"
+    monkeypatch.setenv("UBEP_STORES", "sometimes")
+    with pytest.raises(ValueError, match="UBEP_STORES"):
+        native_engine.NativeEngine()
 
 
 @needs_native
@@ -136,6 +197,18 @@ def test_normal_mode_fp8_same_bits(pool):
 @pytest.mark.parametrize("use_fp8", (False, True))
 def test_low_latency_same_bits(pool, sync, use_fp8):
     F.assert_all_same(pool.run(F.ll_equivalence, sync, use_fp8=use_fp8, backend="native", special=not use_fp8))
+
+
+@needs_native
+@pytest.mark.parametrize("policy", ["plain", "streaming"])
+def test_both_store_ways_same_bits(pool, policy):
+    """Normal and low-latency calls (a hidden size that ends in a partial block, and fp8 rows with their
+    scales) with every row stored into the peers' slots the one way or the other."""
+    for fn, kw in ((F.normal_equivalence, dict(H=1000, T=40, K=5, E=8)), (F.normal_equivalence, dict(fp8=True)),
+                   (F.ll_equivalence, dict(T=8, K=8, E=16, N=8, H=7168)), (F.ll_equivalence, dict(use_fp8=True))):
+        results = pool.run(F.under_store_policy, policy, fn, "tff", backend="native", **kw)
+        F.assert_all_same(results)
+        assert all(r["sends"] > 0 for r in results), (fn.__name__, kw, [r["sends"] for r in results])
 
 
 @needs_native

@@ -120,6 +120,19 @@ def ll_equivalence(ctx, sync: str, use_fp8: bool = False, T: int = 4, H: int = 2
     return {"same": {k: _same(ref[k], got[k]) for k in ref}, "triton_s": time.perf_counter() - t0}
 
 
+def under_store_policy(ctx, policy: str, fn, *args, **kwargs) -> dict:
+    """``fn(ctx, *args, **kwargs)`` with rows stored into the peers' slots by ``policy`` (``plain`` or
+    ``streaming``), then ``auto`` again; adds ``sends``: how many sends took that way."""
+    from ubep_torch import native_engine
+    native_engine.store_policy(policy)     # (the counts start afresh)
+    try:
+        out = fn(ctx, *args, **kwargs)
+        out["sends"] = native_engine.store_policy()["sends"][policy]
+    finally:
+        native_engine.store_policy("auto")
+    return out
+
+
 def sp_collision(ctx, T: int = 4, H: int = 256, E: int = 4) -> dict:
     """SP with tokens whose first words equal the sentinel (all-zero rows): must arrive intact."""
     bt = get_buffer(ctx, "sp", backend="torch")

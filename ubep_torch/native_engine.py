@@ -19,6 +19,7 @@ contents and outputs are bit-identical to ``TorchEngine`` (``tests/test_native_e
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from itertools import accumulate
 from typing import Callable, Optional, Sequence
@@ -35,7 +36,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 22
+API_VERSION = 23
 
 
 def _matches() -> bool:
@@ -46,6 +47,56 @@ def _matches() -> bool:
 def available() -> bool:
     """Whether the C module was built from these sources (``backend="auto"`` then uses this engine)."""
     return _native is not None and _matches()
+
+
+#: ``UBEP_STORES`` values, as ``store_policy`` names them, and the C module's codes for them
+STORE_POLICIES = {"auto": 0, "plain": 1, "streaming": 2}
+
+
+#: the kinds of sends whose stores ``store_policy`` measures apart (their flag words' region ids)
+STORE_KINDS = {P.REGION_DISPATCH: "dispatch", P.REGION_COMBINE: "combine", P.REGION_LL_DISPATCH: "ll_dispatch",
+               P.REGION_LL_COMBINE: "ll_combine"}
+
+
+def store_policy(policy: Optional[str] = None) -> dict:
+    """How this process stores rows into its peers' slots (the C path's TFF stores), and what it measured.
+
+    ``"plain"`` stores go through the cache; ``"streaming"`` stores write whole lines around it (x86-64
+    only; elsewhere every store is plain), each block's flag written after an sfence; ``"auto"`` (the
+    default, or ``UBEP_STORES``) measures both on sends of 256 KiB or more, for each kind of send apart, and
+    keeps the cheaper, trying the other now and then (native.c says when). Which one wins depends on where
+    the cores of the ranks sit: plain stores take every line from the core that last read it, which costs
+    several times more when the two cores are far apart. Outputs and memory contents are the same either
+    way.
+
+    Passing ``policy`` sets it for the whole process (counts and estimates start afresh). Returns
+    ``{"policy", "sends": {"plain": n, "streaming": n}, "kinds": {kind: {"in_use": "plain" or "streaming",
+    "plain_ns_per_kib", "streaming_ns_per_kib"}}}`` (an estimate of 0.0: not measured; kinds: ``dispatch``,
+    ``combine``, ``ll_dispatch``, ``ll_combine``); an empty dict where the C module is not built.
+    """
+    if policy is not None and policy not in STORE_POLICIES:
+        raise ValueError(f"store policy must be one of {sorted(STORE_POLICIES)}, got {policy!r}")
+    if not available():
+        return {}
+    code, n_plain, n_stream, kinds = _native.store_policy(-1 if policy is None else STORE_POLICIES[policy])
+    names = {v: k for k, v in STORE_POLICIES.items()}
+    return {"policy": names[code], "sends": {"plain": n_plain, "streaming": n_stream},
+            "kinds": {name: {"in_use": "streaming" if kinds[rid][0] else "plain", "plain_ns_per_kib": kinds[rid][1],
+                             "streaming_ns_per_kib": kinds[rid][2]} for rid, name in STORE_KINDS.items()}}
+
+
+def _env_store_policy() -> None:
+    """``UBEP_STORES`` (auto, plain or streaming), applied once per process; ValueError naming it if bad."""
+    global _env_applied
+    value = os.environ.get("UBEP_STORES", "").strip().lower()
+    if value and value not in STORE_POLICIES:
+        raise ValueError(f"UBEP_STORES must be one of {sorted(STORE_POLICIES)}, got {os.environ['UBEP_STORES']!r}")
+    if value and _env_applied != value:
+        store_policy(value)
+    _env_applied = value
+
+
+_env_applied = ""
 
 
 def _rowwise(t: Optional[torch.Tensor]) -> bool:
@@ -180,6 +231,7 @@ class NativeEngine(TorchEngine):
         if not _matches():
             raise RuntimeError("ubep_torch._native was built from other sources than this package; reinstall it "
                                "(make install, or pip install -e .)")
+        _env_store_policy()
         super().__init__()
         self._send_plans: OrderedDict = OrderedDict()
         self._forgotten = False

@@ -14,9 +14,22 @@
  * aarch64 becomes stlr/ldar. Unlike the torch path, which publishes the flags of a whole destination
  * after all its payload, every block is published as soon as it is complete.
  *
- * Every store is a plain (temporal) store: the outputs of Token-Reordering are read soon after the call
- * (by the experts, or a combine), so they should stay in cache. Streaming stores, which bypass the cache,
- * made a dispatch alone no faster here and the combine that read its rows afterwards about 1.5x slower.
+ * Stores into this process's own memory are plain (temporal) stores: the outputs of Token-Reordering are
+ * read soon after the call (by the experts, or a combine), so they should stay in cache. Streaming stores,
+ * which bypass the cache, made a dispatch alone no faster here and the combine that read its rows afterwards
+ * about 1.5x slower.
+ *
+ * Rows stored into a peer's slots (store_rows) go one of two ways, chosen by measurement (store_policy):
+ * plain stores, or streaming stores. A plain store to a line that the receiver's core holds (it read the
+ * slot in the previous call) must first take the line from that core's cache. On a VM whose two vCPUs are
+ * sometimes placed far apart (seen here: the same 2 MiB store and load between two processes took 0.13 ms
+ * in some minutes and 0.97 ms in others, the store being the slow part, while a copy inside one process
+ * stayed at 0.05 ms) that costs about 7x. Streaming stores write whole lines without taking them, and
+ * then cost the same in both placements, but about 2x a plain store when the cores are close. With
+ * streaming stores a block is written with its flag word 0 ("not yet"), the row's stores are made visible
+ * by an sfence, and only then is each block's flag written with a release store: a receiver that sees the
+ * flag sees the block, as with plain stores (the sfence orders the weakly ordered streaming stores before
+ * every later store; x86-64 only, other CPUs always take the plain path).
  *
  * Floating point: reductions are one multiply and one add per operand in a fixed order (the module is
  * built with -ffp-contract=off, so no fused multiply-add), float32 accumulators starting at +0.0, and
@@ -27,6 +40,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -37,7 +51,7 @@
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
 #define MAX_ROW_BLOCKS (1 << 20)         /* a row of 512 MiB: far past any hidden size a Buffer takes */
-#define API_VERSION 22             /* bumped whenever a function's arguments change */
+#define API_VERSION 23             /* bumped whenever a function's arguments change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -128,8 +142,8 @@ static int check_index(const int64_t *idx, Py_ssize_t n, int64_t limit, const ch
     return -1;
 }
 
-/* The stores of write_rows (below), for rows i in [0, n) of one destination. */
-static void store_rows(uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int64_t *sel, const uint8_t *meta,
+/* The stores of write_rows (below), for rows i in [0, n) of one destination, with plain stores. */
+static void store_rows_plain(uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int64_t *sel, const uint8_t *meta,
                        const int32_t *patch, Py_ssize_t patch_items, long long rank, long long flag,
                        const field_t *f, int nf) {
     const Py_ssize_t row_bytes = nb * BLOCK_BYTES;
@@ -160,6 +174,196 @@ static void store_rows(uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int64_t 
     }
 }
 
+#if defined(__x86_64__)
+/* 512 B from src to the 64 B aligned block blk with streaming stores */
+static inline void stream_block(uint8_t *blk, const uint8_t *src) {
+    for (Py_ssize_t o = 0; o < BLOCK_BYTES; o += 16)
+        _mm_stream_si128((__m128i *)(blk + o), _mm_loadu_si128((const __m128i *)(src + o)));
+}
+
+/* The same stores as store_rows_plain with streaming stores (the destination is 64 B aligned): per row,
+ * every block whole with flag word 0, an sfence, then every block's flag in block order (release). */
+static void store_rows_stream(uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int64_t *sel, const uint8_t *meta,
+                              const int32_t *patch, Py_ssize_t patch_items, long long rank, long long flag,
+                              const field_t *f, int nf) {
+    const Py_ssize_t row_bytes = nb * BLOCK_BYTES;
+    uint8_t blk_buf[BLOCK_BYTES] __attribute__((aligned(64)));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t t = sel ? sel[i] : (int64_t)i;
+        const uint8_t *mblk = meta + t * BLOCK_BYTES;
+        int64_t token;
+        memcpy(&token, mblk + 8, 8);
+        uint8_t *row = dst + i * row_bytes;
+        memcpy(blk_buf, mblk, BLOCK_BYTES);
+        memset(blk_buf, 0, 8);
+        if (patch) memcpy(blk_buf + FLAG_BYTES, patch + i * patch_items, (size_t)patch_items * 4);
+        stream_block(row, blk_buf);
+        for (int k = 0; k < nf; k++) {
+            const uint8_t *src = (const uint8_t *)f[k].ptr + t * f[k].stride;
+            Py_ssize_t left = f[k].nbytes;
+            for (Py_ssize_t b = f[k].block; left > 0; b++) {
+                uint8_t *blk = row + b * BLOCK_BYTES;
+                const int64_t head[4] = {0, token, (int64_t)b, (int64_t)rank};
+                _mm_stream_si128((__m128i *)blk, _mm_loadu_si128((const __m128i *)head));
+                _mm_stream_si128((__m128i *)(blk + 16), _mm_loadu_si128((const __m128i *)(head + 2)));
+                const Py_ssize_t take = left < PAYLOAD ? left : PAYLOAD;
+                const uint8_t *from = src;
+                if (take < PAYLOAD) {    /* the last piece: zero padding, through the buffer */
+                    memcpy(blk_buf, src, (size_t)take);
+                    memset(blk_buf + take, 0, (size_t)(PAYLOAD - take));
+                    from = blk_buf;
+                }
+                for (Py_ssize_t o = 0; o < PAYLOAD; o += 16)
+                    _mm_stream_si128((__m128i *)(blk + FLAG_BYTES + o), _mm_loadu_si128((const __m128i *)(from + o)));
+                src += take;
+                left -= take;
+            }
+        }
+        _mm_sfence();
+        publish(row, flag);
+        for (int k = 0; k < nf; k++)
+            for (Py_ssize_t b = f[k].block, e = f[k].block + (f[k].nbytes + PAYLOAD - 1) / PAYLOAD; b < e; b++)
+                publish(row + b * BLOCK_BYTES, flag);
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------- store policy
+ * Which stores put rows into a peer's slots: POLICY_AUTO measures both and keeps the cheaper, per process
+ * and per kind of send (the region in the flag word: normal dispatch and combine, low-latency dispatch and
+ * combine store different row mixes; the placement of this core and the peers' cores decides, and it can
+ * change while a job runs). Sends of fewer than AUTO_MIN_BYTES take plain stores unmeasured, and so do the
+ * first WARM_SENDS sends of a kind (first touches of the slots). Each measured send of the way in use
+ * updates that way's estimate in ns per KiB (see store_measured); the way with the lower estimate is used,
+ * and the other is tried again after ``probe_every`` sends, an interval that doubles (to PROBE_MAX) each
+ * time the try confirms the choice and falls back to PROBE_MIN when the choice flips. */
+enum { POLICY_AUTO = 0, POLICY_PLAIN = 1, POLICY_STREAM = 2 };
+#define AUTO_MIN_BYTES (256 << 10)
+#define PROBE_MIN 16
+#define PROBE_MAX 256
+#define WARM_SENDS 2
+#define STORE_KINDS 8               /* flag & 7: the region ids of protocol.py (1..4 send rows) */
+
+typedef struct {
+    int current;             /* 0 plain, 1 streaming: the way in use */
+    double est[2];           /* ns per KiB, 0 = not measured yet */
+    long long seen, since_probe, probe_every;
+} store_kind_t;
+
+static struct {
+    int policy;
+    long long sends[2];      /* sends per way (with rows, measured or not) */
+    store_kind_t kind[STORE_KINDS];
+} stores = {POLICY_AUTO, {0, 0}, {{0}}};
+
+static void stores_reset(int policy) {
+    stores.policy = policy;
+    stores.sends[0] = stores.sends[1] = 0;
+    for (int k = 0; k < STORE_KINDS; k++) {
+        memset(&stores.kind[k], 0, sizeof(store_kind_t));
+        stores.kind[k].probe_every = PROBE_MIN;
+    }
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* The way the next send of ``bytes`` with flag word ``flag`` takes (1 = streaming); with the GIL held */
+static int store_way(long long flag, Py_ssize_t bytes) {
+#if defined(__x86_64__)
+    if (stores.policy == POLICY_PLAIN) return 0;
+    if (stores.policy == POLICY_STREAM) return 1;
+    const store_kind_t *k = &stores.kind[flag & (STORE_KINDS - 1)];
+    if (bytes < AUTO_MIN_BYTES || k->seen < WARM_SENDS) return 0;
+    if (k->est[1] == 0.0 && k->est[0] > 0.0 && k->since_probe >= 2) return 1;    /* the first try of streaming */
+    if (k->since_probe >= k->probe_every) return !k->current;
+    return k->current;
+#else
+    (void)flag;
+    (void)bytes;
+    return 0;
+#endif
+}
+
+/* A send of ``bytes`` with flag word ``flag`` by ``way`` took ``ns``; with the GIL held */
+static void store_measured(long long flag, int way, Py_ssize_t bytes, int64_t ns) {
+    if (bytes <= 0) return;
+    stores.sends[way]++;
+    store_kind_t *k = &stores.kind[flag & (STORE_KINDS - 1)];
+    if (stores.policy != POLICY_AUTO || bytes < AUTO_MIN_BYTES) return;
+    if (k->seen++ < WARM_SENDS) return;
+    const double per_kib = (double)ns * 1024.0 / (double)bytes;
+    if (way != k->current || k->est[way] == 0.0) {
+        /* a try of the other way (or the first measured send): its estimate is this send alone */
+        k->est[way] = per_kib;
+    } else {
+        /* the way in use: a running mean, each send counting at most twice the estimate (a send slowed by a
+         * preemption moves it by a quarter at most; a placement that makes every send dearer moves it in a
+         * few sends) */
+        const double capped = per_kib < 2.0 * k->est[way] ? per_kib : 2.0 * k->est[way];
+        k->est[way] = 0.75 * k->est[way] + 0.25 * capped;
+    }
+    const int best = k->est[1] > 0.0 && k->est[1] < k->est[0] ? 1 : 0;
+    if (way != k->current) {
+        k->since_probe = 0;
+        if (best != k->current) {
+            k->current = best;
+            k->probe_every = PROBE_MIN;
+        } else if (k->probe_every < PROBE_MAX) {
+            k->probe_every *= 2;     /* the try confirmed the choice: try less often */
+        }
+    } else {
+        k->since_probe++;
+        if (best != k->current) {    /* the way in use got dearer than the other's last estimate */
+            k->current = best;
+            k->since_probe = 0;
+            k->probe_every = PROBE_MIN;
+        }
+    }
+}
+
+/* store_policy(policy) -> (policy, plain sends, streaming sends, ((way in use, plain ns/KiB, streaming
+ * ns/KiB) per kind, STORE_KINDS of them))
+ * policy: -1 reads the state only; 0 auto, 1 plain, 2 streaming (counts and estimates start afresh). */
+static PyObject *store_policy(PyObject *self, PyObject *args) {
+    int policy;
+    if (!PyArg_ParseTuple(args, "i", &policy)) return NULL;
+    if (policy < -1 || policy > POLICY_STREAM) {
+        PyErr_SetString(PyExc_ValueError, "store policy: 0 auto, 1 plain, 2 streaming (-1 reads it)");
+        return NULL;
+    }
+    if (policy >= 0) stores_reset(policy);
+    PyObject *kinds = PyTuple_New(STORE_KINDS);
+    if (kinds == NULL) return NULL;
+    for (int i = 0; i < STORE_KINDS; i++) {
+        const store_kind_t *k = &stores.kind[i];
+        PyObject *item = Py_BuildValue("(idd)", k->current, k->est[0], k->est[1]);
+        if (item == NULL) {
+            Py_DECREF(kinds);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(kinds, i, item);
+    }
+    return Py_BuildValue("iLLN", stores.policy, stores.sends[0], stores.sends[1], kinds);
+}
+
+/* The stores of one destination's rows, by ``way`` (1: streaming, where the slots are 64 B aligned) */
+static void store_rows(int way, uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int64_t *sel, const uint8_t *meta,
+                       const int32_t *patch, Py_ssize_t patch_items, long long rank, long long flag,
+                       const field_t *f, int nf) {
+#if defined(__x86_64__)
+    if (way && ((uintptr_t)dst & 63) == 0) {
+        store_rows_stream(dst, n, nb, sel, meta, patch, patch_items, rank, flag, f, nf);
+        return;
+    }
+#endif
+    (void)way;
+    store_rows_plain(dst, n, nb, sel, meta, patch, patch_items, rank, flag, f, nf);
+}
+
 /* write_rows(dst, n, nb, sel, limit, meta, meta_patch, patch_items, rank, flag, fields)
  *
  * The token group's stores: row i of the destination (``dst + i * nb * 512``) gets staging row
@@ -188,10 +392,16 @@ static PyObject *write_rows(PyObject *self, PyObject *args) {
         if (!sel) PyErr_SetString(PyExc_IndexError, "more rows than staging rows");
         return NULL;
     }
+    const Py_ssize_t bytes = n * nb * BLOCK_BYTES;
+    const int way = store_way(flag, bytes);
+    int64_t took;
     Py_BEGIN_ALLOW_THREADS
-    store_rows(dst, n, nb, sel, (const uint8_t *)(uintptr_t)meta_p, (const int32_t *)(uintptr_t)patch_p, patch_items,
-               rank, flag, f, nf);
+    const int64_t t0 = now_ns();
+    store_rows(way, dst, n, nb, sel, (const uint8_t *)(uintptr_t)meta_p, (const int32_t *)(uintptr_t)patch_p,
+               patch_items, rank, flag, f, nf);
+    took = now_ns() - t0;
     Py_END_ALLOW_THREADS
+    store_measured(flag, way, bytes, took);
     Py_RETURN_NONE;
 }
 
@@ -936,11 +1146,18 @@ static PyObject *send_exchange(PyObject *self, PyObject *args) {
         }
     }
     const uint8_t *meta = (const uint8_t *)(uintptr_t)meta_p;
+    Py_ssize_t bytes = 0;
+    for (Py_ssize_t i = 0; i < nd; i++) bytes += d[i].n * nb * BLOCK_BYTES;
+    const int way = store_way(flag, bytes);
+    int64_t took;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < nd; i++) store_ctrl(d[i].ctrl, d[i].nctrl, d[i].words, d[i].nwords, flag);
+    const int64_t t0 = now_ns();
     for (Py_ssize_t i = 0; i < nd; i++)
-        store_rows(d[i].rows, d[i].n, nb, d[i].sel, meta, d[i].patch, d[i].patch_items, rank, flag, f, nf);
+        store_rows(way, d[i].rows, d[i].n, nb, d[i].sel, meta, d[i].patch, d[i].patch_items, rank, flag, f, nf);
+    took = now_ns() - t0;
     Py_END_ALLOW_THREADS
+    store_measured(flag, way, bytes, took);
     PyMem_Free(d);
     Py_RETURN_NONE;
 fail:
@@ -1499,6 +1716,7 @@ static PyMethodDef methods[] = {
     {"write_rows", write_rows, METH_VARARGS, "TFF token-group stores into a peer's slots"},
     {"write_ctrl", write_ctrl, METH_VARARGS, "count-group store of one control message"},
     {"read_ctrl", read_ctrl, METH_VARARGS, "payload words of an arrived control message"},
+    {"store_policy", store_policy, METH_VARARGS, "how rows reach a peer's slots: read or set (auto, plain, streaming)"},
     {"send_exchange", send_exchange, METH_VARARGS, "TFF send phase: every destination's counts, then rows"},
     {"poll_ctrl", poll_ctrl, METH_VARARGS, "arrived control messages of every missing source"},
     {"arrived", arrived, METH_VARARGS, "whether every block of the rows carries the flag"},
@@ -1529,6 +1747,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__native(void) {
     fill_e4m3_values();
+    stores_reset(POLICY_AUTO);
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "BLOCK_BYTES", BLOCK_BYTES) < 0 ||
