@@ -72,7 +72,9 @@ receiver that observes the checked word of step (2) therefore also observes ever
 Step (1) may be executed by several intra-op threads; the op returns only after its workers have joined
 (a synchronizing operation), so all of its stores precede step (2) in the issuing thread's order.
 On weakly ordered CPUs (aarch64) ``memory_fence()`` adds a full barrier between the steps and after a
-successful poll; it is a no-op on x86-64.
+successful poll; it is a no-op on x86-64. Streaming (non-temporal) stores are the exception to TSO's order
+on x86-64: where the C path writes step (1) with them (see ``native_engine.store_policy``), it issues an
+``sfence`` before the flag stores of step (2), which orders them like plain stores.
 """
 from __future__ import annotations
 
