@@ -181,6 +181,7 @@ def bad_case(ctx, sync, kind):
         "ll experts per rank": lambda: buf.low_latency_dispatch(x, topk, S.N_LL, ctx.world_size * 475),
         "experts per rank": lambda: buf.dispatch(x, topk_idx=topk, num_experts=ctx.world_size * 472),
         "ll clean args": lambda: buf.clean_low_latency_buffer(-5, "x", None),
+        "ll clean too big": lambda: buf.clean_low_latency_buffer(S.N_LL, H * 64, E),     # (as DeepEP asserts)
         # handles edited by the caller
         "tuple rank mask edited": lambda: edited_tuple(4, flip_first),
         "tuple source index edited": lambda: edited_tuple(3, lambda t: t.fill_(10 ** 6)),
@@ -328,7 +329,7 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
              "counts as lists", "rank mask as list", "float rank counts", "expert counts as list", "ll out list",
              "meta weights", "meta fp8", "meta combine x", "meta combine bias", "meta layout ids", "meta ll x",
              "meta ll weights", "meta ll out", "ll recv stats expanded", "ll wait stats expanded", "ll out expanded",
-             "worst huge", "E huge", "ll experts per rank", "experts per rank", "ll clean args",
+             "worst huge", "E huge", "ll experts per rank", "experts per rank", "ll clean args", "ll clean too big",
              "tuple rank mask edited", "tuple source index edited", "ll layout edited", "cost model str",
              "on_report not callable", "sparse ll weights", "sparse combine bias", "sparse bias in a pair",
              "sparse x", "sparse ll out", "sparse ll stats", "ll zero_copy str", "ll combine hook str",
@@ -338,6 +339,7 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
 # what the error of some kinds must say (an earlier check could refuse them for another reason)
 BAD_SAYS = {"meta combine x": "meta tensor", "meta ll out": "meta tensor", "ll experts per rank": "control message",
             "experts per rank": "control message", "ll layout edited": "changed after",
+            "ll clean too big": "too small for",
             **{k: "layout torch.sparse_coo" for k in ("sparse ll weights", "sparse combine bias",
                                                        "sparse bias in a pair", "sparse x", "sparse ll out",
                                                        "sparse ll stats")}}

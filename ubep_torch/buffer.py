@@ -2667,9 +2667,15 @@ class Buffer:
         Flags carry epochs, so TFF/DC/SW buffers never need cleaning; this exists for DeepEP code.
         """
         self._check_usable()
-        check_count("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
-        check_count("hidden", hidden, 1)
-        self._check_num_experts(num_experts, low_latency=True)
+        N = check_count("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        H = check_count("hidden", hidden, 1)
+        E = self._check_num_experts(num_experts, low_latency=True)
+        # (as DeepEP asserts: the sizes name calls this Buffer can take, at least bf16 rows without top-k)
+        region, R = self._region(P.REGION_LL_DISPATCH), self.group_size
+        if region.capacity(P.row_format(self.sync, (("x", H * 2),), 1)) < E // R * N:
+            raise ValueError(f"clean_low_latency_buffer: the low-latency buffer is too small for "
+                             f"num_max_dispatch_tokens_per_rank={N}, hidden={H}, num_experts={E}; use "
+                             f"num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E)}")
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
         self._begin_call()
