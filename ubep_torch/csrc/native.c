@@ -142,91 +142,86 @@ static int check_index(const int64_t *idx, Py_ssize_t n, int64_t limit, const ch
     return -1;
 }
 
-/* The stores of write_rows (below), for rows i in [0, n) of one destination, with plain stores. */
-static void store_rows_plain(uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int64_t *sel, const uint8_t *meta,
-                       const int32_t *patch, Py_ssize_t patch_items, long long rank, long long flag,
-                       const field_t *f, int nf) {
-    const Py_ssize_t row_bytes = nb * BLOCK_BYTES;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const int64_t t = sel ? sel[i] : (int64_t)i;
-        const uint8_t *mblk = meta + t * BLOCK_BYTES;
-        int64_t token;
-        memcpy(&token, mblk + 8, 8);
-        uint8_t *row = dst + i * row_bytes;
-        copy_plain(row + 8, mblk + 8, BLOCK_BYTES - 8);
-        if (patch) memcpy(row + FLAG_BYTES, patch + i * patch_items, (size_t)patch_items * 4);
-        publish(row, flag);
-        for (int k = 0; k < nf; k++) {
-            const uint8_t *src = (const uint8_t *)f[k].ptr + t * f[k].stride;
-            Py_ssize_t left = f[k].nbytes;
-            for (Py_ssize_t b = f[k].block; left > 0; b++) {
-                uint8_t *blk = row + b * BLOCK_BYTES;
-                const int64_t head[3] = {token, (int64_t)b, (int64_t)rank};
-                memcpy(blk + 8, head, sizeof(head));
-                const Py_ssize_t take = left < PAYLOAD ? left : PAYLOAD;
-                copy_plain(blk + FLAG_BYTES, src, (size_t)take);
-                if (take < PAYLOAD) memset(blk + FLAG_BYTES + take, 0, (size_t)(PAYLOAD - take));
-                publish(blk, flag);
-                src += take;
-                left -= take;
-            }
-        }
-    }
-}
-
 #if defined(__x86_64__)
-/* 512 B from src to the 64 B aligned block blk with streaming stores */
-static inline void stream_block(uint8_t *blk, const uint8_t *src) {
-    for (Py_ssize_t o = 0; o < BLOCK_BYTES; o += 16)
-        _mm_stream_si128((__m128i *)(blk + o), _mm_loadu_si128((const __m128i *)(src + o)));
+/* n bytes (a multiple of 16) from src to the 16 B aligned dst with streaming stores */
+static inline void stream_copy(uint8_t *dst, const uint8_t *src, size_t n) {
+    for (size_t o = 0; o < n; o += 16)
+        _mm_stream_si128((__m128i *)(dst + o), _mm_loadu_si128((const __m128i *)(src + o)));
 }
+#define STREAMING_STORES 1
+#else
+#define STREAMING_STORES 0
+#endif
 
-/* The same stores as store_rows_plain with streaming stores (the destination is 64 B aligned): per row,
- * every block whole with flag word 0, an sfence, then every block's flag in block order (release). */
-static void store_rows_stream(uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int64_t *sel, const uint8_t *meta,
-                              const int32_t *patch, Py_ssize_t patch_items, long long rank, long long flag,
-                              const field_t *f, int nf) {
+/* The stores of write_rows (below), for rows i in [0, n) of one destination.
+ *
+ * With plain stores (``stream`` 0) every block is written, then published by its flag, as soon as it is
+ * complete. With streaming stores (``stream`` 1, x86-64, the destination 64 B aligned) every block of a row
+ * is written whole with flag word 0 ("not yet"), then an sfence makes them visible, then every block's
+ * flag is published in the same order. */
+static inline __attribute__((always_inline)) void
+store_rows_way(int stream, uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int64_t *sel,
+                           const uint8_t *meta, const int32_t *patch, Py_ssize_t patch_items, long long rank,
+                           long long flag, const field_t *f, int nf) {
     const Py_ssize_t row_bytes = nb * BLOCK_BYTES;
-    uint8_t blk_buf[BLOCK_BYTES] __attribute__((aligned(64)));
+    uint8_t buf[BLOCK_BYTES] __attribute__((aligned(64)));    /* a streamed block's bytes, where they differ */
     for (Py_ssize_t i = 0; i < n; i++) {
         const int64_t t = sel ? sel[i] : (int64_t)i;
         const uint8_t *mblk = meta + t * BLOCK_BYTES;
         int64_t token;
         memcpy(&token, mblk + 8, 8);
         uint8_t *row = dst + i * row_bytes;
-        memcpy(blk_buf, mblk, BLOCK_BYTES);
-        memset(blk_buf, 0, 8);
-        if (patch) memcpy(blk_buf + FLAG_BYTES, patch + i * patch_items, (size_t)patch_items * 4);
-        stream_block(row, blk_buf);
+        if (stream) {
+#if STREAMING_STORES
+            memcpy(buf, mblk, BLOCK_BYTES);
+            memset(buf, 0, 8);
+            if (patch) memcpy(buf + FLAG_BYTES, patch + i * patch_items, (size_t)patch_items * 4);
+            stream_copy(row, buf, BLOCK_BYTES);
+#endif
+        } else {
+            copy_plain(row + 8, mblk + 8, BLOCK_BYTES - 8);
+            if (patch) memcpy(row + FLAG_BYTES, patch + i * patch_items, (size_t)patch_items * 4);
+            publish(row, flag);
+        }
         for (int k = 0; k < nf; k++) {
             const uint8_t *src = (const uint8_t *)f[k].ptr + t * f[k].stride;
             Py_ssize_t left = f[k].nbytes;
             for (Py_ssize_t b = f[k].block; left > 0; b++) {
                 uint8_t *blk = row + b * BLOCK_BYTES;
                 const int64_t head[4] = {0, token, (int64_t)b, (int64_t)rank};
-                _mm_stream_si128((__m128i *)blk, _mm_loadu_si128((const __m128i *)head));
-                _mm_stream_si128((__m128i *)(blk + 16), _mm_loadu_si128((const __m128i *)(head + 2)));
                 const Py_ssize_t take = left < PAYLOAD ? left : PAYLOAD;
-                const uint8_t *from = src;
-                if (take < PAYLOAD) {    /* the last piece: zero padding, through the buffer */
-                    memcpy(blk_buf, src, (size_t)take);
-                    memset(blk_buf + take, 0, (size_t)(PAYLOAD - take));
-                    from = blk_buf;
+                if (stream) {
+#if STREAMING_STORES
+                    const uint8_t *from = src;
+                    if (take < PAYLOAD) {    /* the last piece: zero padding, through the buffer */
+                        memcpy(buf, src, (size_t)take);
+                        memset(buf + take, 0, (size_t)(PAYLOAD - take));
+                        from = buf;
+                    }
+                    stream_copy(blk, (const uint8_t *)head, sizeof(head));
+                    stream_copy(blk + FLAG_BYTES, from, PAYLOAD);
+#endif
+                } else {
+                    memcpy(blk + 8, head + 1, 3 * sizeof(int64_t));
+                    copy_plain(blk + FLAG_BYTES, src, (size_t)take);
+                    if (take < PAYLOAD) memset(blk + FLAG_BYTES + take, 0, (size_t)(PAYLOAD - take));
+                    publish(blk, flag);
                 }
-                for (Py_ssize_t o = 0; o < PAYLOAD; o += 16)
-                    _mm_stream_si128((__m128i *)(blk + FLAG_BYTES + o), _mm_loadu_si128((const __m128i *)(from + o)));
                 src += take;
                 left -= take;
             }
         }
-        _mm_sfence();
-        publish(row, flag);
-        for (int k = 0; k < nf; k++)
-            for (Py_ssize_t b = f[k].block, e = f[k].block + (f[k].nbytes + PAYLOAD - 1) / PAYLOAD; b < e; b++)
-                publish(row + b * BLOCK_BYTES, flag);
+        if (stream) {
+#if STREAMING_STORES
+            _mm_sfence();
+            publish(row, flag);
+            for (int k = 0; k < nf; k++)
+                for (Py_ssize_t b = f[k].block, e = f[k].block + (f[k].nbytes + PAYLOAD - 1) / PAYLOAD; b < e; b++)
+                    publish(row + b * BLOCK_BYTES, flag);
+#endif
+        }
     }
 }
-#endif
 
 /* ---------------------------------------------------------------- store policy
  * Which stores put rows into a peer's slots: POLICY_AUTO measures both and keeps the cheaper, per process
@@ -273,7 +268,7 @@ static inline int64_t now_ns(void) {
 
 /* The way the next send of ``bytes`` with flag word ``flag`` takes (1 = streaming); with the GIL held */
 static int store_way(long long flag, Py_ssize_t bytes) {
-#if defined(__x86_64__)
+#if STREAMING_STORES
     if (stores.policy == POLICY_PLAIN) return 0;
     if (stores.policy == POLICY_STREAM) return 1;
     const store_kind_t *k = &stores.kind[flag & (STORE_KINDS - 1)];
@@ -350,18 +345,15 @@ static PyObject *store_policy(PyObject *self, PyObject *args) {
     return Py_BuildValue("iLLN", stores.policy, stores.sends[0], stores.sends[1], kinds);
 }
 
-/* The stores of one destination's rows, by ``way`` (1: streaming, where the slots are 64 B aligned) */
+/* The stores of one destination's rows, by ``way`` (1: streaming, where the CPU has them and the slots are
+ * 64 B aligned) */
 static void store_rows(int way, uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int64_t *sel, const uint8_t *meta,
                        const int32_t *patch, Py_ssize_t patch_items, long long rank, long long flag,
                        const field_t *f, int nf) {
-#if defined(__x86_64__)
-    if (way && ((uintptr_t)dst & 63) == 0) {
-        store_rows_stream(dst, n, nb, sel, meta, patch, patch_items, rank, flag, f, nf);
-        return;
-    }
-#endif
-    (void)way;
-    store_rows_plain(dst, n, nb, sel, meta, patch, patch_items, rank, flag, f, nf);
+    if (STREAMING_STORES && way && ((uintptr_t)dst & 63) == 0)     /* (each call compiled for its constant) */
+        store_rows_way(1, dst, n, nb, sel, meta, patch, patch_items, rank, flag, f, nf);
+    else
+        store_rows_way(0, dst, n, nb, sel, meta, patch, patch_items, rank, flag, f, nf);
 }
 
 /* write_rows(dst, n, nb, sel, limit, meta, meta_patch, patch_items, rank, flag, fields)
