@@ -6,6 +6,7 @@ torch reference from the all-gathered inputs and returns what the test asserts o
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 import torch.distributed as dist
@@ -1073,10 +1074,32 @@ def bench_copies_only(ctx, T=12, H=64, E=8):
     return out
 
 
-def ll_k_in_flight(ctx, sync, k):
+def _stall_until_peer_destroyed(buf, peer=1, limit_s=10.0):
+    """From now on, the first look of ``buf``'s waits at the peers' abort words (made every 50 ms while a
+    wait lasts, after a poll that found a peer missing) stalls until rank ``peer`` has destroyed its
+    Buffer."""
+    from ubep_torch import buffer as B
+    from ubep_torch import protocol as P
+    orig, R = buf._waiter.peer_aborted, buf.group_size
+
+    def peer_aborted(r):
+        end = time.monotonic() + limit_s
+        while P.abort_how(int(buf._aux_words[B._ABORT_ROW * R + peer])) != P.ABORT_DESTROYED \
+                and time.monotonic() < end:
+            time.sleep(0.005)
+        buf._waiter.peer_aborted = orig
+        return orig(r)
+    buf._waiter.peer_aborted = peer_aborted
+
+
+def ll_k_in_flight(ctx, sync, k, preempted=False):
     """``low_latency_buffers=k``: k low-latency dispatches in flight (hooks deferred), then their combines in
     another order, each with its own inputs; call k + 1 is refused while they wait. The size hint for k
-    buffers makes room for them."""
+    buffers makes room for them.
+
+    ``preempted``: in the last combine, rank 1 starts late and rank 0 stalls (as a descheduled process
+    would) between a poll that finds rank 1's count message missing and the wait's look at the abort
+    words, until rank 1 has delivered, completed and destroyed its Buffer: rank 0's wait still completes."""
     T, H, K, E, N = 5, 256, 2, 8, 16
     hint = Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E, num_buffers=k)
     assert hint > (k - 1) / 2 * Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E), hint
@@ -1094,7 +1117,9 @@ def ll_k_in_flight(ctx, sync, k):
         assert f"{k} halves" in str(e), e
     for _, _, _, d in reversed(calls):
         d[4]()
-    for x, t, w, d in calls[::2] + calls[1::2]:
+    for i, (x, t, w, d) in enumerate(calls[::2] + calls[1::2]):
+        if preempted and i == k - 1:
+            _stall_until_peer_destroyed(buf) if r == 0 else time.sleep(0.3)
         out, _, _ = buf.low_latency_combine(d[0], t, w, d[2])
         assert torch.allclose(out.float(), x.float() * w.sum(1, keepdim=True), atol=0.05, rtol=0.02)
     buf.destroy()

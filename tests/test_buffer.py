@@ -174,6 +174,29 @@ def test_a_destroyed_peer_counts_only_when_a_wait_needs_it():
         P.Waiter(1, 5.0, lambda r: True, lambda r: codes[r]).wait("test phase", lambda: [0, 2])
 
 
+def test_a_peer_that_delivered_before_destroying_its_buffer_is_not_blamed():
+    """A wait looks at the abort words after a poll that found a peer missing: the peer may have delivered
+    in between, then completed its call and destroyed its Buffer (a rank descheduled there on a loaded
+    machine). Its delivery is polled again before the peer is blamed."""
+    from ubep_torch import protocol as P
+
+    delivered = []
+
+    def code(r):     # by the time the abort words are read, rank 0 has delivered and destroyed its Buffer
+        delivered.append(r)
+        return P.ABORT_DESTROYED if r == 0 else 0
+    w = P.Waiter(1, 5.0, lambda r: not delivered, code)
+    w.world_size = 2
+    w.wait("test phase", lambda: [] if delivered else [0])
+
+
+@pytest.mark.parametrize("sync", ["sp", "tff"])
+def test_last_ll_combine_with_a_peer_that_destroys_its_buffer_at_once(pool2, sync):
+    """ll_k_in_flight's last combine with rank 0 stalled between its poll and its look at the abort words
+    while rank 1 delivers, completes and destroys its Buffer (once seen in a loaded run of the suite)."""
+    assert pool2.run(F.ll_k_in_flight, sync, 4, preempted=True) == [True, True]
+
+
 def test_num_worst_tokens_too_small_raises_and_buffer_stays_usable(pool2):
     assert pool2.run(F.worst_tokens_too_small) == [True, True]
 

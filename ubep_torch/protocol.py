@@ -450,6 +450,15 @@ class Waiter:
                 # should name the cause. A rank that aborted (and may have exited since) is an abort.
                 codes = {} if self.peer_aborted is None else \
                     {r: self.peer_aborted(r) for r in range(self._world(missing))}
+                alive = {} if self.peer_alive is None else {r: self.peer_alive(r) for r in missing}
+                # ``missing`` was polled before those loads: a peer may have delivered since, then finished its
+                # call and destroyed its Buffer (or exited). It stores what it delivers before its abort word,
+                # so a poll after the loads sees it: poll again before blaming anyone
+                memory_fence()
+                missing = poll()
+                if not missing:
+                    memory_fence()
+                    return
                 # a rank that destroyed its Buffer counts only when this wait still needs it (it may have
                 # finished its part of this call before destroying, while others still deliver)
                 gone = [r for r in missing if codes.get(r) == ABORT_DESTROYED]
@@ -457,7 +466,7 @@ class Waiter:
                     raise UBEPPeerLostError(phase, self.rank, list(missing), gone, cause="destroyed its Buffer")
                 aborted = blamed(codes)
                 if self.peer_alive is not None:
-                    dead = [r for r in missing if r not in aborted and not self.peer_alive(r)]
+                    dead = [r for r in missing if r not in aborted and not alive.get(r, True)]
                     if dead:
                         raise UBEPPeerLostError(phase, self.rank, list(missing), dead)
                 # a rank that refused the call is the cause of those that gave up waiting for it
