@@ -1124,3 +1124,28 @@ def ll_k_in_flight(ctx, sync, k, preempted=False):
         assert torch.allclose(out.float(), x.float() * w.sum(1, keepdim=True), atol=0.05, rtol=0.02)
     buf.destroy()
     return True
+
+
+def clean_of_an_fp8_sized_buffer(ctx, sync):
+    """A low-latency buffer large enough for fp8 dispatch (use_fp8=True, the default) and bf16 combine of
+    N=8, H=7168, E=4 but not for bf16 dispatch: the fp8 round trip works, so clean_low_latency_buffer of
+    the same sizes must not refuse them (bf16 dispatch still does)."""
+    N, H, E, K = 8, 7168, 4, 2
+    buf = Buffer(ctx.group, 0, 1638400, low_latency_mode=True, sync=sync, timeout_s=30.0)
+    try:
+        g = torch.Generator().manual_seed(ctx.rank)
+        x = torch.randn(N, H, generator=g).bfloat16()
+        topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+        rx, _, handle, _, _ = buf.low_latency_dispatch(x, topk, N, E, use_fp8=True)
+        y = torch.stack([per_token_cast_back(rx[0][e], rx[1][e]) for e in range(rx[0].shape[0])])
+        buf.low_latency_combine(y, topk, torch.rand(N, K, generator=g), handle)
+        buf.clean_low_latency_buffer(N, H, E)
+        try:
+            buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+            bf16 = "accepted"
+        except ValueError:
+            bf16 = "refused"
+        buf.clean_low_latency_buffer(N, H, E)
+        return bf16
+    finally:
+        buf.destroy()

@@ -197,6 +197,11 @@ def test_last_ll_combine_with_a_peer_that_destroys_its_buffer_at_once(pool2, syn
     assert pool2.run(F.ll_k_in_flight, sync, 4, preempted=True) == [True, True]
 
 
+@pytest.mark.parametrize("sync", ["tff", "sp"])
+def test_clean_accepts_sizes_that_fp8_low_latency_calls_fit(pool2, sync):
+    assert pool2.run(F.clean_of_an_fp8_sized_buffer, sync) == ["refused", "refused"]
+
+
 def test_num_worst_tokens_too_small_raises_and_buffer_stays_usable(pool2):
     assert pool2.run(F.worst_tokens_too_small) == [True, True]
 

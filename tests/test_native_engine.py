@@ -52,9 +52,11 @@ def _rows_case(fields, meta_words, n=7, T=9, seed=0):
 
 @pytest.fixture
 def stores():
-    """``native_engine.store_policy``, set back to ``auto`` after the test."""
+    """``native_engine.store_policy``, set back after the test to the policy it had (``UBEP_STORES``'s in a
+    run under it: a run with ``UBEP_STORES=streaming`` stays streaming after these tests)."""
+    before = native_engine.store_policy().get("policy", "auto")
     yield native_engine.store_policy
-    native_engine.store_policy("auto")
+    native_engine.store_policy(before)
 
 
 @needs_native
@@ -131,12 +133,20 @@ def test_store_policy_auto_keeps_the_cheaper(stores):
 
 @needs_native
 def test_store_policy_from_environment(monkeypatch, stores):
-    """``UBEP_STORES`` sets the policy when a native engine is built; a bad value is a ValueError that
-    names the variable."""
+    """``UBEP_STORES`` sets the policy when the process's first native engine is built, unless
+    ``store_policy`` chose one; a bad value is a ValueError that names the variable."""
     monkeypatch.setattr(native_engine, "_env_applied", "")
     monkeypatch.setenv("UBEP_STORES", "streaming")
     native_engine.NativeEngine()
     assert stores()["policy"] == "streaming"
+    stores("plain")                        # an explicit choice outlasts the variable
+    native_engine.NativeEngine()
+    assert stores()["policy"] == "plain"
+    monkeypatch.setattr(native_engine, "_env_applied", "")
+    monkeypatch.setenv("UBEP_STORES", "streaming")
+    stores("plain")                        # (made before the first engine of the process, too)
+    native_engine.NativeEngine()
+    assert stores()["policy"] == "plain"
     monkeypatch.setenv("UBEP_STORES", "sometimes")
     with pytest.raises(ValueError, match="UBEP_STORES"):
         native_engine.NativeEngine()

@@ -122,14 +122,15 @@ def ll_equivalence(ctx, sync: str, use_fp8: bool = False, T: int = 4, H: int = 2
 
 def under_store_policy(ctx, policy: str, fn, *args, **kwargs) -> dict:
     """``fn(ctx, *args, **kwargs)`` with rows stored into the peers' slots by ``policy`` (``plain`` or
-    ``streaming``), then ``auto`` again; adds ``sends``: how many sends took that way."""
+    ``streaming``), then the policy it had again; adds ``sends``: how many sends took that way."""
     from ubep_torch import native_engine
+    before = native_engine.store_policy()["policy"]
     native_engine.store_policy(policy)     # (the counts start afresh)
     try:
         out = fn(ctx, *args, **kwargs)
         out["sends"] = native_engine.store_policy()["sends"][policy]
     finally:
-        native_engine.store_policy("auto")
+        native_engine.store_policy(before)     # (UBEP_STORES's, in a run under it)
     return out
 
 

@@ -2670,9 +2670,11 @@ class Buffer:
         N = check_count("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
         H = check_count("hidden", hidden, 1)
         E = self._check_num_experts(num_experts, low_latency=True)
-        # (as DeepEP asserts: the sizes name calls this Buffer can take, at least bf16 rows without top-k)
+        # (as DeepEP asserts: the sizes name calls this Buffer can take: refused only when no low-latency
+        # dispatch of them fits, bf16 rows nor (where H allows use_fp8) fp8 rows with their scales)
         region, R = self._region(P.REGION_LL_DISPATCH), self.group_size
-        if region.capacity(P.row_format(self.sync, (("x", H * 2),), 1)) < E // R * N:
+        rows = [(("x", H * 2),)] + ([(("x", H), ("scales", (H // 128) * 4))] if H % 128 == 0 else [])
+        if max(region.capacity(P.row_format(self.sync, f, 1)) for f in rows) < E // R * N:
             raise ValueError(f"clean_low_latency_buffer: the low-latency buffer is too small for "
                              f"num_max_dispatch_tokens_per_rank={N}, hidden={H}, num_experts={E}; use "
                              f"num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E)}")

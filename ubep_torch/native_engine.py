@@ -69,15 +69,21 @@ def store_policy(policy: Optional[str] = None) -> dict:
     several times more when the two cores are far apart. Outputs and memory contents are the same either
     way.
 
-    Passing ``policy`` sets it for the whole process (counts and estimates start afresh). Returns
+    Passing ``policy`` sets it for the whole process (counts and estimates start afresh), over
+    ``UBEP_STORES`` (which the process's first native engine applies unless a policy was set). Returns
     ``{"policy", "sends": {"plain": n, "streaming": n}, "kinds": {kind: {"in_use": "plain" or "streaming",
     "plain_ns_per_kib", "streaming_ns_per_kib"}}}`` (an estimate of 0.0: not measured; kinds: ``dispatch``,
     ``combine``, ``ll_dispatch``, ``ll_combine``); an empty dict where the C module is not built.
     """
+    global _env_applied
     if policy is not None and policy not in STORE_POLICIES:
         raise ValueError(f"store policy must be one of {sorted(STORE_POLICIES)}, got {policy!r}")
     if not available():
         return {}
+    if policy is not None:
+        # an explicit choice outlasts UBEP_STORES: the first engine built after it does not apply the
+        # variable over it (a bad value is still refused there)
+        _env_applied = os.environ.get("UBEP_STORES", "").strip().lower()
     code, n_plain, n_stream, kinds = _native.store_policy(-1 if policy is None else STORE_POLICIES[policy])
     names = {v: k for k, v in STORE_POLICIES.items()}
     return {"policy": names[code], "sends": {"plain": n_plain, "streaming": n_stream},

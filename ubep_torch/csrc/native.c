@@ -14,12 +14,14 @@
  * aarch64 becomes stlr/ldar. Unlike the torch path, which publishes the flags of a whole destination
  * after all its payload, every block is published as soon as it is complete.
  *
- * Stores into this process's own memory are plain (temporal) stores: the outputs of Token-Reordering are
- * read soon after the call (by the experts, or a combine), so they should stay in cache. Streaming stores,
- * which bypass the cache, made a dispatch alone no faster here and the combine that read its rows afterwards
- * about 1.5x slower.
+ * The outputs of Token-Reordering are written with plain (temporal) stores: they are read soon after the
+ * call (by the experts, or a combine), so they should stay in cache. Streaming stores, which bypass the
+ * cache, made a dispatch alone no faster here and the combine that read its rows afterwards about 1.5x
+ * slower.
  *
- * Rows stored into a peer's slots (store_rows) go one of two ways, chosen by measurement (store_policy):
+ * Rows stored into slots (store_rows: a peer's, or this rank's own where a call routes its own rows through
+ * them, as a low-latency call with a recv hook does; a send's time covers both, so the choice weighs them)
+ * go one of two ways, chosen by measurement (store_policy):
  * plain stores, or streaming stores. A plain store to a line that the receiver's core holds (it read the
  * slot in the previous call) must first take the line from that core's cache. On a VM whose two vCPUs are
  * sometimes placed far apart (seen here: the same 2 MiB store and load between two processes took 0.13 ms
