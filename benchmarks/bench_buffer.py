@@ -46,7 +46,8 @@ The C path stores rows into a peer's slots with plain or streaming stores, which
 (``native_engine.store_policy``; ``UBEP_STORES`` fixes one): the last lines print each rank's choice and
 its estimates. On a VM whose vCPUs are sometimes placed far apart, plain stores into memory another core
 last read cost several times more in those minutes, and the plain-store references above (the copies, the
-store to the peer) with them.
+store to the peer) with them: the store-to-peer reference is printed round by round, to show which rounds
+met that level.
 
 Bandwidth is the bytes one rank receives per dispatch (``recv_x`` rows, its own included, as DeepEP
 counts them; the mean over ranks) over the dispatch time.
@@ -410,6 +411,10 @@ def main() -> None:
                       ("store to peer + load back", "cross")):
         bw = recv_bytes / t[key] / 1e9
         print(f"  {name:<40}{t[key] * 1e3:>8.3f}{bw:>10.2f}{disp_bw / bw:>12.2f}")
+    cross = [max(r[0]["cross"][i] for r in per_rank) * 1e3 for i in range(a.rounds)]
+    slow = "  <- rounds several times slower than the others met the slow cross-core level (README)" \
+        if max(cross) > 3 * min(cross) else ""
+    print(f"  store to peer + load back, round by round (ms): {', '.join(f'{c:.3f}' for c in cross)}{slow}")
     print("\nnormal round trip with plain copies only: the same rows through shared memory and summed, with no "
           "flags,\n  control messages or waits")
     rt = t[f"{first}:rt"]
