@@ -92,11 +92,26 @@ def test_buffer_benchmark_prints_its_table_on_three_ranks():
         assert line is not None, f"no {name!r} row in:\n{out}"
         numbers = [float(v.rstrip("x")) for v in line[len(name):].split() if v[0].isdigit()]
         assert numbers and numbers[0] > 0 and all(v >= 0 for v in numbers), line   # (ratios may print 0.00)
+    assert any(line.startswith("store to peer + load back, round by round") for line in lines), out
     loops = ("torch operators", "the C data path's") if make_engine("auto").name != "torch" else ("torch operators",)
     for how in loops:
         floor = next((line for line in lines if line.startswith(how) and "naive gloo" in line), None)
         assert floor is not None, f"no plain-copies round trip with {how} in:\n{out}"
         assert float(floor.split("round trip ")[1].split()[0]) > 0, floor
+
+
+@needs_buffer
+def test_stores_benchmark_prints_every_policy():
+    """bench_stores.py: every round prints the probe and the round trip under each store policy."""
+    from ubep_torch import native_engine
+    if not native_engine.available():
+        pytest.skip("bench_stores.py times the C path's stores")
+    out = _run([sys.executable, "benchmarks/bench_stores.py", "--rounds", "2", "--iters", "2", "--tokens", "6",
+                "--hidden", "512"], timeout=240)
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["0", "1"], out
+    for r in rows:
+        assert all(float(v) > 0 for v in r[1:5]) and r[5] in ("plain", "streaming"), r
 
 
 def test_sums_benchmark_prints_every_path():
