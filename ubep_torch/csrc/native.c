@@ -24,10 +24,10 @@
  * go one of two ways, chosen by measurement (store_policy):
  * plain stores, or streaming stores. A plain store to a line that the receiver's core holds (it read the
  * slot in the previous call) must first take the line from that core's cache. On a VM whose two vCPUs are
- * sometimes placed far apart (seen here: the same 2 MiB store and load between two processes took 0.13 ms
- * in some minutes and 0.97 ms in others, the store being the slow part, while a copy inside one process
- * stayed at 0.05 ms) that costs about 7x. Streaming stores write whole lines without taking them, and
- * then cost the same in both placements, but about 2x a plain store when the cores are close. With
+ * sometimes placed far apart (benchmarks/bench_stores.py's probe, a 2 MiB store and load between two
+ * processes, switches between about 0.2 ms and 1 ms for minutes at a time, the store being the slow part)
+ * that costs several times more. Streaming stores write whole lines without taking them, and then cost
+ * about the same in both placements, but more than plain stores when the cores are close. With
  * streaming stores a block is written with its flag word 0 ("not yet"), the row's stores are made visible
  * by an sfence, and only then is each block's flag written with a release store: a receiver that sees the
  * flag sees the block, as with plain stores (the sfence orders the weakly ordered streaming stores before
@@ -162,9 +162,9 @@ static inline void stream_copy(uint8_t *dst, const uint8_t *src, size_t n) {
  * is written whole with flag word 0 ("not yet"), then an sfence makes them visible, then every block's
  * flag is published in the same order. */
 static inline __attribute__((always_inline)) void
-store_rows_way(int stream, uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int64_t *sel,
-                           const uint8_t *meta, const int32_t *patch, Py_ssize_t patch_items, long long rank,
-                           long long flag, const field_t *f, int nf) {
+store_rows_way(int stream, uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int64_t *sel, const uint8_t *meta,
+               const int32_t *patch, Py_ssize_t patch_items, long long rank, long long flag, const field_t *f,
+               int nf) {
     const Py_ssize_t row_bytes = nb * BLOCK_BYTES;
     uint8_t buf[BLOCK_BYTES] __attribute__((aligned(64)));    /* a streamed block's bytes, where they differ */
     for (Py_ssize_t i = 0; i < n; i++) {
