@@ -6,11 +6,12 @@ On 2 ranks, every round times back-to-back normal round trips (``dispatch`` then
 of hidden 7168, top-8 of 16 experts, as ``bench_buffer.py``) under each ``native_engine.store_policy``:
 ``plain``, ``streaming`` and ``auto`` (which measures both and keeps the cheaper; it starts afresh in every
 round and gets a few calls to settle before the timing). Before them, the round probes where the two
-ranks' cores sit: one rank stores 2 MiB into the other's shared memory with a plain copy, then the other
-loads it back, both ways, and the time of the pair is printed. On a VM whose vCPUs are sometimes placed
-far apart that probe switches between two levels (here 0.13 ms and 0.97 ms, for minutes at a time), and
-which stores win switches with it: the round's lines show both. The slowest rank counts; the last column
-is what ``auto`` was using at the end of the round (dispatch / combine).
+ranks' cores sit: each rank stores 2 MiB into the other's shared memory with a plain copy, then loads back
+what the other stored, and copies 2 MiB inside its own memory; the three times are printed. On a VM whose
+vCPUs are sometimes placed far apart the store switches between two levels for minutes at a time while
+the copy inside the process does not, and which stores win switches with it: the round's lines show both.
+The slowest rank counts; the last column is what ``auto`` was using at the end of the round (dispatch /
+combine).
 """
 from __future__ import annotations
 
@@ -33,21 +34,25 @@ POLICIES = ("plain", "streaming", "auto")
 PROBE_BYTES = 2 << 20
 
 
-def _probe(heap: SymmetricHeap, src: torch.Tensor, dst: torch.Tensor, reps: int = 20) -> float:
-    """Seconds per pair of (store 2 MiB into the peer's memory, load 2 MiB the peer stored into ours)."""
+def _probe(heap: SymmetricHeap, src: torch.Tensor, dst: torch.Tensor, reps: int = 20) -> tuple:
+    """Seconds per store of 2 MiB into the peer's memory, per load of the 2 MiB the peer stored into ours,
+    and per plain copy of 2 MiB inside this process."""
     peer = heap.peer(1 - dist.get_rank())
     dist.barrier()
-    t = 0.0
+    store = load = 0.0
     for _ in range(reps):
         t0 = time.perf_counter()
         peer[:PROBE_BYTES].copy_(src)
-        t += time.perf_counter() - t0
+        store += time.perf_counter() - t0
         dist.barrier()          # (the peer's store is complete before this rank loads it)
         t0 = time.perf_counter()
         dst.copy_(heap.local[:PROBE_BYTES])
-        t += time.perf_counter() - t0
+        load += time.perf_counter() - t0
         dist.barrier()
-    return t / reps
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    return store / reps, load / reps, (time.perf_counter() - t0) / reps
 
 
 def bench_rank(ctx, T: int, H: int, rounds: int, iters: int):
@@ -68,7 +73,7 @@ def bench_rank(ctx, T: int, H: int, rounds: int, iters: int):
     dst = torch.empty_like(src)
     out = []
     for _ in range(rounds):
-        row = {"probe": _probe(heap, src, dst)}
+        row = dict(zip(("store", "load", "copy"), _probe(heap, src, dst)))
         for policy in POLICIES:
             native_engine.store_policy(policy)
             for _ in range(20):     # (auto: the first sends of a kind are not measured, then both ways are tried)
@@ -101,11 +106,15 @@ def main() -> None:
         per_rank = pool.run(bench_rank, a.tokens, a.hidden, a.rounds, a.iters, timeout_s=1800)
     print(f"normal round trip (ms), 2 ranks, {a.tokens} tokens, hidden {a.hidden}, top-8 of 16 experts, "
           f"{a.iters} calls per policy and round, slowest rank")
-    print(f"{'round':>5}{'probe ms':>10}{'plain':>9}{'streaming':>11}{'auto':>9}   auto in use (dispatch / combine)")
+    print("probe (ms per 2 MiB, slowest rank): store into the peer's memory, load what the peer stored, copy "
+          "inside the process")
+    print(f"{'round':>5}{'store':>8}{'load':>7}{'copy':>7}{'plain':>9}{'streaming':>11}{'auto':>9}   auto in use "
+          f"(dispatch / combine)")
     for i in range(a.rounds):
         rows = [r[i] for r in per_rank]
-        cells = [max(r[k] for r in rows) * 1e3 for k in ("probe",) + POLICIES]
-        print(f"{i:>5}{cells[0]:>10.3f}{cells[1]:>9.3f}{cells[2]:>11.3f}{cells[3]:>9.3f}   {rows[0]['auto_in_use']}")
+        c = [max(r[k] for r in rows) * 1e3 for k in ("store", "load", "copy") + POLICIES]
+        print(f"{i:>5}{c[0]:>8.3f}{c[1]:>7.3f}{c[2]:>7.3f}{c[3]:>9.3f}{c[4]:>11.3f}{c[5]:>9.3f}   "
+              f"{rows[0]['auto_in_use']}")
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def test_stores_benchmark_prints_every_policy():
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["0", "1"], out
     for r in rows:
-        assert all(float(v) > 0 for v in r[1:5]) and r[5] in ("plain", "streaming"), r
+        assert all(float(v) > 0 for v in r[1:7]) and r[7] in ("plain", "streaming"), r
 
 
 def test_sums_benchmark_prints_every_path():
