@@ -304,21 +304,14 @@ static void store_measured(long long flag, int way, Py_ssize_t bytes, int64_t ns
         k->est[way] = 0.75 * k->est[way] + 0.25 * capped;
     }
     const int best = k->est[1] > 0.0 && k->est[1] < k->est[0] ? 1 : 0;
-    if (way != k->current) {
+    const int tried = way != k->current;
+    k->since_probe = tried ? 0 : k->since_probe + 1;
+    if (best != k->current) {        /* a try found the other way cheaper, or the way in use got dearer */
+        k->current = best;
         k->since_probe = 0;
-        if (best != k->current) {
-            k->current = best;
-            k->probe_every = PROBE_MIN;
-        } else if (k->probe_every < PROBE_MAX) {
-            k->probe_every *= 2;     /* the try confirmed the choice: try less often */
-        }
-    } else {
-        k->since_probe++;
-        if (best != k->current) {    /* the way in use got dearer than the other's last estimate */
-            k->current = best;
-            k->since_probe = 0;
-            k->probe_every = PROBE_MIN;
-        }
+        k->probe_every = PROBE_MIN;
+    } else if (tried && k->probe_every < PROBE_MAX) {
+        k->probe_every *= 2;         /* the try confirmed the choice: try less often */
     }
 }
 
