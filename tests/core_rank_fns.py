@@ -431,7 +431,7 @@ def bad_inputs(ctx, sync):
         "foreign ll handle": (TypeError, lambda: buf.low_latency_combine(
             ll_x, topk, w, (ll_handle[0].clone().fill_(7),) + tuple(ll_handle[1:]))),
         "expert counts without topk_idx": (ValueError, lambda: buf.dispatch(
-            x, is_token_in_rank=itr, num_tokens_per_expert=ntpe + T + 1)),
+            x, is_token_in_rank=itr, num_tokens_per_expert=ntpe - T - 1)),
         "handle entries": (ValueError, lambda: buf.combine(x, tuple(torch.zeros(2, dtype=torch.int32)
                                                                     for _ in range(6)))),
         "sync mode": (ValueError, lambda: Buffer(ctx.group, 1 << 20, sync="nope")),
@@ -1149,3 +1149,34 @@ def clean_of_an_fp8_sized_buffer(ctx, sync):
         return bf16
     finally:
         buf.destroy()
+
+
+def slot_counts(ctx, backend: str):
+    """Per-expert counts count slots, as DeepEP's layout does: a token that lists an expert in several slots
+    counts once per slot in ``num_tokens_per_expert`` and in the received count list (whose rows list the
+    expert in each of those slots), while it still travels once to the expert's rank. Checked against
+    plain torch over every rank's routing; returns this rank's count list."""
+    R, me = ctx.world_size, ctx.rank
+    E, T, H = 4 * R, 6, 32
+    buf = Buffer(ctx.group, 1 << 22, backend=backend)
+    g = torch.Generator().manual_seed(70 + me)
+    topk = torch.randint(-1, E, (T, 3), generator=g)
+    topk[0] = torch.tensor([2, 2, -1])
+    topk[1] = torch.tensor([E - 1, E - 1, E - 1])
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
+    assert torch.equal(ntpe, torch.stack([(topk == e).sum() for e in range(E)]).int()), ntpe
+    every = [torch.empty_like(topk) for _ in range(R)]
+    dist.all_gather(every, topk, group=ctx.group)
+    recv_x, recv_idx, _, counts, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk)
+    E_local = E // R
+    assert counts == [sum(int((t == me * E_local + e).sum()) for t in every) for e in range(E_local)], counts
+    assert counts == [int((recv_idx == e).sum()) for e in range(E_local)], counts
+    # the same counts from num_tokens_per_expert alone (no topk_idx)
+    assert buf.dispatch(x, is_token_in_rank=itr, num_tokens_per_expert=ntpe)[3] == counts
+    # one row per (token, rank) all the same: combine sums each rank's row once
+    out = buf.combine(recv_x, handle)[0]
+    assert torch.equal(out, (x.float() * itr.sum(1, keepdim=True).float()).bfloat16()), (out, x)
+    buf.destroy()
+    return counts

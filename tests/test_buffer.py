@@ -111,6 +111,12 @@ def test_repeated_calls_with_changing_shapes(pool2, sync):
     pool2.run(F.repeated, sync)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_expert_counts_count_slots_as_deepep_does(pool4, backend):
+    counts = pool4.run(F.slot_counts, backend)
+    assert len(counts) == 4 and all(len(c) == 4 for c in counts)
+
+
 @pytest.mark.parametrize("sync", ["tff", "sp", "sw"])
 def test_four_ranks(pool4, sync):
     pool4.run(F.smoke, sync, T=13)

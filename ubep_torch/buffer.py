@@ -1249,8 +1249,9 @@ class Buffer:
 
     def _check_expert_counts(self, num_tokens_per_expert, E: int, is_token_in_rank: torch.Tensor) -> torch.Tensor:
         """``num_tokens_per_expert`` given without ``topk_idx``: the per-expert counts sent to each rank come
-        from it, so it must fit the tokens each rank gets (every such token counted by 1..E_local of that
-        rank's experts)."""
+        from it, so it must fit the tokens each rank gets (every such token counted by at least one of that
+        rank's experts; counts are slots, so a token may count more than once for one expert, and an expert
+        counts nothing where no token goes to its rank)."""
         R = self.group_size
         t = num_tokens_per_expert
         if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool or \
@@ -1258,9 +1259,10 @@ class Buffer:
             raise ValueError(f"num_tokens_per_expert must be an integer tensor of shape ({E},)")
         per_rank = t.cpu().to(torch.int64).view(R, E // R)
         to_rank = is_token_in_rank.sum(0)
-        if (per_rank < 0).any() or (per_rank > to_rank.view(R, 1)).any() or (per_rank.sum(1) < to_rank).any():
-            raise ValueError("num_tokens_per_expert does not fit is_token_in_rank: each expert counts at most "
-                             "the tokens sent to its rank, and every token sent to a rank counts for at least "
+        if (per_rank < 0).any() or ((per_rank > 0) & (to_rank.view(R, 1) == 0)).any() or \
+                (per_rank.sum(1) < to_rank).any():
+            raise ValueError("num_tokens_per_expert does not fit is_token_in_rank: an expert counts nothing when "
+                             "no token is sent to its rank, and every token sent to a rank counts for at least "
                              "one of its experts")
         return per_rank.view(E)
 
@@ -1303,7 +1305,9 @@ class Buffer:
             num_experts: E, divisible by the group size.
         Returns:
             ``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
-            is_token_in_rank [T, R] bool, event)``. A token counts once per rank hosting any of its experts.
+            is_token_in_rank [T, R] bool, event)``. A token counts once per rank hosting any of its experts,
+            and once per slot for an expert (as in DeepEP: a token listing an expert in two slots counts twice
+            for it, and its received row lists that expert in both).
         """
         self._check_usable()
         _check_process(self, "get_dispatch_layout")

@@ -561,7 +561,8 @@ class TorchEngine:
         """Normal-mode layout of a [T, K] int64 routing: ``(lo, hi, layout)``, its smallest and largest id (0, 0
         without any) and, when they lie in [-1, E), ``layout = (num_tokens_per_rank [R] int32,
         num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, send_idx, send_head)`` (see
-        :func:`send_lists`); else None. A token that names an expert in several slots counts once for it."""
+        :func:`send_lists`); else None. ``num_tokens_per_expert`` counts slots, as DeepEP does: a token that
+        names an expert in several slots counts once per slot (its received rows list the expert that often)."""
         T = topk_idx.shape[0]
         lo, hi = (int(topk_idx.min()), int(topk_idx.max())) if topk_idx.numel() else (0, 0)
         if lo < -1 or hi >= E:
@@ -571,7 +572,8 @@ class TorchEngine:
             per_expert.scatter_(1, topk_idx + 1, True)
         per_expert = per_expert[:, 1:]
         is_token_in_rank = per_expert.view(T, R, E // R).any(-1)
-        return lo, hi, (is_token_in_rank.sum(0).to(torch.int32), per_expert.sum(0).to(torch.int32),
+        per_slot = torch.bincount(topk_idx[topk_idx >= 0], minlength=E)
+        return lo, hi, (is_token_in_rank.sum(0).to(torch.int32), per_slot.to(torch.int32),
                         is_token_in_rank) + send_lists(is_token_in_rank)
 
     def meta_items(self, topk_idx: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:

@@ -61,7 +61,7 @@ class AutogradHandle:
         topk_idx: ``[T, K]`` int64 routing of this rank's tokens (global expert ids, ``-1`` = none).
         recv_topk_idx: ``[N_recv, K]`` (rank-major) or ``[rows]`` (expert-major) int64 local expert ids.
         num_recv_tokens_per_expert: ``E_local`` Python ints (rows per local expert in expert-major layout,
-            including alignment padding; tokens per local expert in rank-major layout).
+            including alignment padding; slots per local expert in rank-major layout, as DeepEP counts them).
     """
 
     buffer_handle: Any

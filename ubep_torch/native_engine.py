@@ -36,7 +36,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 23
+API_VERSION = 24
 
 
 def _matches() -> bool:

@@ -53,7 +53,7 @@
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
 #define MAX_ROW_BLOCKS (1 << 20)         /* a row of 512 MiB: far past any hidden size a Buffer takes */
-#define API_VERSION 23             /* bumped whenever a function's arguments change */
+#define API_VERSION 24             /* bumped whenever a function's arguments or results change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -769,8 +769,9 @@ static PyObject *pair_order(PyObject *self, PyObject *args) {
 /* routing_layout(topk, T, K, E, R, ntpe, itr, ntpr, send_idx, send_head) -> (min id, max id)
  *
  * Normal-mode layout of a routing in one pass. topk is [T, K] int64. When every id lies in [-1, E) (E a
- * multiple of R), the outputs get: ntpe (int32, E) the tokens per expert (a token that names an expert in
- * several slots counts once), itr ([T, R] bool) whether each token goes to each rank (any of its experts
+ * multiple of R), the outputs get: ntpe (int32, E) the slots per expert (a token that names an expert in
+ * several slots counts once per slot, as DeepEP counts it: the received rows list the expert in each of
+ * those slots), itr ([T, R] bool) whether each token goes to each rank (any of its experts
  * there), ntpr (int32, R) the tokens per rank, send_idx ([R, T] int64) rank r's tokens in order in its
  * first ntpr[r] entries (the rest untouched), send_head ([T, R] int32) each token's place in that list, -1
  * where it does not go. Returns the smallest and largest id (0, 0 when there are none); when one lies
@@ -795,9 +796,6 @@ static PyObject *routing_layout(PyObject *self, PyObject *args) {
     int32_t *head = (int32_t *)(uintptr_t)head_p;
     uint8_t *itr = (uint8_t *)(uintptr_t)itr_p;
     int64_t *send_idx = (int64_t *)(uintptr_t)idx_p;
-    /* seen[e] = 1 + the last token counted for expert e */
-    int64_t *seen = PyMem_Calloc((size_t)E, sizeof(int64_t));
-    if (seen == NULL) return PyErr_NoMemory();
     const Py_ssize_t per_rank = E / R;
     memset(ntpe, 0, sizeof(int32_t) * (size_t)E);
     memset(ntpr, 0, sizeof(int32_t) * (size_t)R);
@@ -806,8 +804,7 @@ static PyObject *routing_layout(PyObject *self, PyObject *args) {
         uint8_t *in_rank = itr + t * R;
         for (Py_ssize_t k = 0; k < K; k++) {
             const int64_t e = topk[t * K + k];
-            if (e < 0 || seen[e] == t + 1) continue;
-            seen[e] = t + 1;
+            if (e < 0) continue;
             ntpe[e]++;
             in_rank[e / per_rank] = 1;
         }
@@ -820,7 +817,6 @@ static PyObject *routing_layout(PyObject *self, PyObject *args) {
             }
         }
     }
-    PyMem_Free(seen);
     return Py_BuildValue("LL", (long long)lo, (long long)hi);
 }
 
