@@ -1180,3 +1180,35 @@ def slot_counts(ctx, backend: str):
     assert torch.equal(out, (x.float() * itr.sum(1, keepdim=True).float()).bfloat16()), (out, x)
     buf.destroy()
     return counts
+
+
+def same_bytes_other_rows(ctx, case: str):
+    """Ranks whose rows have the same byte sizes but carry other things (bf16 against fp16 x, hidden 128
+    bf16 against hidden 64 float32, top-4 without weights against top-2 with float32 weights, a combine of
+    bf16 against float32 rows of the same bytes, a cached dispatch of bf16 against fp16) get the layout
+    error, not each other's bytes read as their own. Returns (error type, message) or (None, "")."""
+    R, r = ctx.world_size, ctx.rank
+    E, T = 2 * R, 4
+    buf = Buffer(ctx.group, 8 << 20, timeout_s=20.0)
+    x = torch.ones(T, 128, dtype=torch.bfloat16)
+    topk = torch.tensor([[0, 1]] * T)
+    try:
+        if case == "dtype":
+            buf.dispatch(x if r == 0 else x.half(), topk_idx=topk, num_experts=E)
+        elif case == "hidden":
+            buf.dispatch(x if r == 0 else torch.ones(T, 64), topk_idx=topk, num_experts=E)
+        elif case == "topk":
+            k4 = torch.tensor([[0, 1, -1, -1]] * T)
+            buf.dispatch(x, topk_idx=k4 if r == 0 else topk, num_experts=E,
+                         topk_weights=None if r == 0 else torch.ones(T, 2))
+        else:
+            rx, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+            if case == "combine":
+                buf.combine(rx if r == 0 else torch.ones(rx.shape[0], 64), handle)
+            else:
+                buf.dispatch(x if r == 0 else x.half(), handle=handle)
+    except ubep_torch.UBEPError as e:
+        return type(e).__name__, str(e)
+    finally:
+        buf.destroy()
+    return None, ""

@@ -188,7 +188,8 @@ def hostile_ctrl(ctx, what, sync):
             # the layout rank 0 expects, so that the forged sizes (not the signature) are what it must refuse:
             # normal rows carry K = 2 expert ids and 2 float32 weights; low-latency rows (one per token and
             # rank) the pair count and K (expert|slot, position) pairs
-            fmt_x = P.row_format(sync, (("x", 128 * 2),), 1 + 2 * 2 if ll else 2 + 2)
+            fmt_x = P.row_format(sync, (("x", 128 * 2),), 1 + 2 * 2) if ll else \
+                P.row_format(sync, (("x", 128 * 2),), 2 + 2, "torch.bfloat16/2/torch.float32")
             words = [0] * (P.CTRL_COUNTS + 2 + R)
             words[P.CTRL_SIGNATURE] = fmt_x.signature()
             if what == "rows too many":

@@ -1456,7 +1456,9 @@ class Buffer:
         fields = [("x", H * xd.element_size())]
         if scales is not None:
             fields.append(("scales", scales.shape[1] * 4))
-        fmt = P.row_format(self.sync, tuple(fields), K + K * wsz)
+        # (the kind: ranks whose rows have the same sizes but other dtypes or top-k must not pair up)
+        fmt = P.row_format(self.sync, tuple(fields), K + K * wsz,
+                           f"{xd.dtype}/{K}/{None if weights is None else weights.dtype}")
         fmt.check_fits()
         cap = self._normal_capacity(P.REGION_DISPATCH, fmt)
         E_local = E // R
@@ -1638,7 +1640,7 @@ class Buffer:
         fields = [("x", H * xd.element_size())]
         if scales is not None:
             fields.append(("scales", scales.shape[1] * 4))
-        fmt = P.row_format(self.sync, tuple(fields), 0)
+        fmt = P.row_format(self.sync, tuple(fields), 0, str(xd.dtype))
         cap = self._normal_capacity(P.REGION_DISPATCH, fmt)
         fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
         sig, src_index = fmt.signature(), self.engine.arange(T)
@@ -1732,7 +1734,8 @@ class Buffer:
             if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
                 self._broken = f"layout mismatch with rank {s}"
                 raise UBEPError(f"rank {s} sent {P.REGION_NAMES[rid]} rows of a different layout than rank {me} "
-                                f"expects (hidden size, dtype, top-k, fp8 or sync mode differ between ranks)")
+                                f"expects (hidden size, dtype, top-k, the weights' dtype, fp8 or sync mode differ "
+                                f"between ranks)")
         self._check_call_words(ctrl_words, P.REGION_NAMES[rid])
         nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
         cap = region.capacity(fmt)
@@ -2012,7 +2015,8 @@ class Buffer:
                 biases.append(b)
         R = self.group_size
         wsz = topk_weights.element_size() // 4 if K else 0
-        fmt = P.row_format(self.sync, (("x", H * x.element_size()),), K * wsz)
+        fmt = P.row_format(self.sync, (("x", H * x.element_size()),), K * wsz,
+                           f"{x.dtype}/{K}/{topk_weights.dtype if K else None}")
         fmt.check_fits()
         cap = self._normal_capacity(P.REGION_COMBINE, fmt)
         # Destination d gets back the rows that came from d, in d's send order. An exchange carries the rows

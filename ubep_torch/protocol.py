@@ -177,12 +177,15 @@ class RowFormat:
     """Block layout of one row: a meta block, then each field padded to whole blocks.
 
     ``fields`` are (name, bytes per row) of the payload streams; ``meta_words`` is the number of 4-byte
-    meta items (top-k ids, weights, ...). The escape bitmap for SP follows the meta items.
+    meta items (top-k ids, weights, ...). The escape bitmap for SP follows the meta items. ``kind`` names
+    what the bytes are (dtypes, top-k) where rows of the same sizes could carry different things: it does
+    not change the layout, only the signature peers compare.
     """
 
     sync: str
     fields: Tuple[Tuple[str, int], ...]
     meta_words: int
+    kind: str = ""
 
     @cached_property
     def field_blocks(self) -> Tuple[int, ...]:
@@ -218,7 +221,7 @@ class RowFormat:
     def _signature(self) -> int:
         """A 62-bit digest of the layout; peers compare it to catch mismatched calls."""
         h = 1469598103934665603
-        for item in (self.sync, self.meta_words) + tuple(x for f in self.fields for x in f):
+        for item in (self.sync, self.meta_words, self.kind) + tuple(x for f in self.fields for x in f):
             for ch in str(item):
                 h = ((h ^ ord(ch)) * 1099511628211) & ((1 << 62) - 1)
         return h
@@ -232,9 +235,9 @@ class RowFormat:
 
 
 @functools.lru_cache(maxsize=256)
-def row_format(sync: str, fields: Tuple[Tuple[str, int], ...], meta_words: int) -> RowFormat:
+def row_format(sync: str, fields: Tuple[Tuple[str, int], ...], meta_words: int, kind: str = "") -> RowFormat:
     """The (shared, immutable) RowFormat of these parameters, with its derived sizes computed once."""
-    return RowFormat(sync, tuple(fields), int(meta_words))
+    return RowFormat(sync, tuple(fields), int(meta_words), str(kind))
 
 
 # ----------------------------------------------------------------------------- packing (torch path)
