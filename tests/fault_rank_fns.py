@@ -723,6 +723,40 @@ def swapped_combines(ctx, mode):
     return result
 
 
+def handles_of_another_buffer(ctx, mode, case):
+    """Two Buffers A and B of one group, each with one dispatch of the same routing (call 1 of each) and
+    other tokens. ``case`` "mixed": rank 0 combines A's handle on B, the others B's own: the combines must
+    fail naming the mismatch, not sum the wrong rows. ``case`` "same": every rank combines A's handle on B
+    (a handle is the layout, as in DeepEP): that works. Returns what the combine raised (type and message)
+    or ("ok", how far its result was off from the dispatched tokens' sum)."""
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, E, T, H, N = ctx.world_size, 2 * ctx.world_size, 6, 64, 8
+    bufs = [Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
+                   low_latency_mode=True, timeout_s=10.0) for _ in range(2)]
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1], [2, 3]])
+    xs = [torch.randn(T, H).bfloat16() for _ in range(2)]
+    use = 0 if case == "same" or ctx.rank == 0 else 1     # whose handle (and rows) this rank combines on B
+    try:
+        if mode == "normal":
+            calls = [b.dispatch(x, topk_idx=topk, num_experts=E) for b, x in zip(bufs, xs)]
+            ranks = torch.tensor([2, 2, 2, 2, 1, 1]).unsqueeze(1)
+            out = bufs[1].combine(calls[use][0], calls[use][4])[0]
+            result = ("ok", float((out.float() - ranks * xs[use].float()).abs().max()))
+        else:
+            calls = [b.low_latency_dispatch(x, topk, N, E, use_fp8=False) for b, x in zip(bufs, xs)]
+            w = torch.rand(T, 2)
+            out = bufs[1].low_latency_combine(calls[use][0], topk, w, calls[use][2])[0]
+            result = ("ok", float((out.float() - xs[use].float() * w.sum(1, keepdim=True)).abs().max()))
+    except Exception as e:  # noqa: BLE001
+        result = (type(e).__name__, str(e))
+    for b in bufs:
+        b.destroy()
+    return result
+
+
 def dropped_buffers_release_memory(ctx):
     """With the cycle collector off: a Buffer dropped without ``destroy()`` is freed by reference counting
     alone, its segments unmapped; ``destroy()`` releases the shared memory even while views of it live

@@ -490,6 +490,18 @@ def test_combines_of_different_dispatches_fail_instead_of_mixing_rows(mode):
     assert all(name == "UBEPError" and "same dispatch" in msg for name, msg in out), out
 
 
+@pytest.mark.parametrize("mode", ["normal", "ll"])
+def test_handles_of_another_buffer_pair_only_when_every_rank_passes_them(mode):
+    """A handle of Buffer A passed to Buffer B's combine on one rank only (the same call number on both
+    Buffers, the same counts) fails naming the other Buffer; passed on every rank, it combines correctly."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        mixed = pool.run(FR.handles_of_another_buffer, mode, "mixed", timeout_s=60)
+        same = pool.run(FR.handles_of_another_buffer, mode, "same", timeout_s=60)
+    assert all(name == "UBEPError" and "another Buffer" in msg for name, msg in mixed), mixed
+    assert all(name == "ok" and err < 0.05 for name, err in same), same
+
+
 def test_rank_pool_reports_a_rank_process_that_died_at_once():
     """``RankPool.run`` names a rank whose process exited without answering (here with code 3) within a
     second, not at the pool's deadline, and the answers of the other ranks stay out of the error; the pool

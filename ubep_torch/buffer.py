@@ -270,7 +270,7 @@ class DispatchHandle(tuple):
         send_idx = [itr[:, d].nonzero().squeeze(1) for d in range(R)]
         return cls(items, send_idx=send_idx, recv_counts=counts.tolist(), recv_offsets=offsets, num_recv=num_recv,
                    num_tokens=itr.shape[0], num_experts=0, num_worst_tokens=None, layout="rank_major",
-                   topk_idx=None, peer_tokens=None, call=0)
+                   topk_idx=None, peer_tokens=None, pair=0)
 
 
 class LowLatencyHandle(tuple):
@@ -433,6 +433,7 @@ class _Pending:
     done: bool = False
     extra: dict = field(default_factory=dict)
     call: int = 0          # the Buffer's call number (``Buffer._calls``) that issued it
+    pair: int = 0          # what a combine of its rows names it by (see ``Buffer._pair_tag``)
 
 
 class Buffer:
@@ -591,6 +592,10 @@ class Buffer:
         self._peer_mem = [self._heap.peer(r) for r in range(R)]
         self._peer_words = [m[:aux].view(torch.int64).numpy() for m in self._peer_mem]
         self._epoch = {region.rid: 0 for region in self._regions.values()}
+        # a combine's control messages name the dispatch whose rows it returns as this tag | its call number:
+        # the tag (from the heap's random group token, the same on every rank) tells Buffers apart, so ranks
+        # that combine with handles of the same numbered call of two Buffers are caught too
+        self._pair_tag = (int.from_bytes(self._heap.group_token[:4], "little") & 0x7FFFFFFF) << 32
         self._barriers: dict = {}      # call number -> SyncAll barriers it (and its recv hook) took so far
         self._broken: Optional[str] = None
         self._pending: List[_Pending] = []
@@ -935,17 +940,22 @@ class Buffer:
                     raise UBEPError(f"rank {s} called {op} with {name}={ctrl_words[s][word]}, rank {me} with "
                                     f"{ctrl_words[me][word]}: every rank must pass the same")
 
-    def _check_pairing(self, op: str, ctrl_words, call: int) -> None:
-        """Every source's combine returns the rows of the dispatch that this rank's does (call ``call``; 0 where
-        a handle does not know it). Calls pair up in order, so ranks combining different dispatches' handles
-        would sum each other's rows of the wrong tokens."""
+    def _check_pairing(self, op: str, ctrl_words, pair: int) -> None:
+        """Every source's combine returns the rows of the dispatch that this rank's does (``pair``: the
+        dispatching Buffer's tag | its call number, see ``_pair_tag``; 0 where a handle does not know it).
+        Calls pair up in order, so ranks combining different dispatches' handles would sum each other's rows
+        of the wrong tokens."""
         for s in range(self.group_size):
             theirs = ctrl_words[s][P.CTRL_PAIRED_CALL]
-            if call and theirs and theirs != call:
+            if pair and theirs and theirs != pair:
                 self._broken = "combine of another dispatch"
-                raise UBEPError(f"{op} on rank {self.rank}: rank {s} combines the rows of the dispatch of its call "
-                                f"{theirs}, this rank those of call {call}: every rank must pass the handle of the "
-                                f"same dispatch")
+
+                def name(word: int) -> str:
+                    return f"call {word & 0xFFFFFFFF}" + ("" if word >> 32 == self._pair_tag >> 32 else
+                                                          " of another Buffer")
+                raise UBEPError(f"{op} on rank {self.rank}: rank {s} combines the rows of the dispatch of "
+                                f"{name(theirs)}, this rank those of {name(pair)}: every rank must pass the handle "
+                                f"of the same dispatch")
 
     def _call_complete(self, op: str) -> None:
         """This rank has sent and consumed everything of the current call: an error in the local work that
@@ -1561,7 +1571,7 @@ class Buffer:
             (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank.clone(), send_head),
             send_idx=send_idx, recv_counts=rows_from, recv_offsets=off_l, num_recv=num_recv, num_tokens=T,
             num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=topk_idx,
-            peer_tokens=recv["num_tokens"], call=self._calls)
+            peer_tokens=recv["num_tokens"], pair=self._pair_tag | self._calls)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         self._report("dispatch", topk_idx, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0))
         if layout == "expert_major":
@@ -1963,7 +1973,7 @@ class Buffer:
         self._apply_config(config)
         # the dispatch this combine answers, for the peers to check: known for the handle object dispatch
         # returned, not for a plain-tuple copy (it may match a newer handle of the same content)
-        paired = handle.call if isinstance(handle, DispatchHandle) else 0
+        paired = handle.pair if isinstance(handle, DispatchHandle) else 0
         handle = self._as_dispatch_handle(handle)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor, got {type(x).__name__}")
@@ -2223,7 +2233,8 @@ class Buffer:
                                   sent_counts=counts, pos=pos, n_pairs=int(t_idx.numel()), recv_rows=0,
                                   topk_snapshot=topk_idx.clone())
         self._recent_ll_handles.append(handle)
-        pending = handle.pending = _Pending("low_latency_dispatch", epoch, call=self._calls)
+        pending = handle.pending = _Pending("low_latency_dispatch", epoch, call=self._calls,
+                                            pair=self._pair_tag | self._calls)
         wait_ns = [0] * R            # per source: ns from the start of the receive until its rows were in
 
         def receive():
@@ -2493,7 +2504,7 @@ class Buffer:
             raise ValueError("async_finish and return_recv_hook are exclusive")
         exact = isinstance(handle, LowLatencyHandle)    # (see combine: a plain-tuple copy's dispatch is not sure)
         handle = self._as_ll_handle(handle)
-        paired = handle.pending.call if exact else 0
+        paired = handle.pending.pair if exact else 0
         if not handle.pending.done:
             raise ValueError("low_latency_combine got the handle of a low_latency_dispatch whose recv hook has "
                              "not run yet; call hook() first")

@@ -211,6 +211,7 @@ class SymmetricHeap:
             raise RuntimeError(f"ubep_torch's simulated UGAS maps shared memory, so every rank of the group "
                                f"must run on one host; this group spans hosts {hosts}")
         group_token = bytes.fromhex(infos[0]["token"])
+        self.group_token = group_token      # (random, the same on every rank: names this group's heap)
         self.peer_pids = [int(i["pid"]) for i in infos]
         # a peer in another PID namespace cannot be watched by pid: it counts as alive (deadlines still hold)
         self._watchable = [int(i["pidns"]) == _pid_namespace() for i in infos]
