@@ -591,8 +591,9 @@ def build_on_full_tmpfs(ctx, which):
 
 
 def die_before_own_unlink(ctx):
-    """Rank 0 SIGKILLs itself when it is about to unlink its own segment (after the last set-up exchange);
-    rank 1 builds its Buffer and checks that it works alone on its side."""
+    """Rank 0 SIGKILLs itself when it is about to unlink its own segment (after every rank mapped every
+    segment); rank 1 goes on with the set-up (its last step, in which every rank reserves its memory, fails
+    naming rank 0)."""
     import torch.distributed as dist
 
     from ubep_torch import Buffer

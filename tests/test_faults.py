@@ -274,13 +274,16 @@ def test_timeout_must_be_a_finite_positive_number(monkeypatch, value):
 
 def test_rank_killed_before_unlinking_its_segment_leaves_nothing(tmp_path):
     """Every rank has mapped every segment, then rank 0 dies right before unlinking its own file: rank 1
-    unlinks every announced name too, so nothing is left while one rank of the group lives."""
+    unlinks every announced name too, so nothing is left while one rank of the group lives. (Rank 1's set-up
+    then fails in its last step, which needs every rank: the pool may report that too.)"""
     from ubep_torch.testing import RankFailure
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": str(tmp_path)}
     with RankPool(2, env=env) as pool:
         with pytest.raises(RankFailure) as info:
             pool.run(FR.die_before_own_unlink, timeout_s=8)
-    assert "rank 0" in str(info.value) and "--- rank 1 ---" not in str(info.value), str(info.value)
+    assert "exited (code -9)" in info.value.failures[0], str(info.value)
+    assert 1 not in info.value.failures or "UBEPPeerLostError" in info.value.failures[1] or \
+        "stopped with the pool" in info.value.failures[1], str(info.value)
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
 
 

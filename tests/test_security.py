@@ -44,7 +44,8 @@ def _make_peer(directory, token, rank=1, world=2, nbytes=8192, mode=0o600):
 def test_created_segment_is_private_with_unguessable_name(tmp_path):
     h = _bare_heap(tmp_path)
     token = os.urandom(16)
-    path = h._create_segment(token)
+    path, fd = h._create_segment(token)
+    os.close(fd)
     try:
         st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
@@ -52,7 +53,8 @@ def test_created_segment_is_private_with_unguessable_name(tmp_path):
         assert st.st_size == h.segment_bytes
         old = os.umask(0)
         try:
-            path2 = h._create_segment(token)     # a permissive umask does not widen the mode
+            path2, fd2 = h._create_segment(token)     # a permissive umask does not widen the mode
+            os.close(fd2)
             assert stat.S_IMODE(os.stat(path2).st_mode) == 0o600
             assert os.path.basename(path2) != os.path.basename(path)
         finally:

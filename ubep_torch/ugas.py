@@ -8,10 +8,12 @@ receives these views; it never allocates or maps memory itself.
 Life cycle and hygiene
 ----------------------
 * A segment is created with ``O_CREAT | O_EXCL`` and mode ``0600`` under an unguessable name
-  (``ubep-<pid>-<PID namespace>-<128 random bits>``), sized with ``ftruncate`` and reserved with
-  ``posix_fallocate``: like device memory, a Buffer's memory is committed when it is built, so too little
-  shared memory is an error then (naming the bytes and ``UBEP_SHM_DIR``), never a SIGBUS when several
-  Buffers' pages are touched later.
+  (``ubep-<pid>-<PID namespace>-<128 random bits>``), sized with ``ftruncate`` and, once every name is
+  gone (below), reserved with ``posix_fallocate``: like device memory, a Buffer's memory is committed
+  when it is built, so too little shared memory is an error then, on every rank (naming the bytes and
+  ``UBEP_SHM_DIR``), never a SIGBUS when several Buffers' pages are touched later. Reserving takes about
+  0.25 s per GiB; done while the names still existed, it was most of the time in which a group killed
+  entirely (every rank at once) left its files behind.
 * Its first page is a header: magic, layout version, a random 128-bit group token chosen by the group's
   first rank, the owner's rank, world size and segment size. A rank maps a peer's segment only after
   checking that it is a regular file owned by this user with mode 0600, of the announced size, and that
@@ -219,11 +221,12 @@ class SymmetricHeap:
         if total > int(infos[0]["free"]):
             raise self._too_little(total, int(infos[0]["free"]))
 
-        # 2. create and map our own segment (under the name announced in step 1), write the header.
+        # 2. create and map our own segment (under the name announced in step 1), write the header; its
+        # memory is reserved in step 5, once no name is left (the descriptor stays open until then).
         paths = [i["path"] for i in infos]
         created_step = "Buffer set-up: waiting for every rank to create its segment"
         try:
-            path = self._create_segment(group_token, paths[self.rank])
+            path, fd = self._create_segment(group_token, paths[self.rank])
         except Exception as e:
             # the peers wait for this step: tell them why this rank cannot come (a bare error of its own
             # would leave them waiting for their deadline), then raise here too
@@ -258,11 +261,35 @@ class SymmetricHeap:
                     _unlink_quietly(p)
         except BaseException:
             self._unlink_peer_names(paths)
+            os.close(fd)
             raise
         finally:
             # 4. everyone has mapped everything (or failed): the name is no longer needed.
             _unlink_quietly(path)
             _PENDING.pop(path, None)
+        # 5. reserve the segment's memory (nothing can be left behind any more), and learn that every peer
+        # reserved its own: too little shared memory fails on every rank, before any page is touched.
+        reserve_step = "Buffer set-up: waiting for every rank to reserve its segment's memory"
+        error: Optional[BaseException] = None
+        try:
+            try:
+                self._reserve(fd)
+            except (OSError, RuntimeError) as e:
+                error = e
+            finally:
+                os.close(fd)
+            reserved = _all_gather(True if error is None else f"{type(error).__name__}: {error}"[:1000], group,
+                                   self.world_size, self.timeout_s, reserve_step)
+        except BaseException:
+            self.close()
+            raise
+        failed = [r for r, c in enumerate(reserved) if c is not True and r != self.rank]
+        if error is not None or failed:
+            self.close()
+            if error is not None:
+                raise error
+            raise RuntimeError(f"ubep_torch: rank {self.rank} in phase '{reserve_step}': rank(s) {failed} could "
+                               f"not reserve their shared memory: " + "; ".join(str(reserved[r]) for r in failed))
         self.local = self._views[self.rank][HEADER_BYTES:]
 
     # ------------------------------------------------------------------ public views
@@ -308,33 +335,38 @@ class SymmetricHeap:
             f"free. Point UBEP_SHM_DIR at a larger tmpfs, enlarge /dev/shm (docker: --shm-size), or "
             f"create the Buffer with smaller num_nvl_bytes/num_rdma_bytes.")
 
-    def _create_segment(self, group_token: bytes, path: Optional[str] = None) -> str:
+    def _create_segment(self, group_token: bytes, path: Optional[str] = None) -> tuple:
+        """Create, size (sparse) and map this rank's segment and write its header. Returns ``(path, fd)``:
+        the caller reserves the memory through ``fd`` (``_reserve``) and closes it."""
         path = path or _segment_path(self.directory)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         _PENDING[path] = None
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, self.segment_bytes)
-            try:     # reserve every page now: a sparse file that outgrows its tmpfs later kills with SIGBUS
-                os.posix_fallocate(fd, 0, self.segment_bytes)
-            except OSError as e:
-                if e.errno != errno.ENOSPC:
-                    raise
-                raise self._too_little(self.world_size * self.segment_bytes, _free_bytes(self.directory)) from e
             m = mmap.mmap(fd, self.segment_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             st = os.fstat(fd)
         except BaseException:
             _unlink_quietly(path)
             _PENDING.pop(path, None)
-            raise
-        finally:
             os.close(fd)
+            raise
         header = struct.pack(_HEADER_FMT, _MAGIC, _VERSION, group_token, self.rank, self.world_size,
                              self.segment_bytes)
         m[: len(header)] = header
         self._maps.append((m, (st.st_dev, st.st_ino)))
         self._views[self.rank] = _pinned_view(m)
-        return path
+        return path, fd
+
+    def _reserve(self, fd: int) -> None:
+        """Reserve every page of this rank's segment now: a sparse file that outgrows its tmpfs later kills
+        with SIGBUS. Too little shared memory raises the error that names the bytes and ``UBEP_SHM_DIR``."""
+        try:
+            os.posix_fallocate(fd, 0, self.segment_bytes)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise self._too_little(self.world_size * self.segment_bytes, _free_bytes(self.directory)) from e
 
     def _map_peer(self, r: int, path: str, nbytes: int, group_token: bytes) -> None:
         if not isinstance(path, str) or os.path.dirname(path) != self.directory or \
