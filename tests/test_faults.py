@@ -367,13 +367,15 @@ def test_a_call_refused_on_one_of_three_ranks_is_named_by_both_others():
 
 def test_errors_on_a_sub_group_name_global_ranks_too():
     """Ranks in errors are ranks of the Buffer's group: on a sub-group the message also gives their global
-    ranks (global rank 1 is group rank 0 here, and global rank 2 group rank 1)."""
+    ranks (global rank 1 is group rank 0 here, and global rank 2 group rank 1), bad input's ValueError
+    included."""
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with RankPool(3, env=env) as pool:
         _, waiting, refusing = pool.run(FR.refusal_on_a_sub_group, timeout_s=60)
     assert waiting[0] == "UBEPPeerAbortedError" and waiting[1] == [1], waiting
     assert "as global ranks: 0 is 1, 1 is 2" in waiting[2], waiting
-    assert refusing[0] == "ValueError" and "global ranks" not in refusing[2], refusing
+    # (bad input: the ValueError names the rank whose input it was, with its global rank too)
+    assert refusing[0] == "ValueError" and "(rank 1)" in refusing[2] and "0 is 1, 1 is 2" in refusing[2], refusing
     assert waiting[3].startswith("UBEPBrokenError") and "0 is 1, 1 is 2" in waiting[3], waiting[3]
     for mismatch in (waiting[4], refusing[4]):
         assert "differs" in mismatch and "0 is 1, 1 is 2" in mismatch, mismatch

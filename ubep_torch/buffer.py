@@ -374,7 +374,7 @@ def _collective(fn):
             out = fn(self, *args, **kwargs)
         except BaseException as e:
             _raise_if_destroyed(self, e, fn.__name__)
-            name_global_ranks(e, self._global_ranks)
+            name_global_ranks(e, self._global_ranks, also=(ValueError, TypeError))
             if self._in_call and not isinstance(e, UBEPBrokenError):
                 if not self._cancel_call(e):
                     self._fail(e)
@@ -409,7 +409,7 @@ def _collective(fn):
                     return hook()
             except BaseException as e:
                 _raise_if_destroyed(self, e, f"{fn.__name__} recv hook")
-                name_global_ranks(e, self._global_ranks)
+                name_global_ranks(e, self._global_ranks, also=(ValueError, TypeError))
                 if not isinstance(e, UBEPBrokenError):
                     if self._cancel_call(e):
                         pend.done = pend.extra["cancelled"] = True     # (its combine is refused)
@@ -1326,6 +1326,7 @@ class Buffer:
             E = self._check_num_experts(num_experts)
             layout = self._layout(topk_idx, E)[0]
         except Exception as e:
+            name_global_ranks(e, self._global_ranks, also=(ValueError, TypeError))
             if refusal(e):
                 self._refuse("get_dispatch_layout")  # (the dispatch it prepares will not come: tell the peers)
             raise

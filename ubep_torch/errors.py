@@ -1,6 +1,7 @@
 """Errors raised by ubep_torch. They name the phase, this rank and the ranks that did not deliver."""
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 
@@ -97,11 +98,14 @@ def refusal(e: BaseException) -> bool:
     return isinstance(e, Exception) and not isinstance(e, (UBEPError, CancelledCallError))
 
 
+_NAMES_A_RANK = re.compile(r"\branks? \[?\d|\brank\(s\) \[?\d")
+
+
 def name_global_ranks(e: BaseException, global_ranks: Sequence[int], also: tuple = ()) -> None:
     """On a process group that is not the whole world, the ranks an error names (in its message and its
     attributes) are ranks of that group: add their global ranks to the message, once. ``also``: other
-    exception types to annotate when their message names a rank."""
-    if not (isinstance(e, UBEPError) or (isinstance(e, also) and "rank" in str(e))) \
+    exception types to annotate when their message names a rank ("rank 1", "rank(s) [0, 2]")."""
+    if not (isinstance(e, UBEPError) or (isinstance(e, also) and _NAMES_A_RANK.search(str(e)))) \
             or getattr(e, "_global_ranks_named", False) or not e.args or not isinstance(e.args[0], str) \
             or list(global_ranks) == list(range(len(global_ranks))):
         return
