@@ -435,3 +435,39 @@ def rank_sync_after_reload(ctx, kind: str):
     dist.all_gather(gathered_before, before)
     return same, all(torch.equal(g, gathered[0]) for g in gathered), \
         not all(torch.equal(g, gathered_before[0]) for g in gathered_before)
+
+
+def rank_ep_inside_dp(ctx, dp_ranks: str):
+    """Four ranks, two replicas of a model whose MoE layer is expert parallel over two ranks: expert-parallel
+    groups [0, 1] and [2, 3] with data-parallel groups [0, 2] and [1, 3] (``dp_ranks="strided"``), or
+    expert-parallel groups [0, 2] and [1, 3] with data-parallel groups [0, 1] and [2, 3] (``"adjacent"``).
+    After ``data_parallel_sync(layer, ep_group, dp_group)`` every gradient must be the dense model's
+    gradient of the mean loss over all four ranks (each rank's experts: their slice). Returns the largest
+    difference."""
+    from ubep_torch.buffer import Buffer
+    me = ctx.rank
+    pairs = [[0, 1], [2, 3]] if dp_ranks == "strided" else [[0, 2], [1, 3]]
+    others = [[0, 2], [1, 3]] if dp_ranks == "strided" else [[0, 1], [2, 3]]
+    ep_groups = [dist.new_group(p) for p in pairs]
+    dp_groups = [dist.new_group(p) for p in others]
+    ep = next(g for g, p in zip(ep_groups, pairs) if me in p)
+    dp = next(g for g, p in zip(dp_groups, others) if me in p)
+    buf = Buffer(ep, num_nvl_bytes=1 << 22)
+    cfg = moe_config("softmax", True)
+    torch.manual_seed(0)
+    dense = unn.MoE(**cfg).double()
+    layer = unn.MoE(**cfg, buffer=buf).double()
+    layer.load_dense_state_dict(dense.state_dict())
+    xs = [torch.randn(5, cfg["hidden"], generator=torch.Generator().manual_seed(90 + r), dtype=torch.float64)
+          for r in range(4)]
+    out = layer(xs[me])
+    ((out ** 2).sum() + layer.aux_loss).backward()
+    unn.data_parallel_sync(layer, ep, dp)
+    for x in xs:       # the mean over the ranks of each rank's loss, on its own batch
+        y = dense(x)
+        (((y ** 2).sum() + dense.aux_loss) / 4).backward()
+    lo, hi = layer.expert_offset, layer.expert_offset + layer.num_local_experts
+    want = {n: p.grad[lo:hi] if n.startswith("experts.") else p.grad for n, p in dense.named_parameters()}
+    worst = max(float((p.grad - want[n]).abs().max()) for n, p in layer.named_parameters())
+    buf.destroy()
+    return worst

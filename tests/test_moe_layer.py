@@ -143,3 +143,13 @@ def test_data_parallel_sync_finds_experts_by_their_place(pool, kind):
     not all-reduced)"""
     for rank, (same, dense_synced, dense_differed) in enumerate(pool.run(M.rank_sync_after_reload, kind)):
         assert same and dense_synced and dense_differed, (rank, same, dense_synced, dense_differed)
+
+
+@pytest.mark.parametrize("dp_ranks", ["strided", "adjacent"])
+def test_data_parallel_sync_of_expert_parallel_replicas(dp_ranks):
+    """Expert parallelism inside data parallelism (two replicas of a two-rank expert-parallel layer on four
+    ranks): ``data_parallel_sync(layer, ep_group, dp_group)`` gives every rank the dense model's gradients
+    of the mean loss over all four ranks."""
+    with RankPool(4, env={"PYTHONPATH": ROOT}) as pool4:
+        worst = pool4.run(M.rank_ep_inside_dp, dp_ranks, timeout_s=120)
+    assert max(worst) < 1e-12, worst

@@ -273,27 +273,42 @@ class MoE(nn.Module):
         self.load_state_dict(own)
 
 
-def data_parallel_sync(module: nn.Module, group=None) -> None:
+def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:
     """Make gradients those of the mean loss over the ranks of ``group`` (call after ``backward``).
 
     Replicated parameters are all-reduced and divided by the group size. Expert parameters (those of
     expert-parallel :class:`MoE` layers, and others tagged ``expert_parallel = True``) are not reduced:
     every rank's loss already sent its gradient to the owning rank through combine's backward, so they hold
     the sum over ranks and are only divided by the group size.
+
+    ``dp_group``: expert parallelism inside data parallelism, where ``group`` is this rank's
+    expert-parallel group (its MoE layers' Buffer group) and every such group is a replica of the model:
+    ``dp_group`` holds the ranks with this rank's place in the other replicas (the same experts). Every
+    gradient is then averaged over ``dp_group`` as well, so they are those of the mean loss over all the
+    ranks of both. (Ranks ``g * E + i`` with EP groups of E consecutive ranks: ``dp_group`` of rank r is
+    ``[r % E, r % E + E, ...]``.)
     """
     world = dist.get_world_size(group)
-    if world == 1:
+    if world > 1:
+        experts = _expert_parameters(module)
+        replicated = [p.grad for p in module.parameters() if p.grad is not None and id(p) not in experts]
+        _average(replicated, group, world)
+        for p in module.parameters():
+            if p.grad is not None and id(p) in experts:
+                p.grad /= world
+    replicas = 1 if dp_group is None else dist.get_world_size(dp_group)
+    if replicas > 1:
+        _average([p.grad for p in module.parameters() if p.grad is not None], dp_group, replicas)
+
+
+def _average(grads: list, group, size: int) -> None:
+    """All-reduce ``grads`` over ``group`` in one flat message and divide them by ``size``."""
+    if not grads:
         return
-    experts = _expert_parameters(module)
-    replicated = [p.grad for p in module.parameters() if p.grad is not None and id(p) not in experts]
-    if replicated:
-        flat = torch.cat([g.reshape(-1) for g in replicated])
-        dist.all_reduce(flat, group=group)
-        flat /= world
-        offset = 0
-        for g in replicated:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-    for p in module.parameters():
-        if p.grad is not None and id(p) in experts:
-            p.grad /= world
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
