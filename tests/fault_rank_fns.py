@@ -590,6 +590,25 @@ def build_on_full_tmpfs(ctx, which):
     return None, "built", time.monotonic() - t0
 
 
+def stuck_while_reserving(ctx, marks: str):
+    """Every rank's set-up stops where it reserves its segment's memory (``posix_fallocate`` writes a file
+    ``<marks>/<rank>`` and sleeps): the test then SIGKILLs every rank at once, as a launcher or a job
+    scheduler does."""
+    import time
+
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+
+    def stuck(fd, offset, length):
+        with open(os.path.join(marks, str(ctx.rank)), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(60)
+    os.posix_fallocate = stuck          # (this worker process is killed in it)
+    Buffer(dist.group.WORLD, 1 << 20, timeout_s=90)
+    return "built"
+
+
 def die_before_own_unlink(ctx):
     """Rank 0 SIGKILLs itself when it is about to unlink its own segment (after every rank mapped every
     segment); rank 1 goes on with the set-up (its last step, in which every rank reserves its memory, fails

@@ -287,6 +287,40 @@ def test_rank_killed_before_unlinking_its_segment_leaves_nothing(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
 
 
+def test_group_killed_while_reserving_memory_leaves_nothing(tmp_path):
+    """Every rank SIGKILLed at once while it reserves its segment's memory (``posix_fallocate``, about 0.25 s
+    per GiB: most of a large Buffer's set-up) leaves no file (former bug: the memory was reserved while the
+    names existed, and a whole group killed then left its segments until the next start's sweep)."""
+    import signal
+    import threading
+    import time
+
+    from ubep_torch.testing import RankFailure
+    shm, marks = tmp_path / "shm", tmp_path / "marks"
+    shm.mkdir()
+    marks.mkdir()
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": str(shm)}
+    with RankPool(2, env=env) as pool:
+        failed = []
+
+        def run():
+            try:
+                pool.run(FR.stuck_while_reserving, str(marks), timeout_s=60)
+            except RankFailure as e:
+                failed.append(e)
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 60
+        while len(os.listdir(marks)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(os.listdir(marks)) == 2, "the ranks never reached the reservation"
+        for name in os.listdir(marks):
+            os.kill(int((marks / name).read_text()), signal.SIGKILL)
+        t.join(60)
+    assert failed, "the pool did not report its killed ranks"
+    assert not [n for n in os.listdir(shm) if n.startswith("ubep-")], os.listdir(shm)
+
+
 def test_late_rank_learns_which_call_was_aborted():
     """An abort names the call it happened in, also from a recv hook that runs after later calls were
     issued and from clean_low_latency_buffer: the late rank fails in that very call and says so, and
