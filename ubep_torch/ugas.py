@@ -228,19 +228,9 @@ class SymmetricHeap:
         try:
             path, fd = self._create_segment(group_token, paths[self.rank])
         except Exception as e:
-            # the peers wait for this step: tell them why this rank cannot come (a bare error of its own
-            # would leave them waiting for their deadline), then raise here too
-            try:
-                _all_gather(f"{type(e).__name__}: {e}"[:1000], group, self.world_size, self.timeout_s, created_step)
-            except Exception:  # noqa: BLE001  (this rank's own error is the one to raise)
-                pass
-            raise
+            self._settle_step(group, created_step, e, "create their segment")
         try:
-            created = _all_gather(True, group, self.world_size, self.timeout_s, created_step)
-            failed = [r for r, c in enumerate(created) if c is not True]
-            if failed:
-                raise RuntimeError(f"ubep_torch: rank {self.rank} in phase '{created_step}': rank(s) {failed} could "
-                                   f"not create their segment: " + "; ".join(str(created[r]) for r in failed))
+            self._settle_step(group, created_step, None, "create their segment")
             # 3. map every peer's segment after checking it is what the group announced.
             for r in range(self.world_size):
                 if r == self.rank:
@@ -269,27 +259,19 @@ class SymmetricHeap:
             _PENDING.pop(path, None)
         # 5. reserve the segment's memory (nothing can be left behind any more), and learn that every peer
         # reserved its own: too little shared memory fails on every rank, before any page is touched.
-        reserve_step = "Buffer set-up: waiting for every rank to reserve its segment's memory"
         error: Optional[BaseException] = None
         try:
-            try:
-                self._reserve(fd)
-            except (OSError, RuntimeError) as e:
-                error = e
-            finally:
-                os.close(fd)
-            reserved = _all_gather(True if error is None else f"{type(error).__name__}: {error}"[:1000], group,
-                                   self.world_size, self.timeout_s, reserve_step)
+            self._reserve(fd)
+        except (OSError, RuntimeError) as e:
+            error = e
+        finally:
+            os.close(fd)
+        try:
+            self._settle_step(group, "Buffer set-up: waiting for every rank to reserve its segment's memory", error,
+                              "reserve their shared memory")
         except BaseException:
             self.close()
             raise
-        failed = [r for r, c in enumerate(reserved) if c is not True and r != self.rank]
-        if error is not None or failed:
-            self.close()
-            if error is not None:
-                raise error
-            raise RuntimeError(f"ubep_torch: rank {self.rank} in phase '{reserve_step}': rank(s) {failed} could "
-                               f"not reserve their shared memory: " + "; ".join(str(reserved[r]) for r in failed))
         self.local = self._views[self.rank][HEADER_BYTES:]
 
     # ------------------------------------------------------------------ public views
@@ -313,6 +295,24 @@ class SymmetricHeap:
             except BufferError:
                 _detach(m, file)
         self._maps = []
+
+    def _settle_step(self, group, phase: str, error: Optional[BaseException], what: str) -> None:
+        """End a set-up step that can fail on any rank: tell every peer how it went here (``error``, None when
+        it succeeded; a bare error of this rank's own would leave the peers waiting for their deadline), then
+        raise this rank's own error, or a RuntimeError naming the peers that could not ``what``."""
+        try:
+            outcome = _all_gather(True if error is None else f"{type(error).__name__}: {error}"[:1000], group,
+                                  self.world_size, self.timeout_s, phase)
+        except Exception:  # noqa: BLE001  (this rank's own error is the one to raise)
+            if error is None:
+                raise
+            outcome = None
+        if error is not None:
+            raise error
+        failed = [r for r, c in enumerate(outcome) if c is not True]
+        if failed:
+            raise RuntimeError(f"ubep_torch: rank {self.rank} in phase '{phase}': rank(s) {failed} could not "
+                               f"{what}: " + "; ".join(str(outcome[r]) for r in failed))
 
     def _unlink_peer_names(self, paths: List[str]) -> None:
         """After a failed set-up: unlink every peer's announced segment name. Once one rank leaves the
