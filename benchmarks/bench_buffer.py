@@ -41,6 +41,10 @@ outputs.
   path was built, the same steps run a second time through its own row-copy and bf16-sum loops (the
   loops a ``Buffer`` moves its rows with), which are at least as fast: the round trip no implementation
   that makes these copies with these loops can beat on this machine.
+* Per-call work (first backend only): the ``ubep normal`` round trip of the same routing with rows of
+  hidden 128 (``x``'s first 128 columns), which move next to no bytes. What it takes is the part of a call
+  that does not grow with the rows: the routing checks, control messages, waits, acks and outputs. Set
+  against the plain-copies round trip above, it shows how far each part is from the target.
 
 The C path stores rows into a peer's slots with plain or streaming stores, whichever it measured cheaper
 (``native_engine.store_policy``; ``UBEP_STORES`` fixes one): the last lines print each rank's choice and
@@ -74,6 +78,8 @@ from ubep_torch.native_engine import store_policy as native_store_policy  # noqa
 from ubep_torch.testing import RankPool  # noqa: E402
 from ubep_torch.ugas import SymmetricHeap  # noqa: E402
 from ubep_torch.utils import int_at_least  # noqa: E402
+
+SMALL_HIDDEN = 128    # hidden size of the per-call work line: rows of 256 B in bf16
 
 
 def _loop(fn, iters: int) -> float:
@@ -235,11 +241,12 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
         Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R)
     rdma = Buffer.get_low_latency_rdma_size_hint(T, H, R, E)
     paths = {}     # backend -> (dispatch, combine, low-latency dispatch, low-latency combine)
-    bufs = []
+    bufs, layouts = [], []
     for backend in backends:
         buf = Buffer(ctx.group, nvl, rdma, low_latency_mode=True, sync=sync, backend=backend)
         bufs.append(buf)
         ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
+        layouts.append((ntpr, None, ntpe, itr))
 
         def disp(buf=buf, ntpr=ntpr, ntpe=ntpe, itr=itr):
             return buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
@@ -267,6 +274,13 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
                          topk_idx=topk_i, topk_weights=w_i)
         return buf.combine(d[0], d[4])
 
+    x_small = x[:, :SMALL_HIDDEN].contiguous()
+
+    def small_rt(buf=bufs[0], ntpr=layouts[0][0], ntpe=layouts[0][2], itr=layouts[0][3]):
+        d = buf.dispatch(x_small, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                         topk_idx=topk, topk_weights=w)
+        return buf.combine(d[0], d[4])
+
     def naive_n():
         return naive_rank_rows(x, topk, E, R)
 
@@ -276,7 +290,7 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
     for disp, comb, lld, llc in paths.values():        # warm up every path once
         d, ll = disp(), lld()
         comb(d), llc(ll)
-    naive_n(), naive_l(), new_routing_rt()
+    naive_n(), naive_l(), new_routing_rt(), small_rt()
     recv_bytes = d[0].numel() * 2
     ll_bytes = int(ll[1].sum()) * H * 2
     del d, ll
@@ -313,7 +327,7 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
 
     keys = [f"{b}:{k}" for b in paths for k in ("disp", "comb", "rt", "lld", "llc", "llrt")]
     keys += [f"floor_{v}_{k}" for v in floors for k in ("disp", "comb", "rt")]
-    res = {k: [] for k in keys + ["new_routing_rt", "naive_n", "naive_l", "copy", "bigcopy", "cross"]}
+    res = {k: [] for k in keys + ["new_routing_rt", "small_rt", "naive_n", "naive_l", "copy", "bigcopy", "cross"]}
     for _ in range(rounds):
         for b, (disp, comb, lld, llc) in paths.items():
             res[f"{b}:disp"].append(_loop(disp, iters))
@@ -327,6 +341,7 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
             del ll
             res[f"{b}:llrt"].append(_loop(lambda d=lld, c=llc: c(d()), iters))
         res["new_routing_rt"].append(_loop(new_routing_rt, iters))
+        res["small_rt"].append(_loop(small_rt, iters))
         for v, (floor_disp, floor_comb) in floors.items():
             res[f"floor_{v}_disp"].append(_loop(floor_disp, iters))
             recv = floor_disp()
@@ -424,6 +439,12 @@ def main() -> None:
             print(f"  {how}: dispatch {f['disp'] * 1e3:.3f} ms, combine {f['comb'] * 1e3:.3f} ms, round trip "
                   f"{f['rt'] * 1e3:.3f} ms ({t['naive_n'] / f['rt']:.1f}x naive gloo, rank rows); ubep normal "
                   f"takes {rt / f['rt']:.2f}x as long")
+    small = t["small_rt"]
+    floor = f" (the C loops' plain-copies round trip: {t['floor_native_rt'] * 1e3:.3f} ms)" \
+        if "floor_native_rt" in t else ""
+    print(f"\nper-call work: the same normal round trip with rows of hidden {min(a.hidden, SMALL_HIDDEN)} (the "
+          f"routing checks, control\n  messages, waits and outputs of every call, with next to no bytes): "
+          f"{small * 1e3:.3f} ms; at hidden {a.hidden} the rows add\n  {(rt - small) * 1e3:.3f} ms to it{floor}")
     print("\nrows into the peers' slots (the C path's stores, native_engine.store_policy), per rank at the end:")
     for r, st in enumerate(r[4] for r in per_rank):
         if not st:

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from ubep_torch.cost_model import CostModel, compare, dispatch_bytes_per_token, format_report, simulate
+from ubep_torch.cost_model import CANN_SENDING, CostModel, compare, dispatch_bytes_per_token, format_report, simulate
 from ubep_torch.sim import fig10_case, make_routing, run_case
 from ubep_torch.topology import INTRA_NPU, ONE_HOP, SAME_DIE, TWO_HOP, Topology
 
@@ -81,6 +81,27 @@ def test_syncall_is_about_15_percent_of_cann_ep() -> None:
 
 
 # ----------------------------------------------------------------------------- mechanisms
+def test_cann_ep_sending_rules() -> None:
+    """CANN EP's AIV of each dispatch copy: token-owner (default) or contiguous slices of the B*K copies."""
+    tk = make_routing(64, 8, 8, 256, seed=0)
+    nbytes = dispatch_bytes_per_token(H)
+    rep = {rule: simulate("dispatch", "cann_ep", tk, 256, nbytes, cann_sending=rule) for rule in ("tokens", "slices")}
+    # batch 8: token-owner leaves 40 of 48 AIVs idle and gives the 8 busy ones 8 copies each; slices give
+    # every AIV one or two copies
+    busy = {rule: sum(1 for t in r.aiv_send_us if t > 0) for rule, r in rep.items()}
+    assert busy == {"tokens": 8, "slices": 48}, busy
+    assert rep["slices"].phases_us["token_sending"] < 0.5 * rep["tokens"].phases_us["token_sending"]
+    for r in rep.values():
+        assert abs(sum(r.phases_us.values()) - r.total_us) < 1e-6 * r.total_us
+    # UBEP's side and combine do not depend on the rule
+    a, b = (run_case(kind, 16, 8, H, 8, 64, cann_sending=rule) for kind in ("dispatch",) for rule in CANN_SENDING)
+    assert a["ubep"].total_us == b["ubep"].total_us and a["cann_ep"].total_us != b["cann_ep"].total_us
+    c = [run_case("combine", 16, 8, H, 8, 64, cann_sending=rule)["cann_ep"].total_us for rule in CANN_SENDING]
+    assert c[0] == c[1]
+    with pytest.raises(ValueError, match="cann_sending"):
+        simulate("dispatch", "cann_ep", tk, 256, nbytes, cann_sending="experts")
+
+
 @pytest.mark.parametrize("kind", ["dispatch", "combine", "low_latency_dispatch", "low_latency_combine"])
 def test_phases_add_up_and_per_aiv_lists(kind: str) -> None:
     res = run_case(kind, 32, 64, H, 8, 256)

@@ -51,6 +51,7 @@ from .utils import check_count
 
 KINDS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
 SCHEDULES = ("cann_ep", "ubep")
+CANN_SENDING = ("tokens", "slices")     # CANN EP's AIV of each dispatch copy (see ``simulate``)
 
 
 @dataclass
@@ -272,9 +273,10 @@ def _arrival(finish_s: np.ndarray, c: _Copies, world: int, topo: Topology, p: CM
 
 # ----------------------------------------------------------------------------- schedules
 def _cann(kind: str, c: _Copies, B: int, K: int, world: int, num_experts: int, bytes_per_token: int,
-          topo: Topology, p: CM384Params, n: int) -> tuple[np.ndarray, dict[str, np.ndarray], _SendResult]:
+          topo: Topology, p: CM384Params, n: int, sending: str = "tokens"
+          ) -> tuple[np.ndarray, dict[str, np.ndarray], _SendResult]:
     dispatch = "dispatch" in kind
-    policy = "tokens" if dispatch else "slices"
+    policy = sending if dispatch else "slices"
     aiv = _assign(c, n, policy, topo)
     # raw 512 B blocks; BSP's stop-and-wait happens once per phase (SyncAll, then flags), not per stream
     sr = _send(c, aiv, n, world, bytes_per_token, "bsp", topo, p)
@@ -402,6 +404,7 @@ def simulate(
     mapping: bool = True,
     n_count: int | None = None,
     n_aivs: int | None = None,
+    cann_sending: str = "tokens",
 ) -> Report:
     """Model one call of ``kind`` under ``schedule`` from the routing of some or all ranks.
 
@@ -421,6 +424,11 @@ def simulate(
         sync, mapping, n_count: UBEP's Data-as-Flag variant, topology-aware mapping and count-group
             size (``None``: :func:`ubep_torch.mapper.default_count_aivs`). Ignored for CANN EP.
         n_aivs: AIVs per die (default ``params.aivs_per_die``).
+        cann_sending: which AIV sends each dispatch copy in CANN EP (ignored for UBEP): ``"tokens"``
+            (the calibrated default: token ``i`` of a die and all its copies go to AIV ``i mod n``) or
+            ``"slices"`` (the die's B*K copies in token order, cut into contiguous equal slices, one per
+            AIV, as the public ``MoeDistributeDispatch`` kernel of CANN splits them; the calibration was
+            not redone for it: see docs/reproducing.md).
     Returns:
         :class:`Report` of the slowest rank.
     """
@@ -432,6 +440,8 @@ def simulate(
         raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
     if not isinstance(mapping, (bool, np.bool_)):
         raise TypeError(f"mapping must be True or False, got {mapping!r}")
+    if cann_sending not in CANN_SENDING:
+        raise ValueError(f"cann_sending must be one of {CANN_SENDING}, got {cann_sending!r}")
     tk = topk_idx.detach().cpu().numpy() if isinstance(topk_idx, torch.Tensor) else np.asarray(topk_idx)
     if tk.dtype.kind not in "iu":
         raise TypeError(f"topk_idx must hold integer expert ids, got {tk.dtype}")
@@ -459,7 +469,7 @@ def simulate(
     n = params.aivs_per_die if n_aivs is None else check_count("n_aivs", n_aivs, 2)
     c = _copies(kind, tk, src, R, E, full)
     if schedule == "cann_ep":
-        total, phases, sr = _cann(kind, c, B, K, R, E, bytes_per_token, topo, params, n)
+        total, phases, sr = _cann(kind, c, B, K, R, E, bytes_per_token, topo, params, n, cann_sending)
         overlapped: dict[str, np.ndarray] = {}
         sync_used, mapping_used, nc = "sw", False, 0
     else:
@@ -491,10 +501,11 @@ def compare(kind: str, topk_idx, num_experts: int, bytes_per_token: int, **kw) -
     """``{"cann_ep": Report, "ubep": Report, "reduction": 1 - ubep/cann_ep}`` for the same routing.
 
     Keyword arguments are those of :func:`simulate`; ``sync``, ``mapping`` and ``n_count`` apply to
-    the UBEP side only.
+    the UBEP side only, ``cann_sending`` to the CANN EP side only.
     """
     ub_kw = {k: kw.pop(k) for k in ("sync", "mapping", "n_count") if k in kw}
-    cann = simulate(kind, "cann_ep", topk_idx, num_experts, bytes_per_token, **kw)
+    cann_kw = {k: kw.pop(k) for k in ("cann_sending",) if k in kw}
+    cann = simulate(kind, "cann_ep", topk_idx, num_experts, bytes_per_token, **kw, **cann_kw)
     ubep = simulate(kind, "ubep", topk_idx, num_experts, bytes_per_token, **kw, **ub_kw)
     return {"cann_ep": cann, "ubep": ubep, "reduction": 1.0 - ubep.total_us / cann.total_us}
 

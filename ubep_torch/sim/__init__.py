@@ -117,10 +117,11 @@ def run_case(kind: str, ranks: int, batch: int, hidden: int, topk: int, experts:
              ranks_per_node: int = 16, hot_experts: int = 0, zipf: float | None = None,
              sync: str = "tff", mapping: bool = True, count_aivs: int | None = None, seed: int = 0,
              bytes_per_token: int | None = None, params: CM384Params = CM384,
-             routing: torch.Tensor | None = None) -> dict:
+             routing: torch.Tensor | None = None, cann_sending: str = "tokens") -> dict:
     """Model one call on ``ranks`` dies: ``{"cann_ep": Report, "ubep": Report, "reduction": float}``.
 
     Dispatch payload defaults to int8 with fp32 scales (DeepSeek's 7.5 KB at H 7168), combine to bf16.
+    ``cann_sending`` picks CANN EP's AIV of each dispatch copy (see ``cost_model.simulate``).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -161,7 +162,7 @@ def run_case(kind: str, ranks: int, batch: int, hidden: int, topk: int, experts:
         bytes_per_token = dispatch_bytes_per_token(hidden) if "dispatch" in kind else 2 * hidden
     topo = Topology.for_ranks(ranks, ranks_per_node)
     return compare(kind, tk, experts, bytes_per_token, topology=topo, params=params, sync=sync,
-                   mapping=mapping, n_count=count_aivs)
+                   mapping=mapping, n_count=count_aivs, cann_sending=cann_sending)
 
 
 def _row(x: dict, **extra) -> dict:
@@ -265,7 +266,7 @@ def sweep_aivs(aivs: Sequence[int] = (8, 16, 24, 32, 48), ranks: int = 64, batch
 
 
 def fig10_case(seed: int = 0, batch: int = 64, hot_weight: float = 4.0,
-               params: CM384Params = CM384) -> dict[str, Report]:
+               params: CM384Params = CM384, cann_sending: str = "tokens") -> dict[str, Report]:
     """Fig. 10 setting: 64 dies as four 16-die nodes, 256 experts, top-8, 8 hot experts.
 
     Returns the dispatch reports of CANN EP, UBEP without mapping and UBEP.
@@ -274,7 +275,8 @@ def fig10_case(seed: int = 0, batch: int = 64, hot_weight: float = 4.0,
     topo = Topology.for_ranks(64, 16)
     nbytes = dispatch_bytes_per_token(7168)
     return {
-        "cann_ep": simulate("dispatch", "cann_ep", tk, 256, nbytes, topology=topo, params=params),
+        "cann_ep": simulate("dispatch", "cann_ep", tk, 256, nbytes, topology=topo, params=params,
+                            cann_sending=cann_sending),
         "ubep_no_mapping": simulate("dispatch", "ubep", tk, 256, nbytes, topology=topo, mapping=False,
                                     params=params),
         "ubep": simulate("dispatch", "ubep", tk, 256, nbytes, topology=topo, params=params),
