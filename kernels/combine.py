@@ -153,12 +153,16 @@ def weighted_combine(fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tenso
     if pos is None:
         pos = torch.arange(T * K, dtype=torch.int64).view(T, K)
     hidden = fmt.fields[0][1] // 2
+    # (the kernel stores token t's row at t * hidden: any other layout of ``out`` gets the rows through a copy)
+    dense = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
     weighted_combine_kernel[(T,)](
         torch.tensor([rows.data_ptr()], dtype=torch.int64), topk_idx.contiguous(), pos.contiguous(),
         weights.contiguous(),
-        out.view(torch.int16), K, hidden, fmt.blocks, fmt.meta_words, fmt.field_offset_blocks(0),
+        dense.view(torch.int16), K, hidden, fmt.blocks, fmt.meta_words, fmt.field_offset_blocks(0),
         SYNC=daf.SYNC_CODE[fmt.sync],
         H_BLOCK=min(1024, triton.next_power_of_2(max(hidden, 2))),
         # compiled kernels would otherwise contract ``acc += x * w`` into one fused multiply-add, whose
         # single rounding differs from the torch path's multiply-then-add (the interpreter ignores this)
         enable_fp_fusion=False)
+    if dense is not out:
+        out.copy_(dense)

@@ -63,3 +63,9 @@ def test_mixed_backends(pool):
     for r in pool.run(F.mixed_backends):
         assert r["normal_ok"], r
         assert "low_latency_rows" in r["ll"] and "triton" in r["ll"] and "(token, expert)" in r["ll"], r
+
+
+def test_low_latency_combine_into_strided_out(pool):
+    """(former bug: the kernel stored rows ``hidden`` elements apart whatever ``out``'s strides, so a transposed
+    ``out=`` got wrong values and a column slice's stores ran into the columns beside it)"""
+    F.assert_all_same(pool.run(F.ll_strided_out, "triton"))

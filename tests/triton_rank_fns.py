@@ -174,11 +174,12 @@ def ll_strided_out(ctx, backend: str = "native", T: int = 6, H: int = 256, K: in
     rx, _, h, _, _ = bt.low_latency_dispatch(x, topk, N, E, use_fp8=False)
     ref, _, _ = bt.low_latency_combine(rx, topk, w, h)
     same = {}
-    for name, out in (("transposed", torch.zeros(H, T, dtype=torch.bfloat16).t()),
-                      ("column_slice", torch.zeros(T, 2 * H, dtype=torch.bfloat16)[:, H:])):
+    parent = torch.zeros(T, 2 * H, dtype=torch.bfloat16)
+    for name, out in (("transposed", torch.zeros(H, T, dtype=torch.bfloat16).t()), ("column_slice", parent[:, H:])):
         rk, _, hk, _, _ = bk.low_latency_dispatch(x, topk, N, E, use_fp8=False)
         got, _, _ = bk.low_latency_combine(rk, topk, w, hk, out=out)
         same[name] = got is out and torch.equal(got.contiguous().view(torch.int16), ref.view(torch.int16))
+    same["beside_column_slice_untouched"] = not bool(parent[:, :H].view(torch.int16).any())
     rk, _, hk, _, _ = bk.low_latency_dispatch(x, topk, N, E, use_fp8=False)
     strided = rk.permute(1, 0, 2).contiguous().permute(1, 0, 2)     # same values, expert dim not outermost
     got, _, _ = bk.low_latency_combine(strided, topk, w, hk)
