@@ -213,12 +213,17 @@ def test_cli_combine_preset_and_errors() -> None:
     assert json.loads(p.stdout)["ubep"]["total_us"] > 0
     bad = _cli("dispatch", "--ranks", "16", "--batch", "8", "--hidden", "1024", "--topk", "2")
     assert bad.returncode != 0 and "--experts" in bad.stderr
+    # (former bug: the text printed the slowest sender's bytes over batch x topk, not a copy's bytes)
+    text = _cli("combine", "--ranks", "16", "--batch", "32", "--model", "qwen3-30b-a3b", "--hot-experts", "4")
+    assert text.returncode == 0 and "H 2048," in text.stdout and "4096 B per copy" in text.stdout, text.stdout
 
 
 @pytest.mark.parametrize("extra,what", [(("--ranks", "0"), "--ranks"), (("--hidden", "-7"), "--hidden"),
                                         (("--zipf", "nan"), "--zipf"), (("--hot-experts", "1000"), "hot_experts"),
                                         (("--ranks", "100000", "--experts", "100000"), "ranks"),
-                                        (("--topk", "x"), "--topk")])
+                                        (("--topk", "x"), "--topk"), (("--seed", "-5"), "--seed"),
+                                        (("--zipf", "1", "--hot-experts", "2"), "--zipf"),
+                                        (("--experts", "24"), "multiple of ranks")])
 def test_cli_bad_values_give_one_usage_error(extra, what) -> None:
     p = _cli("dispatch", "--ranks", "16", "--batch", "8", "--hidden", "1024", "--topk", "2", "--experts", "64",
              *extra)
@@ -233,6 +238,11 @@ def test_cli_sweep_json_is_only_json() -> None:
     assert rows and all({"point", "paper", "model", "error"} <= set(r) for r in rows)
     bad = _cli("sweep", "batch", "--plot", "/nonexistent-dir/x.png")
     assert bad.returncode == 2 and "no such directory" in bad.stderr
+    # (former bugs: tracebacks for a sweep's seed out of range and for a file format matplotlib lacks)
+    for args, what in ((("fig10", "--seed", "-5"), "--seed"), (("batch", "--seed", str(1 << 70)), "--seed"),
+                       (("fig10", "--plot", os.path.join(REPO, "x.xyz")), ".png")):
+        bad = _cli("sweep", *args)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr and what in bad.stderr, bad.stderr
 
 
 @pytest.mark.parametrize("sync", ["dc", "sw"])
@@ -271,6 +281,12 @@ _TK = make_routing(4, 8, 2, 8, seed=1)          # [4 ranks, 8 tokens, top-2] ove
     (lambda: dispatch_bytes_per_token(-1), ValueError, "hidden"),
     (lambda: dispatch_bytes_per_token(7168, "foo"), ValueError, "dtype"),
     (lambda: CostModel().report("dispatch", 4, 4, _TK[0], 8, 128), ValueError, "rank"),
+    (lambda: CostModel(ranks_per_node=0), ValueError, "ranks_per_node"),
+    (lambda: CostModel(sync="bogus"), ValueError, "sync"),
+    (lambda: CostModel(mapping="yes"), TypeError, "mapping"),
+    (lambda: CostModel(n_count=0), ValueError, "n_count"),
+    (lambda: CostModel(n_count=48), ValueError, "n_count"),
+    (lambda: CostModel(callback=3), TypeError, "callback"),
     (lambda: CostModel().report("dispatch", 0, 0, _TK[0], 8, 128), ValueError, "world_size"),
     (lambda: run_case("dispatch", 4, 8, 1 << 40, 2, 8), ValueError, "hidden"),
     (lambda: run_case("dispatch", 4, 8, 128, 2, 8, seed=1 << 70), ValueError, "seed"),
@@ -309,3 +325,42 @@ def test_buffer_reports_model_its_count_group() -> None:
         (got,) = pool.run(_count_group_reports)
     default = got[0]
     assert got == [default, 6, default, 4, 6, 4], got
+
+
+def _every_normal_call_reports(ctx):
+    from ubep_torch import Buffer
+    T, H, E, K = 16, 256, 8, 2
+    topk = make_routing(1, T, K, E, seed=ctx.rank)[0]
+    x = torch.ones(T, H, dtype=torch.bfloat16)
+    seen = []
+    buf = Buffer(ctx.group, 1 << 22, 0, cost_model=CostModel(), on_report=lambda kind, rep: seen.append((kind, rep)))
+    ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
+    rx, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_tokens_per_expert=ntpe)
+    buf.combine(rx, h)
+    buf.dispatch(x, handle=h)                                      # cached
+    rx, _, _, _, h, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe)
+    buf.combine(rx, h)
+    buf.combine(rx, tuple(h))                                      # a handle rebuilt from its tuple
+    last = buf.last_report is seen[-1][1]
+    # the setter sets both: a model without a callback leaves none (the earlier one fired on)
+    buf.set_cost_model(CostModel())
+    buf.combine(rx, h)
+    last = last and len(seen) == 6 and buf.last_report is not seen[-1][1]
+    buf.destroy()
+    return [(kind, rep["ubep"].kind, rep["ubep"].bytes) for kind, rep in seen], int((topk >= 0).sum()), \
+        int(itr.sum()), last
+
+
+def test_every_normal_call_reports() -> None:
+    """(former bug: a cached dispatch, and a dispatch given ``is_token_in_rank`` without ``topk_idx`` and its
+    combine, made no report, and ``last_report`` kept describing an earlier call)"""
+    from ubep_torch.testing import RankPool
+    with RankPool(2) as pool:
+        res = pool.run(_every_normal_call_reports)
+    for seen, copies, rank_rows, last in res:
+        assert [k for k, _, _ in seen] == ["dispatch", "combine", "dispatch", "dispatch", "combine", "combine"], seen
+        assert all(k == kind for k, kind, _ in seen), seen
+        row = 256 * 2
+        # topk_idx known: one copy per (token, expert); known only by rank: one per (token, destination rank)
+        assert [b for _, _, b in seen] == [copies * row] * 3 + [rank_rows * row] * 3, (seen, copies, rank_rows)
+        assert last

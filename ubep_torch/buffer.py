@@ -736,15 +736,15 @@ class Buffer:
     def set_cost_model(self, cost_model, on_report: Optional[Callable] = None) -> None:
         """Enable (or with None disable) per-call CM384 latency reports: ``cost_model`` has a
         ``report(kind, rank, num_ranks, topk_idx, num_experts, hidden, bytes_per_token, sync=...)`` method
-        (``ubep_torch.cost_model.CostModel``); ``on_report(kind, report)``, when given, gets every report."""
+        (``ubep_torch.cost_model.CostModel``); ``on_report(kind, report)``, when given, gets every report.
+        Each call sets both: one without ``on_report`` leaves no callback."""
         if cost_model is not None and not callable(getattr(cost_model, "report", None)):
             raise TypeError(f"cost_model must have a report() method (ubep_torch.cost_model.CostModel), got "
                             f"{type(cost_model).__name__}")
         if on_report is not None and not callable(on_report):
             raise TypeError(f"on_report must be callable, got {type(on_report).__name__}")
         self.cost_model = cost_model
-        if on_report is not None:
-            self.on_report = on_report
+        self.on_report = on_report
 
     def get_local_buffer_tensor(self, dtype: torch.dtype = torch.uint8, offset: int = 0) -> torch.Tensor:
         """This rank's shared segment as a flat tensor (for inspection and tests)."""
@@ -1201,11 +1201,24 @@ class Buffer:
         self._signal_abort(P.ABORT_GAVE_UP if gave_up else P.ABORT_FAILED)
 
     def _report(self, kind: str, topk_idx: Optional[torch.Tensor], num_experts: int, hidden: int,
-                bytes_per_token: int) -> None:
+                bytes_per_token: int, token_in_rank: Optional[torch.Tensor] = None) -> None:
         """The cost model's report of a call whose data has moved. The model and ``on_report`` observe the
         call: an error of theirs becomes a warning, so the call's results are returned and no peer waits
-        on a call this rank left."""
-        if self.cost_model is None or topk_idx is None:
+        on a call this rank left.
+
+        A normal call whose routing is known only as ``token_in_rank`` ([T, R] bool: a dispatch given
+        ``is_token_in_rank`` without ``topk_idx``, its combine, a handle rebuilt from its tuple) is modelled
+        with one copy per (token, destination rank), to that rank's first expert: the rows normal mode
+        moves."""
+        if self.cost_model is None:
+            return
+        if topk_idx is None and token_in_rank is not None:
+            R = self.group_size
+            if num_experts < R:           # (a handle rebuilt from its tuple does not know E)
+                num_experts = R
+            first = torch.arange(R, dtype=torch.int64) * (num_experts // R)
+            topk_idx = torch.where(token_in_rank.to(torch.bool), first, torch.full_like(first, -1))
+        if topk_idx is None:
             return
         try:
             # (the count group the Buffer or a normal call's Config names, else the model's own choice)
@@ -1574,7 +1587,8 @@ class Buffer:
             num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=topk_idx,
             peer_tokens=recv["num_tokens"], pair=self._pair_tag | self._calls)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
-        self._report("dispatch", topk_idx, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0))
+        self._report("dispatch", topk_idx, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0),
+                     token_in_rank=is_token_in_rank)
         if layout == "expert_major":
             res = self._to_expert_major(out_x, recv_topk_idx, recv_topk_weights, h, expert_alignment, num_recv)
             h = res[4]
@@ -1681,6 +1695,7 @@ class Buffer:
         self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, base.send_idx, exchange, allocate, local_copy,
                               own_src=(fields_data, None))
         self._call_complete("cached dispatch")
+        self._report("dispatch", base.topk_idx, base.num_experts, H, sum(f[1] for f in fields), token_in_rank=base[4])
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         if handle.layout == "expert_major":
             row_index = handle.row_index
@@ -2091,7 +2106,7 @@ class Buffer:
             self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None,
                                reduce=functools.partial(reduce, x_rows, toks, a, b))
         self._call_complete("combine")
-        self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size())
+        self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size(), token_in_rank=base[4])
         return out, wacc, EventOverlap(None)
 
     # ================================================================== low-latency dispatch

@@ -534,10 +534,20 @@ class CostModel:
     def __init__(self, ranks_per_node: int = 16, params: CM384Params = CM384, sync: str = "tff",
                  mapping: bool = True, n_count: int | None = None,
                  callback: Callable[[str, dict], None] | None = None) -> None:
-        self.ranks_per_node = int(ranks_per_node)
+        # (checked here, not at the first report: inside a Buffer a bad setting would warn on every call)
+        self.ranks_per_node = check_count("ranks_per_node", ranks_per_node, 1)
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+        if not isinstance(mapping, (bool, np.bool_)):
+            raise TypeError(f"mapping must be True or False, got {mapping!r}")
+        if n_count is not None and not 1 <= check_count("n_count", n_count, 1) < params.aivs_per_die:
+            raise ValueError(f"n_count must be in [1, {params.aivs_per_die - 1}] (AIVs per die: "
+                             f"{params.aivs_per_die}), got {n_count}")
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
         self.params = params
         self.sync = sync
-        self.mapping = mapping
+        self.mapping = bool(mapping)
         self.n_count = n_count
         self.callback = callback
         self.last_report: dict | None = None

@@ -64,8 +64,9 @@ PRESETS: dict[str, ModelPreset] = {
 
 
 def _gumbel_topk(log_w: torch.Tensor, rows: int, topk: int, gen: torch.Generator) -> torch.Tensor:
-    g = -torch.log(-torch.log(torch.rand(rows, log_w.numel(), generator=gen).clamp_(1e-12, 1 - 1e-7)))
-    return torch.topk(g + log_w[None, :], topk, dim=1).indices
+    # -log(-log(u)) + log_w, every step in place (no temporaries the size of the [rows, experts] draws)
+    g = torch.rand(rows, log_w.numel(), generator=gen).clamp_(1e-12, 1 - 1e-7).log_().neg_().log_().neg_()
+    return torch.topk(g.add_(log_w[None, :]), topk, dim=1).indices
 
 
 def _sample(log_w: torch.Tensor, ranks: int, batch: int, topk: int, seed: int) -> torch.Tensor:
@@ -145,10 +146,10 @@ def run_case(kind: str, ranks: int, batch: int, hidden: int, topk: int, experts:
         raise ValueError(f"zipf must be a finite exponent >= 0, got {zipf}")
     if bytes_per_token is not None:
         bytes_per_token = check_count("bytes_per_token", bytes_per_token, 1)
-    if experts % ranks and ranks % experts:
-        raise ValueError(f"experts={experts} must be a multiple (or divisor) of ranks={ranks}")
     if experts < ranks:
         raise ValueError(f"need at least one expert per rank: experts={experts} < ranks={ranks}")
+    if experts % ranks:
+        raise ValueError(f"experts={experts} must be a multiple of ranks={ranks} (every rank hosts as many)")
     if hidden > MAX_HIDDEN:
         raise ValueError(f"hidden={hidden}: the model covers hidden sizes up to {MAX_HIDDEN}")
     if not isinstance(seed, int) or not 0 <= seed < 1 << 63:

@@ -21,6 +21,7 @@ import math
 import os
 import sys
 
+from ..cost_model import dispatch_bytes_per_token
 from ..utils import int_at_least
 from . import (
     PRESETS,
@@ -54,6 +55,20 @@ def _exponent(text: str) -> float:
     return v
 
 
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= v < 1 << 63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {text}")
+    return v
+
+
+#: what ``--plot`` may write (matplotlib's formats; a name without one would be written with ".png" added)
+_PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "tif", "tiff", "webp", "eps", "ps", "pgf")
+
+
 def _add_case_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int_at_least(1), required=True, help="EP ranks (NPU dies)")
     p.add_argument("--batch", type=int_at_least(1), required=True, help="tokens per rank")
@@ -70,7 +85,7 @@ def _add_case_args(p: argparse.ArgumentParser) -> None:
                    help="UBEP count-group AIVs (default: Appendix 9)")
     p.add_argument("--bytes-per-token", type=int_at_least(1), default=None,
                    help="payload per token copy (default: int8+scales for dispatch, bf16 for combine)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -83,12 +98,17 @@ def _fill(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     missing = [n for n in ("hidden", "topk", "experts") if getattr(args, n) is None]
     if missing:
         parser.error(f"missing --{' --'.join(missing)} (or give --model)")
+    if args.hot_experts and args.zipf is not None:
+        parser.error("--hot-experts and --zipf are two routings: give one of them")
+    if args.cmd == "combine" and args.count_aivs is not None:
+        parser.error("--count-aivs sizes dispatch's count group; combine has none")
 
 
 def _print_case(kind: str, args: argparse.Namespace, res: dict) -> None:
     u, c = res["ubep"], res["cann_ep"]
+    copy = args.bytes_per_token or (dispatch_bytes_per_token(args.hidden) if kind == "dispatch" else 2 * args.hidden)
     print(f"{kind}: {args.ranks} ranks ({args.ranks_per_node} per node), batch {args.batch}, H {args.hidden}, "
-          f"top-{args.topk} of {args.experts} experts, {u.bytes // max(1, args.batch * args.topk)} B per copy")
+          f"top-{args.topk} of {args.experts} experts, {copy} B per copy")
     for name, r in (("CANN EP", c), ("UBEP", u)):
         extra = ""
         if name == "UBEP":
@@ -160,7 +180,10 @@ def _plot(path: str, batch_rows: list[dict], fig10: dict) -> None:
     ax2.set_title("Per-AIV sending latency, 4x16 dies, 256 experts, 8 hot (Fig. 10 setting)")
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    try:
+        fig.savefig(path, dpi=120)
+    except (OSError, ValueError) as e:
+        sys.exit(f"--plot {path}: {e}")
     print(f"wrote {path}")
 
 
@@ -188,9 +211,11 @@ def _sweep_tables(args: argparse.Namespace) -> dict:
             model = r["model"]
             m = f"{100 * model:9.1f}%" if isinstance(r["paper"], str) else f"{model:10.1f}"
             paper = r["paper"] if isinstance(r["paper"], str) else f"{r['paper']:.1f}"
-            print(f"  {r['point']:42s} {paper:>12s} {m:>10s} {100 * r['error']:+7.1f}%")
+            # (a range's error is the distance outside it, in percentage points)
+            unit = "pt" if isinstance(r["paper"], str) and "-" in r["paper"] else "%"
+            print(f"  {r['point']:42s} {paper:>12s} {m:>10s} {100 * r['error']:+7.1f}{unit}")
         print()
-        if what == "calibration":
+        if what == "calibration" and not args.plot:
             return out
     if what in ("batch", "all") or args.plot:
         rows = sweep_batch(ranks=64, **kw)
@@ -263,12 +288,21 @@ def main(argv: list[str] | None = None) -> int:
                     choices=("all", "calibration", "batch", "ranks", "experts", "granularity", "sync",
                              "ncount", "topk", "aivs", "fig10"))
     sw.add_argument("--plot", default=None, metavar="FILE.png", help="draw the latency breakdown and per-AIV bars")
-    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--seed", type=_seed, default=0)
     sw.add_argument("--json", action="store_true", help="print one JSON object (no tables)")
     args = parser.parse_args(argv)
     if args.cmd == "sweep":
-        if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
-            sw.error(f"--plot {args.plot}: no such directory")
+        if args.plot:
+            if not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+                sw.error(f"--plot {args.plot}: no such directory")
+            if os.path.splitext(args.plot)[1].lower().lstrip(".") not in _PLOT_FORMATS:
+                sw.error(f"--plot {args.plot}: name a file ending in one of "
+                         f"{', '.join('.' + f for f in _PLOT_FORMATS)}")
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                sw.error("--plot needs matplotlib: pip install -e \".[plot]\" in the checkout (or pip install "
+                         "matplotlib)")
         _sweep(args)
         return 0
     _fill(args, sub.choices[args.cmd])
@@ -278,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                        sync=args.sync, mapping=not args.no_mapping, count_aivs=args.count_aivs,
                        seed=args.seed, bytes_per_token=args.bytes_per_token)
     except ValueError as e:
-        parser.error(str(e))
+        sub.choices[args.cmd].error(str(e))
     if args.json:
         print(json.dumps({"cann_ep": _report_json(res["cann_ep"]), "ubep": _report_json(res["ubep"]),
                           "reduction": res["reduction"]}))
@@ -288,4 +322,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:     # (the output piped into a reader that stopped early, such as head)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
