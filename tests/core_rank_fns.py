@@ -145,9 +145,13 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
     src_info, layout_range = handle[0], handle[1]
     El = E // R
     scales = recv_x[1] if use_fp8 else None
+    if use_fp8:   # DeepEP: the scales' last two dimensions are column-major (TMA), whatever the engine
+        groups = H // 512 if ue8m0 else H // 128
+        assert scales.stride() == (groups * R * N, 1, R * N if groups > 1 else 1), scales.stride()
     if ue8m0:   # UE8M0: one exponent byte per 128 channels, four per int32; the scale is 2 ** (byte - 127)
         assert scales.dtype == torch.int32 and tuple(scales.shape) == (El, R * N, H // 512), scales.shape
-        scales = torch.exp2(scales.contiguous().view(torch.uint8).float() - 127)
+        dense = torch.empty(scales.shape, dtype=torch.int32).copy_(scales)   # (standard strides for the view)
+        scales = torch.exp2(dense.view(torch.uint8).float() - 127)
     # fp8 rows carry the bits of DeepEP's low-latency kernel quantization of the source's tokens
     sent = [low_latency_cast_to_fp8(xs, round_scale=ue8m0) for xs in all_x] if use_fp8 else None
     for e in range(El):

@@ -215,7 +215,9 @@ class Checker:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
+    # (a copy with standard strides: contiguous() keeps the strides of a view it deems contiguous, such as an
+    # empty slice of the low-latency scales' column-major view, and a dtype view rejects them)
+    t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
     if t.dtype == torch.bool:
         return t
     return t.view(torch.uint8)

@@ -2418,24 +2418,26 @@ class Buffer:
             self._report("low_latency_dispatch", topk_idx, E, H, fmt.fields[0][1] + (
                 fmt.fields[1][1] if use_fp8 else 0))
 
+        out_x = recv_x
         if use_fp8:
-            out_x = (recv_x, pack_ue8m0(recv_sc) if use_ue8m0 else recv_sc)
-        else:
-            out_x = recv_x
+            # DeepEP's scales: the last two dimensions column-major (for TMA), a transposed view of
+            # [E_local, groups, R*N]; the receive fills row-major rows, copied over once they are in
+            groups = H // 512 if use_ue8m0 else H // 128
+            scales_out = torch.zeros(E_local, groups, R * N, dtype=torch.int32 if use_ue8m0 else torch.float32)
+            # (one group: the same memory as row-major; standard strides then, so that dtype views work)
+            out_x = (recv_x, scales_out.view(E_local, R * N, 1) if groups == 1 else scales_out.transpose(1, 2))
+
+        def receive_scales():
+            receive()
+            if use_fp8:
+                out_x[1].copy_(pack_ue8m0(recv_sc) if use_ue8m0 else recv_sc)
         if return_recv_hook:
             pending.extra["cancel_point"] = self._cancel_point
             self._pending.append(pending)
-            if use_ue8m0:
-                def hook():
-                    receive()
-                    out_x[1].copy_(pack_ue8m0(recv_sc))
-                hook.pending = pending
-                return out_x, recv_count, handle, EventOverlap(None), hook
-            receive.pending = pending
-            return out_x, recv_count, handle, EventOverlap(None), receive
-        receive()
-        if use_ue8m0:
-            out_x = (recv_x, pack_ue8m0(recv_sc))
+            hook = receive_scales if use_fp8 else receive
+            hook.pending = pending
+            return out_x, recv_count, handle, EventOverlap(None), hook
+        receive_scales()
         return out_x, recv_count, handle, EventOverlap(None), None
 
     def _check_in_flight(self, rid: int) -> None:
