@@ -2124,7 +2124,9 @@ class Buffer:
             cumulative_local_expert_recv_stats: optional [E_local] int32, incremented by the counts.
             dispatch_wait_recv_cost_stats: optional [R] int64, incremented by the ns waited per source.
             use_fp8: send fp8 e4m3 with per-128-channel float32 scales (round_scale: powers of two;
-                use_ue8m0: scales as packed UE8M0 exponents, int32 [.., H/512]).
+                use_ue8m0: scales as packed UE8M0 exponents, int32 [.., H/512]). As in DeepEP, the scales'
+                last two dimensions are column-major (a transposed view of [E_local, groups, R*N]; with one
+                group, standard strides).
             return_recv_hook: issue the sends only; the data is valid after ``hook()``.
         Returns:
             ``(recv_x [E_local, R*N, H] bf16 or (fp8, scales), recv_count [E_local] int32, handle, event, hook)``.

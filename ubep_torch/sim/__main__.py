@@ -65,8 +65,9 @@ def _seed(text: str) -> int:
     return v
 
 
-#: what ``--plot`` may write (matplotlib's formats; a name without one would be written with ".png" added)
-_PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "tif", "tiff", "webp", "eps", "ps", "pgf")
+#: what ``--plot`` may write: the Agg backend's formats (a name without an extension gets ".png", as
+#: matplotlib adds it; pgf needs a TeX installation and is left out)
+_PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "jpg", "jpeg", "tif", "tiff", "webp", "eps", "ps", "raw", "rgba")
 
 
 def _add_case_args(p: argparse.ArgumentParser) -> None:
@@ -180,9 +181,11 @@ def _plot(path: str, batch_rows: list[dict], fig10: dict) -> None:
     ax2.set_title("Per-AIV sending latency, 4x16 dies, 256 experts, 8 hot (Fig. 10 setting)")
     ax2.legend(fontsize=7)
     fig.tight_layout()
+    if not os.path.splitext(path)[1]:
+        path += ".png"
     try:
         fig.savefig(path, dpi=120)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"--plot {path}: {e}")
     print(f"wrote {path}")
 
@@ -295,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             if not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
                 sw.error(f"--plot {args.plot}: no such directory")
-            if os.path.splitext(args.plot)[1].lower().lstrip(".") not in _PLOT_FORMATS:
+            ext = os.path.splitext(args.plot)[1].lower().lstrip(".")
+            if ext and ext not in _PLOT_FORMATS:
                 sw.error(f"--plot {args.plot}: name a file ending in one of "
                          f"{', '.join('.' + f for f in _PLOT_FORMATS)}")
             try:
