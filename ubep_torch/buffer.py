@@ -2425,7 +2425,8 @@ class Buffer:
             # DeepEP's scales: the last two dimensions column-major (for TMA), a transposed view of
             # [E_local, groups, R*N]; the receive fills row-major rows, copied over once they are in
             groups = H // 512 if use_ue8m0 else H // 128
-            scales_out = torch.zeros(E_local, groups, R * N, dtype=torch.int32 if use_ue8m0 else torch.float32)
+            # (every element is written by the copy below, rows past recv_count with the receive's zeros)
+            scales_out = self._out.empty((E_local, groups, R * N), torch.int32 if use_ue8m0 else torch.float32)
             # (one group: the same memory as row-major; standard strides then, so that dtype views work)
             out_x = (recv_x, scales_out.view(E_local, R * N, 1) if groups == 1 else scales_out.transpose(1, 2))
 
