@@ -1978,7 +1978,8 @@ class Buffer:
 
         Args:
             x: [N_recv, H] rows in the order ``dispatch`` returned them (expert-major order for an
-                expert-major handle: rows of the same token are summed on this rank first).
+                expert-major handle: rows of the same token are summed on this rank first, in float32, and
+                rounded to x's dtype before the ranks' rows are summed).
             handle: the dispatch handle.
             topk_weights: optional [N_recv, K] float32 reduced the same way.
             bias: a [T, H] tensor or a pair of them, added to the result.
