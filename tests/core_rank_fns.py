@@ -14,6 +14,7 @@ import torch.distributed as dist
 import ubep_torch
 from ubep_torch import Buffer
 from ubep_torch.fp8 import low_latency_cast_to_fp8, per_token_cast_back
+from ubep_torch.protocol import fresh
 
 
 def get_buffer(ctx, sync="tff", backend="auto", low_latency=False, N=16, H=256, E=8, timeout_s=30.0):
@@ -150,8 +151,7 @@ def ll_roundtrip(ctx, sync, T=6, H=256, K=3, E=8, N=8, seed=0, use_fp8=False, ho
         assert scales.stride() == (groups * R * N, 1, R * N if groups > 1 else 1), scales.stride()
     if ue8m0:   # UE8M0: one exponent byte per 128 channels, four per int32; the scale is 2 ** (byte - 127)
         assert scales.dtype == torch.int32 and tuple(scales.shape) == (El, R * N, H // 512), scales.shape
-        dense = torch.empty(scales.shape, dtype=torch.int32).copy_(scales)   # (standard strides for the view)
-        scales = torch.exp2(dense.view(torch.uint8).float() - 127)
+        scales = torch.exp2(fresh(scales).view(torch.uint8).float() - 127)   # (fresh: standard strides)
     # fp8 rows carry the bits of DeepEP's low-latency kernel quantization of the source's tokens
     sent = [low_latency_cast_to_fp8(xs, round_scale=ue8m0) for xs in all_x] if use_fp8 else None
     for e in range(El):

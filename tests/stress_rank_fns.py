@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ubep_torch import Buffer
 from ubep_torch.buffer import normal_buffer_bytes
 from ubep_torch.fp8 import low_latency_cast_to_fp8
+from ubep_torch.protocol import fresh
 
 N_LL = 16          # num_max_dispatch_tokens_per_rank of the low-latency calls
 H_MAX = 256
@@ -217,7 +218,7 @@ class Checker:
 def _bits(t: torch.Tensor) -> torch.Tensor:
     # (a copy with standard strides: contiguous() keeps the strides of a view it deems contiguous, such as an
     # empty slice of the low-latency scales' column-major view, and a dtype view rejects them)
-    t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
+    t = fresh(t)
     if t.dtype == torch.bool:
         return t
     return t.view(torch.uint8)

@@ -2438,9 +2438,8 @@ class Buffer:
         if return_recv_hook:
             pending.extra["cancel_point"] = self._cancel_point
             self._pending.append(pending)
-            hook = receive_scales if use_fp8 else receive
-            hook.pending = pending
-            return out_x, recv_count, handle, EventOverlap(None), hook
+            receive_scales.pending = pending
+            return out_x, recv_count, handle, EventOverlap(None), receive_scales
         receive_scales()
         return out_x, recv_count, handle, EventOverlap(None), None
 
