@@ -132,6 +132,43 @@ def test_store_policy_auto_keeps_the_cheaper(stores):
 
 
 @needs_native
+def test_store_policy_counts_the_receive_side(stores):
+    """For normal dispatch and combine, ``auto`` adds to a way's stores what reading rows stored that way cost
+    the receivers (credited by the way the senders' control messages name), once both ways' reads are
+    known: cheaper stores whose rows are dear to read lose. Low-latency sends count their stores only."""
+    fmt, data, meta, sel, patch = _rows_case(((("x", 7168 * 2),)), 4, n=24, T=24)
+    eng = native_engine.NativeEngine()
+    st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(24), 1)
+    dst = torch.zeros(24, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    nbytes = 24 * fmt.blocks * P.BLOCK_BYTES
+    stores("auto")
+    for kind, name in ((P.REGION_DISPATCH, "dispatch"), (P.REGION_LL_COMBINE, "ll_combine")):
+        flag = P.flag_word(9, kind)
+        for _ in range(24):      # both ways measured: first touches, plain stores, a try of streaming, ...
+            eng.write_rows(fmt, st, None, sel, dst, flag, meta_patch=patch)
+        k = stores()["kinds"][name]
+        assert k["plain_ns_per_kib"] > 0.0 and k["streaming_ns_per_kib"] > 0.0, k
+        cheaper = "streaming" if k["streaming_ns_per_kib"] < k["plain_ns_per_kib"] else "plain"
+        assert k["in_use"] == cheaper, k
+        # reading rows of the cheaper stores took a second, the others' a microsecond: for normal calls the
+        # other way wins; a way said as 0 (not said), or fewer bytes than are timed, count for nothing
+        way = {"plain": 1, "streaming": 2}[cheaper]
+        native_engine._native.store_read(flag, way, nbytes, 10 ** 9)
+        native_engine._native.store_read(flag, 0, nbytes, 1)
+        native_engine._native.store_read(flag, 3 - way, 1000, 10 ** 9)
+        assert stores()["kinds"][name]["in_use"] == cheaper      # (one way's reads alone decide nothing)
+        native_engine._native.store_read(flag, 3 - way, nbytes, 1000)
+        k = stores()["kinds"][name]
+        if kind == P.REGION_DISPATCH:
+            other = "plain" if cheaper == "streaming" else "streaming"
+            assert k[f"{cheaper}_read_ns_per_kib"] == pytest.approx(1e9 * 1024 / nbytes), k
+            assert k[f"{other}_read_ns_per_kib"] == pytest.approx(1000 * 1024 / nbytes), k
+            assert k["in_use"] == other, k
+        else:
+            assert k["plain_read_ns_per_kib"] == k["streaming_read_ns_per_kib"] == 0.0 and k["in_use"] == cheaper, k
+
+
+@needs_native
 def test_store_policy_from_environment(monkeypatch, stores):
     """``UBEP_STORES`` sets the policy when the process's first native engine is built, unless
     ``store_policy`` chose one; a bad value is a ValueError that names the variable."""
@@ -179,6 +216,18 @@ def pool():
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with RankPool(2, env=env) as p:
         yield p
+
+
+@needs_native
+def test_normal_calls_read_rows_by_the_way_they_were_stored(pool):
+    """In normal round trips every rank learns from the control messages how the peers stored their rows,
+    and times reading them: after calls large enough to be measured, both kinds have read estimates."""
+    for state in pool.run(F.measured_round_trips):
+        for name in ("dispatch", "combine"):
+            k = state["kinds"][name]
+            assert k["plain_read_ns_per_kib"] > 0.0 or k["streaming_read_ns_per_kib"] > 0.0, (name, k)
+        assert all(k["plain_read_ns_per_kib"] == k["streaming_read_ns_per_kib"] == 0.0
+                   for name, k in state["kinds"].items() if name.startswith("ll_")), state
 
 
 @needs_native
@@ -554,6 +603,15 @@ def test_control_messages_are_byte_identical(nctrl, nwords):
     assert out["torch"][1] == out["native"][1] and out["native"][1][:nwords] == payload.tolist()
 
 
+def _way_said(ctrl: torch.Tensor) -> torch.Tensor:
+    """A native send phase's control message with head word 1 of its first block (how its rows were stored:
+    1 plain, 2 streaming) checked and zeroed, as torch's send phase leaves it."""
+    words = ctrl.clone().view(torch.int64).view(ctrl.shape[0], P.BLOCK_WORDS)
+    assert int(words[0, 1]) in (1, 2), int(words[0, 1])
+    words[0, 1] = 0
+    return words.view(torch.uint8).view(ctrl.shape)
+
+
 def _send_job(eng, fmt, data, meta, sels, patches, payloads, flag, T):
     """A SendJob of TFF rows to one destination per entry of ``sels`` (slots and control blocks of stale
     bytes), as ``Buffer`` builds it."""
@@ -571,7 +629,7 @@ def _send_job(eng, fmt, data, meta, sels, patches, payloads, flag, T):
 def test_send_phase_is_byte_identical(fields, meta_words):
     """The native send phase (every destination's control message, then its rows, in one call) stores the
     same bytes as torch's, for control payloads given as lists or tensors, an empty destination and meta
-    patches of one or several items."""
+    patches of one or several items; its control messages also name how their rows were stored."""
     fmt, data, meta, sel, _ = _rows_case(fields, meta_words, n=7, T=9)
     g = torch.Generator().manual_seed(4)
     sels = [sel, torch.tensor([], dtype=torch.int64), sel[:3].flip(0)]
@@ -583,7 +641,7 @@ def test_send_phase_is_byte_identical(fields, meta_words):
         eng.send_phase(job)
         mem[name] = [(d.rows, d.ctrl) for d in job.dests]
     for (rows_t, ctrl_t), (rows_n, ctrl_n) in zip(mem["torch"], mem["native"]):
-        assert torch.equal(rows_t, rows_n) and torch.equal(ctrl_t, ctrl_n)
+        assert torch.equal(rows_t, rows_n) and torch.equal(ctrl_t, _way_said(ctrl_n))
 
 
 @needs_native
@@ -599,7 +657,8 @@ def test_send_phase_keeps_converted_indices_and_patches_alive():
     for name, eng in (("torch", TorchEngine()), ("native", native_engine.NativeEngine())):
         job = _send_job(eng, fmt, data, meta, sels, patches, [[1, 2, 3], [4, 5, 6]], 9, 9)
         eng.send_phase(job)
-        mem[name] = [torch.cat([d.rows.view(-1), d.ctrl.view(-1)]) for d in job.dests]
+        mem[name] = [torch.cat([d.rows.view(-1), (d.ctrl if name == "torch" else _way_said(d.ctrl)).view(-1)])
+                     for d in job.dests]
     assert all(torch.equal(a, b) for a, b in zip(mem["torch"], mem["native"]))
     for jobs in ((2, None, 512), (1025, torch.tensor([0]), 512), (1, torch.tensor([0]), 64)):
         out = {}

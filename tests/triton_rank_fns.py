@@ -134,6 +134,28 @@ def under_store_policy(ctx, policy: str, fn, *args, **kwargs) -> dict:
     return out
 
 
+def measured_round_trips(ctx, calls: int = 12, T: int = 64, H: int = 2048, E: int = 8, K: int = 4) -> dict:
+    """Normal round trips on the C path under the ``auto`` store policy, started afresh, whose sends are
+    large enough to be measured (about 320 KiB to the peer); returns ``store_policy()`` after them, then
+    sets back the policy it had."""
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer, native_engine
+    before = native_engine.store_policy()["policy"]
+    native_engine.store_policy("auto")
+    try:
+        with Buffer(dist.group.WORLD, 8 << 20, backend="native") as buf:
+            g = torch.Generator().manual_seed(ctx.rank)
+            x = torch.randn(T, H, generator=g).bfloat16()
+            topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+            for _ in range(calls):
+                recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+                buf.combine(recv_x, handle)
+        return native_engine.store_policy()
+    finally:
+        native_engine.store_policy(before)     # (UBEP_STORES's, in a run under it)
+
+
 def sp_collision(ctx, T: int = 4, H: int = 256, E: int = 4) -> dict:
     """SP with tokens whose first words equal the sentinel (all-zero rows): must arrive intact."""
     bt = get_buffer(ctx, "sp", backend="torch")

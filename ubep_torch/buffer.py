@@ -171,6 +171,15 @@ class _Region:
             view = self._views[key] = self.ctrl_sources(mem, half).view(torch.int64)[:, 0, 0].numpy()
         return view
 
+    def ctrl_ways(self, mem: torch.Tensor, half: int):
+        """Every source's head word 1 of its first control block (how it stored its rows: see
+        ``native_engine.store_policy``), as a numpy int64 array of [world] views (see ``ctrl_heads``)."""
+        key = (mem.data_ptr(), half, "ways")
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self.ctrl_sources(mem, half).view(torch.int64)[:, 0, 1].numpy()
+        return view
+
     def ctrl_sources(self, mem: torch.Tensor, half: int) -> torch.Tensor:
         """Every source's control blocks in ``mem``, as [world, max blocks, 512] uint8."""
         key = (mem.data_ptr(), half, "ctrl")
@@ -1776,6 +1785,8 @@ class Buffer:
             out["ntpr_matrix"] = [ctrl_words[s][c0:c0 + R] for s in range(R)]
             c0 += R
         out["num_tokens"] = [ctrl_words[s][c0] for s in range(R)]
+        # how each source stored its rows (its message's head word 1; see native_engine.store_policy)
+        out["ways"] = region.ctrl_ways(self._heap.local, half).tolist()
         return out
 
     def _more_rounds(self, recv: dict, cap: int) -> List[Tuple[int, int]]:
@@ -1901,8 +1912,8 @@ class Buffer:
             None if own is None else own[0])
         if step is not None:     # every source's newly complete rows in one engine call per poll
             # (each source's slots from their first row: the exchange checked that its rows fit them)
-            pending = [[region.rows(local, half, s, fmt).data_ptr(), recv["nrows"][s], int(offsets[s]), 0, s]
-                       for s in range(R) if s != self.rank]
+            pending = [[region.rows(local, half, s, fmt).data_ptr(), recv["nrows"][s], int(offsets[s]), 0, s,
+                        recv["ways"][s]] for s in range(R) if s != self.rank]
             own_rows = True      # this rank's own rows, straight from the source: in the first poll
             me = self.rank
 
@@ -2083,12 +2094,17 @@ class Buffer:
         out = self._out.empty((T, H), x.dtype)
         me = self.rank
 
-        def reduce(x_rows, toks, a: int, b: int, slot_rows: List[Optional[torch.Tensor]]) -> None:
+        def reduce(x_rows, toks, a: int, b: int, recv: dict, slot_rows: List[Optional[torch.Tensor]]) -> None:
             # Every source's rows of tokens [a, b), in rank order; this rank's own straight from x. (A token's
             # rows all come in one exchange, so the sum does not depend on the number of exchanges.)
             rows = [x[x_rows[me][0]:x_rows[me][1]] if r is None else r for r in slot_rows]
             tok = [t if a == 0 else t - a for t in toks]
-            eng.reduce_sources(fmt, list(zip(rows, tok)) + [(bias[a:b], None) for bias in biases], out[a:b])
+            # (for the store policy: the peers' rows the sum reads, if their senders stored them one way)
+            ways = {recv["ways"][s] for s, r in enumerate(slot_rows) if r is not None and r.shape[0]}
+            read = (recv["flag"], ways.pop(), sum(r.shape[0] for r in slot_rows if r is not None) * fmt.row_bytes) \
+                if len(ways) == 1 else None
+            eng.reduce_sources(fmt, list(zip(rows, tok)) + [(bias[a:b], None) for bias in biases], out[a:b],
+                               read)
             for s, r in enumerate(slot_rows):
                 if K:
                     w = topk_weights[x_rows[s][0]:x_rows[s][1]] if r is None else \
@@ -2105,7 +2121,7 @@ class Buffer:
                 raise UBEPError(f"combine on rank {self.rank}: peers returned {recv['nrows']} rows, the handle "
                                 f"sent {expect} (was the handle from the latest matching dispatch?)")
             self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None,
-                               reduce=functools.partial(reduce, x_rows, toks, a, b))
+                               reduce=functools.partial(reduce, x_rows, toks, a, b, recv))
         self._call_complete("combine")
         self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size(), token_in_rank=base[4])
         return out, wacc, EventOverlap(None)

@@ -768,7 +768,8 @@ class TorchEngine:
         if wacc is not None and wacc.shape[1]:
             wacc.index_add_(0, index, P.fresh(meta).view(wacc.dtype))
 
-    def reduce_sources(self, fmt: P.RowFormat, sources: Sequence[tuple], out: torch.Tensor) -> None:
+    def reduce_sources(self, fmt: P.RowFormat, sources: Sequence[tuple], out: torch.Tensor,
+                       read: Optional[tuple] = None) -> None:
         """Normal combine of one range of tokens: ``out[t]`` = the sum of the rows of token ``t``.
 
         ``sources`` is ``[(rows, tok)]`` in the order the sum runs (the ranks in rank order, then any
@@ -777,7 +778,9 @@ class TorchEngine:
         to token ``tok[r]`` (ascending, distinct rows of ``out``; None: row ``r`` is token ``r``). The sum is
         that of an accumulator (float32; float64 for float64 rows) starting at +0.0 and adding the rows
         widened, in source order, rounded once into ``out``; a token with no rows gets zeros. SP blocks are
-        not re-armed here (the caller does it once the rows are consumed).
+        not re-armed here (the caller does it once the rows are consumed). ``read``: ``(flag word, way, bytes)``,
+        the bytes of peers' rows the sum reads and how they were stored (engines that choose how rows are
+        stored time the sum for that choice; see ``native_engine.store_policy``).
         """
         T, H = out.shape
         if out.numel() == 0:

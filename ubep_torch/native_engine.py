@@ -14,8 +14,9 @@ operators. The count group's control messages (write, poll, read-back) and the l
 (pairs sorted by expert, per-expert counts, combine slots, one row per (token, destination rank) with its
 meta items, segment row lists) run in C too. Everything else (DC/SP/SW
 rows, other dtypes, CalCumSum, the call bookkeeping) is the inherited torch implementation. Memory
-contents and outputs are bit-identical to ``TorchEngine`` (``tests/test_native_engine.py``);
-``ubep_torch/csrc/native.c`` states the memory-ordering argument.
+contents and outputs are bit-identical to ``TorchEngine`` (``tests/test_native_engine.py``), but for one
+word: the send phase's control messages name in their head how their rows were stored (see
+``store_policy``). ``ubep_torch/csrc/native.c`` states the memory-ordering argument.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 24
+API_VERSION = 25
 
 
 def _matches() -> bool:
@@ -66,14 +67,20 @@ def store_policy(policy: Optional[str] = None) -> dict:
     default, or ``UBEP_STORES``) measures both on sends of 256 KiB or more, for each kind of send apart, and
     keeps the cheaper, trying the other now and then (native.c says when). Which one wins depends on where
     the cores of the ranks sit: plain stores take every line from the core that last read it, which costs
-    several times more when the two cores are far apart. Outputs and memory contents are the same either
-    way.
+    several times more when the two cores are far apart; streaming stores leave the lines in memory, where
+    the receiver must fetch them, instead of in the writer's cache. So for normal dispatch and combine a
+    way's cost also counts the receive side: every control message names the way its rows were stored, and
+    the receivers time their copies out of the slots and their sums per way (``*_read_ns_per_kib``); a
+    way's cost is a rank's store estimate plus, once it has read rows of both ways, its read estimate.
+    Low-latency sends, whose rows a recv hook may read much later, are weighed by their stores. Outputs are
+    the same either way, and so are the memory contents but for that word of the control messages' heads.
 
     Passing ``policy`` sets it for the whole process (counts and estimates start afresh), over
     ``UBEP_STORES`` (which the process's first native engine applies unless a policy was set). Returns
     ``{"policy", "sends": {"plain": n, "streaming": n}, "kinds": {kind: {"in_use": "plain" or "streaming",
-    "plain_ns_per_kib", "streaming_ns_per_kib"}}}`` (an estimate of 0.0: not measured; kinds: ``dispatch``,
-    ``combine``, ``ll_dispatch``, ``ll_combine``); an empty dict where the C module is not built.
+    "plain_ns_per_kib", "streaming_ns_per_kib", "plain_read_ns_per_kib", "streaming_read_ns_per_kib"}}}``
+    (an estimate of 0.0: not measured; kinds: ``dispatch``, ``combine``, ``ll_dispatch``, ``ll_combine``;
+    reads are measured for the first two); an empty dict where the C module is not built.
     """
     global _env_applied
     if policy is not None and policy not in STORE_POLICIES:
@@ -88,7 +95,8 @@ def store_policy(policy: Optional[str] = None) -> dict:
     names = {v: k for k, v in STORE_POLICIES.items()}
     return {"policy": names[code], "sends": {"plain": n_plain, "streaming": n_stream},
             "kinds": {name: {"in_use": "streaming" if kinds[rid][0] else "plain", "plain_ns_per_kib": kinds[rid][1],
-                             "streaming_ns_per_kib": kinds[rid][2]} for rid, name in STORE_KINDS.items()}}
+                             "streaming_ns_per_kib": kinds[rid][2], "plain_read_ns_per_kib": kinds[rid][3],
+                             "streaming_read_ns_per_kib": kinds[rid][4]} for rid, name in STORE_KINDS.items()}}
 
 
 def _env_store_policy() -> None:
@@ -584,7 +592,8 @@ class NativeEngine(TorchEngine):
         return True
 
     # ------------------------------------------------------------------ combine reductions
-    def reduce_sources(self, fmt: P.RowFormat, sources: Sequence[tuple], out: torch.Tensor) -> None:
+    def reduce_sources(self, fmt: P.RowFormat, sources: Sequence[tuple], out: torch.Tensor,
+                       read: Optional[tuple] = None) -> None:
         T, H = out.shape
         sources = [(rows, tok) for rows, tok in sources if rows.shape[0]]
         if fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.is_contiguous() and fmt.fields[0][1] == H * 2:
@@ -592,7 +601,7 @@ class NativeEngine(TorchEngine):
                     for _, tok in sources]
             spec = [_source_spec(fmt, rows, tok, H) for (rows, _), tok in zip(sources, toks)]
             if None not in spec:
-                _native.combine_rows_bf16(T, H, tuple(spec), out.data_ptr())
+                _native.combine_rows_bf16(T, H, tuple(spec), out.data_ptr(), *(read or ()))
                 return
         super().reduce_sources(fmt, sources, out)
 

@@ -27,7 +27,9 @@
  * sometimes placed far apart (benchmarks/bench_stores.py's probe, a 2 MiB store and load between two
  * processes, switches between about 0.2 ms and 1 ms for minutes at a time, the store being the slow part)
  * that costs several times more. Streaming stores write whole lines without taking them, and then cost
- * about the same in both placements, but more than plain stores when the cores are close. With
+ * about the same in both placements, but more than plain stores when the cores are close, and they leave
+ * the lines in memory, where the receiver's copy or sum must fetch them, instead of in the writer's cache
+ * (for normal calls the policy weighs that too). With
  * streaming stores a block is written with its flag word 0 ("not yet"), the row's stores are made visible
  * by an sfence, and only then is each block's flag written with a release store: a receiver that sees the
  * flag sees the block, as with plain stores (the sfence orders the weakly ordered streaming stores before
@@ -53,7 +55,7 @@
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
 #define MAX_ROW_BLOCKS (1 << 20)         /* a row of 512 MiB: far past any hidden size a Buffer takes */
-#define API_VERSION 24             /* bumped whenever a function's arguments or results change */
+#define API_VERSION 25             /* bumped whenever a function's arguments or results change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -231,21 +233,37 @@ store_rows_way(int stream, uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int6
  * combine store different row mixes; the placement of this core and the peers' cores decides, and it can
  * change while a job runs). Sends of fewer than AUTO_MIN_BYTES take plain stores unmeasured, and so do the
  * first WARM_SENDS sends of a kind (first touches of the slots). Each measured send of the way in use
- * updates that way's estimate in ns per KiB (see store_measured); the way with the lower estimate is used,
+ * updates that way's estimate in ns per KiB (see store_measured); the way with the lower cost is used,
  * and the other is tried again after ``probe_every`` sends, an interval that doubles (to PROBE_MAX) each
- * time the try confirms the choice and falls back to PROBE_MIN when the choice flips. */
+ * time the try confirms the choice and falls back to PROBE_MIN when the choice flips.
+ *
+ * For normal dispatch and combine, whose rows every rank reads in the same call, a way's cost also counts
+ * what reading rows stored that way costs the receiver (store_read): streamed lines come from memory,
+ * plain ones from the writer's cache, and where the cores sit decides which is dearer. Every control
+ * message that send_exchange stores names the way of its rows (head word 1 of its first block: 1 plain,
+ * 2 streaming; 0, as every other writer leaves it, says nothing), so a receiver times its copies or sums of
+ * a source's rows and credits the way that source used. A rank's cost of a way is its store estimate plus,
+ * once it has read rows of both ways, its read estimate of that way; the ranks share the machine, so they
+ * reach the same choice. Low-latency sends, whose rows a recv hook may read much later, count their stores
+ * only. */
 enum { POLICY_AUTO = 0, POLICY_PLAIN = 1, POLICY_STREAM = 2 };
 #define AUTO_MIN_BYTES (256 << 10)
 #define PROBE_MIN 16
 #define PROBE_MAX 256
 #define WARM_SENDS 2
+#define READ_MIN_BYTES (64 << 10)   /* fewer bytes read from one way in a call are not timed */
 #define STORE_KINDS 8               /* flag & 7: the region ids of protocol.py (1..4 send rows) */
 
 typedef struct {
     int current;             /* 0 plain, 1 streaming: the way in use */
-    double est[2];           /* ns per KiB, 0 = not measured yet */
+    double est[2];           /* stores, ns per KiB, 0 = not measured yet */
+    double read[2];          /* normal calls: reading rows stored each way, ns per KiB, 0 = not measured yet */
     long long seen, since_probe, probe_every;
 } store_kind_t;
+
+/* kinds whose cost counts the receive side: normal dispatch and combine (protocol.py's REGION_DISPATCH and
+ * REGION_COMBINE) */
+#define READ_COUNTED(kind) ((kind) == 1 || (kind) == 2)
 
 static struct {
     int policy;
@@ -285,27 +303,28 @@ static int store_way(long long flag, Py_ssize_t bytes) {
 #endif
 }
 
-/* A send of ``bytes`` with flag word ``flag`` by ``way`` took ``ns``; with the GIL held */
-static void store_measured(long long flag, int way, Py_ssize_t bytes, int64_t ns) {
-    if (bytes <= 0) return;
-    stores.sends[way]++;
-    store_kind_t *k = &stores.kind[flag & (STORE_KINDS - 1)];
-    if (stores.policy != POLICY_AUTO || bytes < AUTO_MIN_BYTES) return;
-    if (k->seen++ < WARM_SENDS) return;
-    const double per_kib = (double)ns * 1024.0 / (double)bytes;
-    if (way != k->current || k->est[way] == 0.0) {
-        /* a try of the other way (or the first measured send): its estimate is this send alone */
-        k->est[way] = per_kib;
-    } else {
-        /* the way in use: a running mean, each send counting at most twice the estimate (a send slowed by a
-         * preemption moves it by a quarter at most; a placement that makes every send dearer moves it in a
-         * few sends) */
-        const double capped = per_kib < 2.0 * k->est[way] ? per_kib : 2.0 * k->est[way];
-        k->est[way] = 0.75 * k->est[way] + 0.25 * capped;
+/* A sample into an estimate: the first sets it; later ones make a running mean, each counting at most
+ * twice the estimate (a send slowed by a preemption moves it by a quarter at most; a placement that makes
+ * every send dearer moves it in a few sends) */
+static void running_mean(double *e, double sample, int fresh) {
+    if (fresh || *e == 0.0) {
+        *e = sample;
+        return;
     }
-    const int best = k->est[1] > 0.0 && k->est[1] < k->est[0] ? 1 : 0;
-    const int tried = way != k->current;
-    k->since_probe = tried ? 0 : k->since_probe + 1;
+    const double capped = sample < 2.0 * *e ? sample : 2.0 * *e;
+    *e = 0.75 * *e + 0.25 * capped;
+}
+
+/* What using ``way`` costs per KiB: its stores, and reading them once both ways' reads are known */
+static double way_cost(const store_kind_t *k, int way) {
+    const int reads = k->read[0] > 0.0 && k->read[1] > 0.0;
+    return k->est[way] + (reads ? k->read[way] : 0.0);
+}
+
+/* The way with the lower cost becomes the one in use (``tried``: the last estimate came from a try of the
+ * other way) */
+static void store_choose(store_kind_t *k, int tried) {
+    const int best = k->est[1] > 0.0 && way_cost(k, 1) < way_cost(k, 0) ? 1 : 0;
     if (best != k->current) {        /* a try found the other way cheaper, or the way in use got dearer */
         k->current = best;
         k->since_probe = 0;
@@ -315,8 +334,46 @@ static void store_measured(long long flag, int way, Py_ssize_t bytes, int64_t ns
     }
 }
 
+/* A send of ``bytes`` with flag word ``flag`` by ``way`` took ``ns``; with the GIL held */
+static void store_measured(long long flag, int way, Py_ssize_t bytes, int64_t ns) {
+    if (bytes <= 0) return;
+    stores.sends[way]++;
+    store_kind_t *k = &stores.kind[flag & (STORE_KINDS - 1)];
+    if (stores.policy != POLICY_AUTO || bytes < AUTO_MIN_BYTES) return;
+    if (k->seen++ < WARM_SENDS) return;
+    /* a try of the other way (or the first measured send) is an estimate of its own */
+    running_mean(&k->est[way], (double)ns * 1024.0 / (double)bytes, way != k->current);
+    const int tried = way != k->current;
+    k->since_probe = tried ? 0 : k->since_probe + 1;
+    store_choose(k, tried);
+}
+
+/* The receive side of a normal call of kind ``flag & 7`` read ``bytes`` of rows that their sender stored
+ * by way ``code`` (1 plain, 2 streaming, as its control message names it; 0: not said) in ``ns`` (its
+ * copies out of the slots, or its sum); with the GIL held */
+static void store_read(long long flag, long long code, Py_ssize_t bytes, int64_t ns) {
+    const int kind = (int)(flag & (STORE_KINDS - 1));
+    if (stores.policy != POLICY_AUTO || !READ_COUNTED(kind) || code < 1 || code > 2 || bytes < READ_MIN_BYTES ||
+        ns <= 0)
+        return;
+    store_kind_t *k = &stores.kind[kind];
+    if (k->seen <= WARM_SENDS) return;      /* (the first calls' reads fault in their outputs' pages) */
+    running_mean(&k->read[code - 1], (double)ns * 1024.0 / (double)bytes, 0);
+    store_choose(k, 0);
+}
+
+/* store_read(flag, way, bytes, ns): receive-side time of rows stored by ``way`` (1 plain, 2 streaming), as
+ * the C loops below report theirs (for work done elsewhere) */
+static PyObject *py_store_read(PyObject *self, PyObject *args) {
+    long long flag, code, ns;
+    Py_ssize_t bytes;
+    if (!PyArg_ParseTuple(args, "LLnL", &flag, &code, &bytes, &ns)) return NULL;
+    store_read(flag, code, bytes, ns);
+    Py_RETURN_NONE;
+}
+
 /* store_policy(policy) -> (policy, plain sends, streaming sends, ((way in use, plain ns/KiB, streaming
- * ns/KiB) per kind, STORE_KINDS of them))
+ * ns/KiB, reading plain rows ns/KiB, reading streamed rows ns/KiB) per kind, STORE_KINDS of them))
  * policy: -1 reads the state only; 0 auto, 1 plain, 2 streaming (counts and estimates start afresh). */
 static PyObject *store_policy(PyObject *self, PyObject *args) {
     int policy;
@@ -330,7 +387,7 @@ static PyObject *store_policy(PyObject *self, PyObject *args) {
     if (kinds == NULL) return NULL;
     for (int i = 0; i < STORE_KINDS; i++) {
         const store_kind_t *k = &stores.kind[i];
-        PyObject *item = Py_BuildValue("(idd)", k->current, k->est[0], k->est[1]);
+        PyObject *item = Py_BuildValue("(idddd)", k->current, k->est[0], k->est[1], k->read[0], k->read[1]);
         if (item == NULL) {
             Py_DECREF(kinds);
             return NULL;
@@ -507,11 +564,15 @@ static PyObject *unpack(PyObject *self, PyObject *args) {
  * own rows, which never went through the slots, copied first straight from the source tensors: output row
  * offset + i gets source row t = sel[i] (every t in [0, limit)) of every field (field_srcs: a (address,
  * row stride) per field, in the order of ``fields``), its meta items from ``meta_src + t * meta_src_stride``
- * (meta_bytes of them) and t as its source token. Checked with the sources, before anything is written. */
+ * (meta_bytes of them) and t as its source token. Checked with the sources, before anything is written.
+ *
+ * A source's list may carry a sixth item, the way its rows were stored (its control message's head word 1):
+ * the copies of its rows are then timed for the store policy (store_read). */
 typedef struct {
     PyObject *entry;    /* the source's list, referenced until its update (the caller's list may change) */
     const uint8_t *rows;
     Py_ssize_t n, offset, done, end;
+    long long way;      /* the stores its rows took, as its control message named them (0: not said) */
 } stream_t;
 
 static PyObject *reorder_sources(PyObject *self, PyObject *args) {
@@ -571,8 +632,9 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
     PyObject *completed = NULL;
     for (Py_ssize_t i = 0; i < ns; i++) {
         PyObject *e = PyList_GET_ITEM(sources, i);
-        if (!PyList_Check(e) || PyList_GET_SIZE(e) != 5) {
-            PyErr_SetString(PyExc_TypeError, "reorder_sources: sources must be [rows, n, offset, done, rank] lists");
+        if (!PyList_Check(e) || (PyList_GET_SIZE(e) != 5 && PyList_GET_SIZE(e) != 6)) {
+            PyErr_SetString(PyExc_TypeError,
+                            "reorder_sources: sources must be [rows, n, offset, done, rank(, way)] lists");
             goto fail;
         }
         Py_INCREF(e);
@@ -581,6 +643,7 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
         st[i].n = PyLong_AsSsize_t(PyList_GET_ITEM(e, 1));
         st[i].offset = PyLong_AsSsize_t(PyList_GET_ITEM(e, 2));
         st[i].done = PyLong_AsSsize_t(PyList_GET_ITEM(e, 3));
+        st[i].way = PyList_GET_SIZE(e) == 6 ? PyLong_AsLongLong(PyList_GET_ITEM(e, 5)) : 0;
         if (PyErr_Occurred()) goto fail;
         if (st[i].n < 0 || st[i].offset < 0 || st[i].done < 0 || st[i].done > st[i].n || st[i].offset > room - st[i].n) {
             PyErr_Format(PyExc_IndexError, "Token-Reordering rows [%lld, %lld) out of range [0, %lld)",
@@ -590,6 +653,8 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
     }
     uint8_t *meta_out = (uint8_t *)(uintptr_t)meta_p;
     int32_t *src_out = (int32_t *)(uintptr_t)src_p;
+    int64_t read_ns[3] = {0, 0, 0};    /* the copies of the rows stored each way (not the waits) */
+    Py_ssize_t read_bytes[3] = {0, 0, 0};
     Py_BEGIN_ALLOW_THREADS
     if (own_n) {
         const int64_t *sel = (const int64_t *)(uintptr_t)own_sel_p;
@@ -608,6 +673,7 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
         const Py_ssize_t n = st[i].n, done = st[i].done, r = complete_run(st[i].rows, n, nb, flag, done);
         st[i].end = done;
         if (r == done || (r < n && r - done < min_run)) continue;
+        const int64_t t0 = now_ns();
         for (Py_ssize_t k = done; k < r; k++) {
             const uint8_t *row = st[i].rows + k * nb * BLOCK_BYTES;
             const int64_t at = (int64_t)(st[i].offset + k);
@@ -619,14 +685,19 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
             }
             copy_payload(row, f, nf, at);
         }
+        if (st[i].way == 1 || st[i].way == 2) {
+            read_ns[st[i].way] += now_ns() - t0;
+            read_bytes[st[i].way] += (r - done) * nb * BLOCK_BYTES;
+        }
         st[i].end = r;
     }
     Py_END_ALLOW_THREADS
+    for (int w = 1; w <= 2; w++) store_read(flag, w, read_bytes[w], read_ns[w]);
     completed = PyList_New(0);
     if (completed == NULL) goto fail;
     for (Py_ssize_t i = 0; i < ns; i++) {
         PyObject *e = st[i].entry;      /* (referenced since the checks; another thread may have changed it) */
-        if (PyList_GET_SIZE(e) != 5) {
+        if (PyList_GET_SIZE(e) < 5) {
             PyErr_SetString(PyExc_RuntimeError, "reorder_sources: a source's list changed during the call");
             goto fail;
         }
@@ -995,12 +1066,15 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
  * A control message is nctrl blocks, each a 32 B head (w0 = flag, w1..w3 = 0) and 60 int64 payload words. */
 #define CTRL_WORDS ((BLOCK_BYTES - FLAG_BYTES) / 8)
 
-/* One control message: payload words [0, nwords) into consecutive block bodies (the rest zero), every block
+/* One control message: payload words [0, nwords) into consecutive block bodies (the rest zero), head word 1
+ * of the first block ``way`` (the stores of its rows, see the store policy; 0: not said), every block
  * published by its flag. */
-static void store_ctrl(uint8_t *dst, Py_ssize_t nctrl, const int64_t *payload, Py_ssize_t n, long long flag) {
+static void store_ctrl(uint8_t *dst, Py_ssize_t nctrl, const int64_t *payload, Py_ssize_t n, long long flag,
+                       int64_t way) {
     for (Py_ssize_t b = 0; b < nctrl; b++) {
         uint8_t *blk = dst + b * BLOCK_BYTES;
         memset(blk + 8, 0, BLOCK_BYTES - 8);
+        if (b == 0) memcpy(blk + 8, &way, 8);
         const Py_ssize_t lo = b * CTRL_WORDS, hi = n < lo + CTRL_WORDS ? n : lo + CTRL_WORDS;
         if (hi > lo) memcpy(blk + FLAG_BYTES, payload + lo, (size_t)(hi - lo) * 8);
         publish(blk, flag);
@@ -1018,7 +1092,7 @@ static PyObject *write_ctrl(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "control payload does not fit its blocks");
         return NULL;
     }
-    store_ctrl((uint8_t *)(uintptr_t)dst_p, nctrl, (const int64_t *)(uintptr_t)payload_p, n, flag);
+    store_ctrl((uint8_t *)(uintptr_t)dst_p, nctrl, (const int64_t *)(uintptr_t)payload_p, n, flag, 0);
     Py_RETURN_NONE;
 }
 
@@ -1134,7 +1208,9 @@ static PyObject *send_exchange(PyObject *self, PyObject *args) {
     const int way = store_way(flag, bytes);
     int64_t took;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < nd; i++) store_ctrl(d[i].ctrl, d[i].nctrl, d[i].words, d[i].nwords, flag);
+    for (Py_ssize_t i = 0; i < nd; i++)     /* (each names the stores its rows take: see store_rows) */
+        store_ctrl(d[i].ctrl, d[i].nctrl, d[i].words, d[i].nwords, flag,
+                   STREAMING_STORES && way && ((uintptr_t)d[i].rows & 63) == 0 ? 2 : 1);
     const int64_t t0 = now_ns();
     for (Py_ssize_t i = 0; i < nd; i++)
         store_rows(way, d[i].rows, d[i].n, nb, d[i].sel, meta, d[i].patch, d[i].patch_items, rank, flag, f, nf);
@@ -1441,18 +1517,23 @@ static PyObject *set_simd(PyObject *self, PyObject *args) {
 #endif
 }
 
-/* combine_rows_bf16(T, H, sources, out)
+/* combine_rows_bf16(T, H, sources, out[, flag, way, bytes])
  *
  * Normal combine of one token range: out[t] = bf16(sum of the rows of token t, sources in order) into the
  * contiguous bf16 out [T, H]. ``sources``: a tuple of (base, stride, step, tok, n) per source: its row r
  * starts at base + r * stride (elements in pieces of 240, ``step`` bytes apart: see sum_loop) and belongs
  * to token tok[r] (an int64 array of n distinct tokens in [0, T); tok 0: row r is token r, n == T). Every
- * token is checked before anything is read or written (IndexError). */
+ * token is checked before anything is read or written (IndexError). With ``flag`` (the combine's flag
+ * word), ``way`` and ``bytes``: the sum read ``bytes`` of rows that their senders stored by ``way``, and is
+ * timed for the store policy (store_read). */
 static PyObject *combine_rows_bf16(PyObject *self, PyObject *args) {
     Py_ssize_t T, H;
     PyObject *sources;
     unsigned long long out_p;
-    if (!PyArg_ParseTuple(args, "nnO!K", &T, &H, &PyTuple_Type, &sources, &out_p)) return NULL;
+    long long flag = 0, way = 0;
+    Py_ssize_t read_bytes = 0;
+    if (!PyArg_ParseTuple(args, "nnO!K|LLn", &T, &H, &PyTuple_Type, &sources, &out_p, &flag, &way, &read_bytes))
+        return NULL;
     const Py_ssize_t S = PyTuple_GET_SIZE(sources);
     int64_t *addr = PyMem_Calloc(2 * (size_t)(T * S > 0 ? T * S : 1), sizeof(int64_t));
     if (addr == NULL) return PyErr_NoMemory();
@@ -1477,9 +1558,13 @@ static PyObject *combine_rows_bf16(PyObject *self, PyObject *args) {
             step[t * S + s] = stp;
         }
     }
+    int64_t took;
     Py_BEGIN_ALLOW_THREADS
+    const int64_t t0 = now_ns();
     plain_sum(T, S, H, addr, step, (uint16_t *)(uintptr_t)out_p);
+    took = now_ns() - t0;
     Py_END_ALLOW_THREADS
+    store_read(flag, way, read_bytes, took);
     PyMem_Free(addr);
     Py_RETURN_NONE;
 fail:
@@ -1700,6 +1785,7 @@ static PyMethodDef methods[] = {
     {"write_ctrl", write_ctrl, METH_VARARGS, "count-group store of one control message"},
     {"read_ctrl", read_ctrl, METH_VARARGS, "payload words of an arrived control message"},
     {"store_policy", store_policy, METH_VARARGS, "how rows reach a peer's slots: read or set (auto, plain, streaming)"},
+    {"store_read", py_store_read, METH_VARARGS, "count the receive side of a normal call for the store policy"},
     {"send_exchange", send_exchange, METH_VARARGS, "TFF send phase: every destination's counts, then rows"},
     {"poll_ctrl", poll_ctrl, METH_VARARGS, "arrived control messages of every missing source"},
     {"arrived", arrived, METH_VARARGS, "whether every block of the rows carries the flag"},
