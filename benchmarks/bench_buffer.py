@@ -450,10 +450,13 @@ def main() -> None:
         if not st:
             print(f"  rank {r}: the C module is not built")
             continue
-        kinds = "; ".join(f"{name} {k['in_use']} ({k['plain_ns_per_kib']:.0f} / {k['streaming_ns_per_kib']:.0f})"
+        kinds = "; ".join(f"{name} {k['in_use']} ({k['plain_ns_per_kib']:.0f} / {k['streaming_ns_per_kib']:.0f}"
+                          + (f", reads {k['plain_read_ns_per_kib']:.0f} / {k['streaming_read_ns_per_kib']:.0f}"
+                             if not name.startswith("ll_") else "") + ")"
                           for name, k in st["kinds"].items())
         print(f"  rank {r}: policy {st['policy']}, sends plain {st['sends']['plain']}, streaming "
-              f"{st['sends']['streaming']}; in use (ns per KiB plain / streaming, 0: not measured): {kinds}")
+              f"{st['sends']['streaming']}; in use (ns per KiB plain / streaming stores, then for normal calls "
+              f"reading rows stored each way; 0: not measured): {kinds}")
 
 if __name__ == "__main__":
     main()
