@@ -451,12 +451,13 @@ def main() -> None:
             print(f"  rank {r}: the C module is not built")
             continue
         kinds = "; ".join(f"{name} {k['in_use']} ({k['plain_ns_per_kib']:.0f} / {k['streaming_ns_per_kib']:.0f}"
-                          + (f", reads {k['plain_read_ns_per_kib']:.0f} / {k['streaming_read_ns_per_kib']:.0f}"
+                          + (f", peers' reads {k['peers_plain_read_ns_per_kib']:.0f} / "
+                             f"{k['peers_streaming_read_ns_per_kib']:.0f}"
                              if not name.startswith("ll_") else "") + ")"
                           for name, k in st["kinds"].items())
         print(f"  rank {r}: policy {st['policy']}, sends plain {st['sends']['plain']}, streaming "
               f"{st['sends']['streaming']}; in use (ns per KiB plain / streaming stores, then for normal calls "
-              f"reading rows stored each way; 0: not measured): {kinds}")
+              f"what reading this rank's rows stored each way costs its peers; 0: not measured): {kinds}")
 
 if __name__ == "__main__":
     main()

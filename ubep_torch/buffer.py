@@ -171,13 +171,14 @@ class _Region:
             view = self._views[key] = self.ctrl_sources(mem, half).view(torch.int64)[:, 0, 0].numpy()
         return view
 
-    def ctrl_ways(self, mem: torch.Tensor, half: int):
-        """Every source's head word 1 of its first control block (how it stored its rows: see
-        ``native_engine.store_policy``), as a numpy int64 array of [world] views (see ``ctrl_heads``)."""
-        key = (mem.data_ptr(), half, "ways")
+    def ctrl_notes(self, mem: torch.Tensor, half: int):
+        """Every source's head words 1..3 of its first control block (what its store policy says: how it
+        stored its rows, what reading rows has cost it; see ``native_engine.store_policy``), as a numpy int64
+        array of [world, 3] views (see ``ctrl_heads``)."""
+        key = (mem.data_ptr(), half, "notes")
         view = self._views.get(key)
         if view is None:
-            view = self._views[key] = self.ctrl_sources(mem, half).view(torch.int64)[:, 0, 1].numpy()
+            view = self._views[key] = self.ctrl_sources(mem, half).view(torch.int64)[:, 0, 1:4].numpy()
         return view
 
     def ctrl_sources(self, mem: torch.Tensor, half: int) -> torch.Tensor:
@@ -1785,8 +1786,11 @@ class Buffer:
             out["ntpr_matrix"] = [ctrl_words[s][c0:c0 + R] for s in range(R)]
             c0 += R
         out["num_tokens"] = [ctrl_words[s][c0] for s in range(R)]
-        # how each source stored its rows (its message's head word 1; see native_engine.store_policy)
-        out["ways"] = region.ctrl_ways(self._heap.local, half).tolist()
+        # how each source stored its rows, and what reading this rank's rows has cost it (its message's head
+        # words 1..3; see native_engine.store_policy)
+        notes = region.ctrl_notes(self._heap.local, half).tolist()
+        out["ways"] = [n[0] for n in notes]
+        eng.peer_reads(flag, [n for s, n in enumerate(notes) if s != me])
         return out
 
     def _more_rounds(self, recv: dict, cap: int) -> List[Tuple[int, int]]:

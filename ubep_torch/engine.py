@@ -431,6 +431,10 @@ class TorchEngine:
         """Repeat a kept send phase for new rows (see ``NativeEngine.send_again``): this engine keeps none."""
         return False
 
+    def peer_reads(self, flag: int, notes: Sequence[Sequence[int]]) -> None:
+        """What the peers' control messages of an exchange said for the store policy (``[way, plain read,
+        streaming read]`` per peer; see ``native_engine.store_policy``): this engine stores no other way."""
+
     def forget(self) -> None:
         """Drop what the engine keeps of a Buffer's memory (its Buffer is being destroyed)."""
 

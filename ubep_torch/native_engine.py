@@ -14,9 +14,9 @@ operators. The count group's control messages (write, poll, read-back) and the l
 (pairs sorted by expert, per-expert counts, combine slots, one row per (token, destination rank) with its
 meta items, segment row lists) run in C too. Everything else (DC/SP/SW
 rows, other dtypes, CalCumSum, the call bookkeeping) is the inherited torch implementation. Memory
-contents and outputs are bit-identical to ``TorchEngine`` (``tests/test_native_engine.py``), but for one
-word: the send phase's control messages name in their head how their rows were stored (see
-``store_policy``). ``ubep_torch/csrc/native.c`` states the memory-ordering argument.
+contents and outputs are bit-identical to ``TorchEngine`` (``tests/test_native_engine.py``), but for three
+words: the send phase's control messages say in their head how their rows were stored and what reading
+rows has cost this rank (see ``store_policy``). ``ubep_torch/csrc/native.c`` states the memory-ordering argument.
 """
 from __future__ import annotations
 
@@ -69,18 +69,21 @@ def store_policy(policy: Optional[str] = None) -> dict:
     the cores of the ranks sit: plain stores take every line from the core that last read it, which costs
     several times more when the two cores are far apart; streaming stores leave the lines in memory, where
     the receiver must fetch them, instead of in the writer's cache. So for normal dispatch and combine a
-    way's cost also counts the receive side: every control message names the way its rows were stored, and
-    the receivers time their copies out of the slots and their sums per way (``*_read_ns_per_kib``); a
-    way's cost is a rank's store estimate plus, once it has read rows of both ways, its read estimate.
-    Low-latency sends, whose rows a recv hook may read much later, are weighed by their stores. Outputs are
-    the same either way, and so are the memory contents but for that word of the control messages' heads.
+    way's cost also counts the receive side: every control message names the way its rows were stored, the
+    receivers time their copies out of the slots and their sums per way (``plain_read_ns_per_kib``,
+    ``streaming_read_ns_per_kib``) and report those in their next control messages, and a way's cost is the
+    sender's store estimate plus, once its peers have reported both ways, their read estimate
+    (``peers_plain_read_ns_per_kib``, ``peers_streaming_read_ns_per_kib``). Low-latency sends, whose rows a
+    recv hook may read much later, are weighed by their stores. Outputs are the same either way, and so are
+    the memory contents but for three head words of the control messages.
 
     Passing ``policy`` sets it for the whole process (counts and estimates start afresh), over
     ``UBEP_STORES`` (which the process's first native engine applies unless a policy was set). Returns
     ``{"policy", "sends": {"plain": n, "streaming": n}, "kinds": {kind: {"in_use": "plain" or "streaming",
-    "plain_ns_per_kib", "streaming_ns_per_kib", "plain_read_ns_per_kib", "streaming_read_ns_per_kib"}}}``
-    (an estimate of 0.0: not measured; kinds: ``dispatch``, ``combine``, ``ll_dispatch``, ``ll_combine``;
-    reads are measured for the first two); an empty dict where the C module is not built.
+    "plain_ns_per_kib", "streaming_ns_per_kib", "plain_read_ns_per_kib", "streaming_read_ns_per_kib",
+    "peers_plain_read_ns_per_kib", "peers_streaming_read_ns_per_kib"}}}`` (an estimate of 0.0: not
+    measured; kinds: ``dispatch``, ``combine``, ``ll_dispatch``, ``ll_combine``; reads are measured for the
+    first two); an empty dict where the C module is not built.
     """
     global _env_applied
     if policy is not None and policy not in STORE_POLICIES:
@@ -96,7 +99,9 @@ def store_policy(policy: Optional[str] = None) -> dict:
     return {"policy": names[code], "sends": {"plain": n_plain, "streaming": n_stream},
             "kinds": {name: {"in_use": "streaming" if kinds[rid][0] else "plain", "plain_ns_per_kib": kinds[rid][1],
                              "streaming_ns_per_kib": kinds[rid][2], "plain_read_ns_per_kib": kinds[rid][3],
-                             "streaming_read_ns_per_kib": kinds[rid][4]} for rid, name in STORE_KINDS.items()}}
+                             "streaming_read_ns_per_kib": kinds[rid][4], "peers_plain_read_ns_per_kib": kinds[rid][5],
+                             "peers_streaming_read_ns_per_kib": kinds[rid][6]}
+                      for rid, name in STORE_KINDS.items()}}
 
 
 def _env_store_policy() -> None:
@@ -310,6 +315,16 @@ class NativeEngine(TorchEngine):
             self._send_plans[key] = (tuple((d.rows.data_ptr(), d.rows.shape[0], d.ctrl.data_ptr(), d.ctrl.shape[0])
                                            for d in job.dests), [(d.rows, d.ctrl) for d in job.dests], fmt.blocks)
 
+    def peer_reads(self, flag: int, notes: Sequence[Sequence[int]]) -> None:
+        """The peers' reports of what reading this rank's rows of ``flag``'s kind has cost them, each way
+        (``[way, plain, streaming]`` per peer, ns per MiB, 0: not measured), averaged over the peers that
+        reported, for the store policy."""
+        plain = [n[1] for n in notes if n[1] > 0]
+        streaming = [n[2] for n in notes if n[2] > 0]
+        if plain or streaming:
+            _native.store_peer_reads(int(flag), sum(plain) / len(plain) if plain else 0.0,
+                                     sum(streaming) / len(streaming) if streaming else 0.0)
+
     def forget(self) -> None:
         self._forgotten = True
         self._send_plans.clear()
@@ -370,7 +385,9 @@ class NativeEngine(TorchEngine):
         """Streaming Token-Reordering of several sources per poll: returns ``step(sources, flag, own=None)``,
         which takes ``[[slots [n, blocks, 512] address, n, first output row, rows done, rank], ...]`` and
         reorders every source's newly complete rows (runs of at least ``min_run`` rows, or up to its last row)
-        into the outputs (as ``unpack_to``), advancing "rows done"; it returns the ranks that completed. None
+        into the outputs (as ``unpack_to``), advancing "rows done"; it returns the ranks that completed (a
+        source's list may end in a sixth item, the way its rows were stored as its control message names it:
+        the copies are then timed for ``store_policy``). None
         when the rows are not TFF or an output is not addressable row by row.
 
         ``own_src``: ``(fields, meta)``, the tensors this rank's own rows come from ([T, bytes] rows per field

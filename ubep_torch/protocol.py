@@ -45,9 +45,9 @@ Control blocks
 Counts (TokenCnt), DC checksums and the per-call "I have sent everything" signal travel in control
 blocks, which always use a TFF head whatever the data sync mode: ``w0`` = flag word, payload = int64
 words. Every rank sends one control message to every peer on every call, even when it sends no rows.
-``w1`` of a message's first block may name how its rows were stored (1 plain, 2 streaming stores; the C
-path's send phase says it, for its store policy: see ``native_engine.store_policy``); 0 says nothing,
-and nothing else reads it.
+``w1..w3`` of a message's first block may say, for the C path's store policy, how its rows were stored
+(1 plain, 2 streaming stores) and what reading rows stored each way has cost the sender (ns per MiB; see
+``native_engine.store_policy``); 0 says nothing, and nothing else reads them.
 
 Epochs and buffer reuse
 -----------------------

@@ -238,14 +238,19 @@ store_rows_way(int stream, uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int6
  * time the try confirms the choice and falls back to PROBE_MIN when the choice flips.
  *
  * For normal dispatch and combine, whose rows every rank reads in the same call, a way's cost also counts
- * what reading rows stored that way costs the receiver (store_read): streamed lines come from memory,
- * plain ones from the writer's cache, and where the cores sit decides which is dearer. Every control
- * message that send_exchange stores names the way of its rows (head word 1 of its first block: 1 plain,
- * 2 streaming; 0, as every other writer leaves it, says nothing), so a receiver times its copies or sums of
- * a source's rows and credits the way that source used. A rank's cost of a way is its store estimate plus,
- * once it has read rows of both ways, its read estimate of that way; the ranks share the machine, so they
- * reach the same choice. Low-latency sends, whose rows a recv hook may read much later, count their stores
- * only. */
+ * what reading rows stored that way costs their receivers: streamed lines come from memory, plain ones
+ * from the writer's cache, and where the cores sit decides which is dearer. The first block of every
+ * control message that send_exchange stores carries three head words for this (every other writer leaves
+ * them 0, which says nothing): w1 the way of its rows (1 plain, 2 streaming), w2 and w3 what reading rows
+ * of that kind stored each way has cost the sender, as a receiver of its peers' rows (ns per MiB, 0: not
+ * measured yet). A receiver times its copies or sums of a source's rows and credits the way that source
+ * named (store_read); the senders learn those estimates from the receivers' next control messages
+ * (store_peer_reads), so a sender weighs what its own rows cost the ranks that read them, whatever the
+ * traffic each way. A way's cost is the sender's store estimate plus, once its peers have reported reads
+ * of both ways, their read estimate of that way. (A combine's sum, timed whole, also reads the receiver's
+ * own rows and writes its output: the same for both ways, so it moves both estimates alike; a sum over
+ * rows of both ways, from peers that stored them differently, is not timed.) Low-latency sends, whose rows
+ * a recv hook may read much later, count their stores only. */
 enum { POLICY_AUTO = 0, POLICY_PLAIN = 1, POLICY_STREAM = 2 };
 #define AUTO_MIN_BYTES (256 << 10)
 #define PROBE_MIN 16
@@ -257,8 +262,10 @@ enum { POLICY_AUTO = 0, POLICY_PLAIN = 1, POLICY_STREAM = 2 };
 typedef struct {
     int current;             /* 0 plain, 1 streaming: the way in use */
     double est[2];           /* stores, ns per KiB, 0 = not measured yet */
-    double read[2];          /* normal calls: reading rows stored each way, ns per KiB, 0 = not measured yet */
-    long long seen, since_probe, probe_every;
+    /* normal calls, ns per KiB, 0 = not measured yet: this rank reading its peers' rows stored each way, and
+     * its peers reading this rank's rows, as their control messages last reported it */
+    double read[2], peer_read[2];
+    long long seen, reads_seen, since_probe, probe_every;
 } store_kind_t;
 
 /* kinds whose cost counts the receive side: normal dispatch and combine (protocol.py's REGION_DISPATCH and
@@ -315,10 +322,10 @@ static void running_mean(double *e, double sample, int fresh) {
     *e = 0.75 * *e + 0.25 * capped;
 }
 
-/* What using ``way`` costs per KiB: its stores, and reading them once both ways' reads are known */
+/* What using ``way`` costs per KiB: its stores, and the peers reading them once both ways' reads are known */
 static double way_cost(const store_kind_t *k, int way) {
-    const int reads = k->read[0] > 0.0 && k->read[1] > 0.0;
-    return k->est[way] + (reads ? k->read[way] : 0.0);
+    const int reads = k->peer_read[0] > 0.0 && k->peer_read[1] > 0.0;
+    return k->est[way] + (reads ? k->peer_read[way] : 0.0);
 }
 
 /* The way with the lower cost becomes the one in use (``tried``: the last estimate came from a try of the
@@ -357,9 +364,30 @@ static void store_read(long long flag, long long code, Py_ssize_t bytes, int64_t
         ns <= 0)
         return;
     store_kind_t *k = &stores.kind[kind];
-    if (k->seen <= WARM_SENDS) return;      /* (the first calls' reads fault in their outputs' pages) */
+    if (k->reads_seen++ < WARM_SENDS) return;   /* (the first calls' reads fault in their outputs' pages) */
     running_mean(&k->read[code - 1], (double)ns * 1024.0 / (double)bytes, 0);
-    store_choose(k, 0);
+}
+
+/* A read estimate as a control message's head word carries it: ns per MiB, rounded */
+static int64_t read_word(double ns_per_kib) {
+    return (int64_t)(ns_per_kib * 1024.0 + 0.5);
+}
+
+/* store_peer_reads(flag, plain, streaming): what the peers last reported reading this rank's rows of kind
+ * ``flag & 7`` costs them, stored each way (ns per MiB, their control messages' head words 2 and 3, averaged
+ * over the peers that reported; 0: not reported), for the store policy */
+static PyObject *store_peer_reads(PyObject *self, PyObject *args) {
+    long long flag;
+    double plain, streaming;
+    if (!PyArg_ParseTuple(args, "Ldd", &flag, &plain, &streaming)) return NULL;
+    const int kind = (int)(flag & (STORE_KINDS - 1));
+    if (stores.policy == POLICY_AUTO && READ_COUNTED(kind)) {
+        store_kind_t *k = &stores.kind[kind];
+        if (plain > 0.0) k->peer_read[0] = plain / 1024.0;
+        if (streaming > 0.0) k->peer_read[1] = streaming / 1024.0;
+        store_choose(k, 0);
+    }
+    Py_RETURN_NONE;
 }
 
 /* store_read(flag, way, bytes, ns): receive-side time of rows stored by ``way`` (1 plain, 2 streaming), as
@@ -373,7 +401,8 @@ static PyObject *py_store_read(PyObject *self, PyObject *args) {
 }
 
 /* store_policy(policy) -> (policy, plain sends, streaming sends, ((way in use, plain ns/KiB, streaming
- * ns/KiB, reading plain rows ns/KiB, reading streamed rows ns/KiB) per kind, STORE_KINDS of them))
+ * ns/KiB, reading the peers' plain and streamed rows ns/KiB, the peers reading this rank's plain and streamed
+ * rows ns/KiB) per kind, STORE_KINDS of them))
  * policy: -1 reads the state only; 0 auto, 1 plain, 2 streaming (counts and estimates start afresh). */
 static PyObject *store_policy(PyObject *self, PyObject *args) {
     int policy;
@@ -387,7 +416,8 @@ static PyObject *store_policy(PyObject *self, PyObject *args) {
     if (kinds == NULL) return NULL;
     for (int i = 0; i < STORE_KINDS; i++) {
         const store_kind_t *k = &stores.kind[i];
-        PyObject *item = Py_BuildValue("(idddd)", k->current, k->est[0], k->est[1], k->read[0], k->read[1]);
+        PyObject *item = Py_BuildValue("(idddddd)", k->current, k->est[0], k->est[1], k->read[0], k->read[1],
+                                       k->peer_read[0], k->peer_read[1]);
         if (item == NULL) {
             Py_DECREF(kinds);
             return NULL;
@@ -1063,18 +1093,19 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
 }
 
 /* ---------------------------------------------------------------- control messages (count group)
- * A control message is nctrl blocks, each a 32 B head (w0 = flag, w1..w3 = 0) and 60 int64 payload words. */
+ * A control message is nctrl blocks, each a 32 B head (w0 = flag; w1..w3 = 0, but for what send_exchange
+ * says in the first block's for the store policy) and 60 int64 payload words. */
 #define CTRL_WORDS ((BLOCK_BYTES - FLAG_BYTES) / 8)
 
-/* One control message: payload words [0, nwords) into consecutive block bodies (the rest zero), head word 1
- * of the first block ``way`` (the stores of its rows, see the store policy; 0: not said), every block
- * published by its flag. */
+/* One control message: payload words [0, nwords) into consecutive block bodies (the rest zero), head words
+ * 1..3 of the first block ``notes`` (what the store policy tells the receiver, or NULL for zeros), every
+ * block published by its flag. */
 static void store_ctrl(uint8_t *dst, Py_ssize_t nctrl, const int64_t *payload, Py_ssize_t n, long long flag,
-                       int64_t way) {
+                       const int64_t *notes) {
     for (Py_ssize_t b = 0; b < nctrl; b++) {
         uint8_t *blk = dst + b * BLOCK_BYTES;
         memset(blk + 8, 0, BLOCK_BYTES - 8);
-        if (b == 0) memcpy(blk + 8, &way, 8);
+        if (b == 0 && notes) memcpy(blk + 8, notes, 3 * sizeof(int64_t));
         const Py_ssize_t lo = b * CTRL_WORDS, hi = n < lo + CTRL_WORDS ? n : lo + CTRL_WORDS;
         if (hi > lo) memcpy(blk + FLAG_BYTES, payload + lo, (size_t)(hi - lo) * 8);
         publish(blk, flag);
@@ -1092,7 +1123,7 @@ static PyObject *write_ctrl(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "control payload does not fit its blocks");
         return NULL;
     }
-    store_ctrl((uint8_t *)(uintptr_t)dst_p, nctrl, (const int64_t *)(uintptr_t)payload_p, n, flag, 0);
+    store_ctrl((uint8_t *)(uintptr_t)dst_p, nctrl, (const int64_t *)(uintptr_t)payload_p, n, flag, NULL);
     Py_RETURN_NONE;
 }
 
@@ -1206,11 +1237,16 @@ static PyObject *send_exchange(PyObject *self, PyObject *args) {
     Py_ssize_t bytes = 0;
     for (Py_ssize_t i = 0; i < nd; i++) bytes += d[i].n * nb * BLOCK_BYTES;
     const int way = store_way(flag, bytes);
+    /* (each message names the stores its rows take, see store_rows, and what reading this kind of rows has
+     * cost this rank) */
+    const store_kind_t *kind = &stores.kind[flag & (STORE_KINDS - 1)];
+    int64_t notes[3] = {1, read_word(kind->read[0]), read_word(kind->read[1])};
     int64_t took;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < nd; i++)     /* (each names the stores its rows take: see store_rows) */
-        store_ctrl(d[i].ctrl, d[i].nctrl, d[i].words, d[i].nwords, flag,
-                   STREAMING_STORES && way && ((uintptr_t)d[i].rows & 63) == 0 ? 2 : 1);
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        notes[0] = STREAMING_STORES && way && ((uintptr_t)d[i].rows & 63) == 0 ? 2 : 1;
+        store_ctrl(d[i].ctrl, d[i].nctrl, d[i].words, d[i].nwords, flag, notes);
+    }
     const int64_t t0 = now_ns();
     for (Py_ssize_t i = 0; i < nd; i++)
         store_rows(way, d[i].rows, d[i].n, nb, d[i].sel, meta, d[i].patch, d[i].patch_items, rank, flag, f, nf);
@@ -1786,6 +1822,7 @@ static PyMethodDef methods[] = {
     {"read_ctrl", read_ctrl, METH_VARARGS, "payload words of an arrived control message"},
     {"store_policy", store_policy, METH_VARARGS, "how rows reach a peer's slots: read or set (auto, plain, streaming)"},
     {"store_read", py_store_read, METH_VARARGS, "count the receive side of a normal call for the store policy"},
+    {"store_peer_reads", store_peer_reads, METH_VARARGS, "what the peers report reading this rank's rows costs"},
     {"send_exchange", send_exchange, METH_VARARGS, "TFF send phase: every destination's counts, then rows"},
     {"poll_ctrl", poll_ctrl, METH_VARARGS, "arrived control messages of every missing source"},
     {"arrived", arrived, METH_VARARGS, "whether every block of the rows carries the flag"},
