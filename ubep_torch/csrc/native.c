@@ -247,16 +247,20 @@ store_rows_way(int stream, uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int6
  * named (store_read); the senders learn those estimates from the receivers' next control messages
  * (store_peer_reads), so a sender weighs what its own rows cost the ranks that read them, whatever the
  * traffic each way. A way's cost is the sender's store estimate plus, once its peers have reported reads
- * of both ways, their read estimate of that way. (A combine's sum, timed whole, also reads the receiver's
- * own rows and writes its output: the same for both ways, so it moves both estimates alike; a sum over
- * rows of both ways, from peers that stored them differently, is not timed.) Low-latency sends, whose rows
- * a recv hook may read much later, count their stores only. */
+ * of both ways, their read estimate of that way. (A rank reports what reading all its peers' rows of a way
+ * has cost it, and a sender averages its peers' reports: with two ranks that is exactly its own rows, with
+ * more an average over the senders. A combine's sum, timed whole, also reads the receiver's own rows and
+ * writes its output: the same for both ways, so it moves both estimates alike; a sum over rows of both
+ * ways, from peers that stored them differently, is not timed, and without reports of both ways a sender
+ * weighs its stores alone.) Low-latency sends, whose rows a recv hook may read much later, count their
+ * stores only. */
 enum { POLICY_AUTO = 0, POLICY_PLAIN = 1, POLICY_STREAM = 2 };
 #define AUTO_MIN_BYTES (256 << 10)
 #define PROBE_MIN 16
 #define PROBE_MAX 256
 #define WARM_SENDS 2
 #define READ_MIN_BYTES (64 << 10)   /* fewer bytes read from one way in a call are not timed */
+#define STALE_READS 8               /* reads of a kind after which a way's last read estimate is replaced */
 #define STORE_KINDS 8               /* flag & 7: the region ids of protocol.py (1..4 send rows) */
 
 typedef struct {
@@ -266,6 +270,7 @@ typedef struct {
      * its peers reading this rank's rows, as their control messages last reported it */
     double read[2], peer_read[2];
     long long seen, reads_seen, since_probe, probe_every;
+    long long read_at[2];    /* reads_seen at this rank's last read of rows stored each way */
 } store_kind_t;
 
 /* kinds whose cost counts the receive side: normal dispatch and combine (protocol.py's REGION_DISPATCH and
@@ -365,7 +370,11 @@ static void store_read(long long flag, long long code, Py_ssize_t bytes, int64_t
         return;
     store_kind_t *k = &stores.kind[kind];
     if (k->reads_seen++ < WARM_SENDS) return;   /* (the first calls' reads fault in their outputs' pages) */
-    running_mean(&k->read[code - 1], (double)ns * 1024.0 / (double)bytes, 0);
+    /* rows of a way the peers stored none of for a while (a try of the way they do not use) are a new
+     * estimate, not one more sample of an old one */
+    const int way = (int)code - 1, stale = k->reads_seen - k->read_at[way] > STALE_READS;
+    k->read_at[way] = k->reads_seen;
+    running_mean(&k->read[way], (double)ns * 1024.0 / (double)bytes, stale);
 }
 
 /* A read estimate as a control message's head word carries it: ns per MiB, rounded */
