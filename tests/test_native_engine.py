@@ -266,7 +266,7 @@ def test_normal_calls_read_rows_by_the_way_they_were_stored(pool):
     first try of streaming stores, where the CPU has them), both kinds have read estimates of both ways,
     its own and its peers'."""
     ways = ("plain", "streaming") if _x86() else ("plain",)
-    states = pool.run(F.measured_round_trips)
+    states = pool.run(F.under_store_policy, "auto", F.measured_round_trips)
     for r, state in enumerate(states):
         for name in ("dispatch", "combine"):
             k = state["kinds"][name]

@@ -121,39 +121,35 @@ def ll_equivalence(ctx, sync: str, use_fp8: bool = False, T: int = 4, H: int = 2
 
 
 def under_store_policy(ctx, policy: str, fn, *args, **kwargs) -> dict:
-    """``fn(ctx, *args, **kwargs)`` with rows stored into the peers' slots by ``policy`` (``plain`` or
-    ``streaming``), then the policy it had again; adds ``sends``: how many sends took that way."""
+    """``fn(ctx, *args, **kwargs)`` with rows stored into the peers' slots by ``policy`` (``plain``,
+    ``streaming`` or ``auto``), then the policy it had again; for a fixed way, adds ``sends``: how many sends
+    took that way."""
     from ubep_torch import native_engine
     before = native_engine.store_policy()["policy"]
-    native_engine.store_policy(policy)     # (the counts start afresh)
+    native_engine.store_policy(policy)     # (the counts and estimates start afresh)
     try:
         out = fn(ctx, *args, **kwargs)
-        out["sends"] = native_engine.store_policy()["sends"][policy]
+        if policy != "auto":
+            out["sends"] = native_engine.store_policy()["sends"][policy]
     finally:
         native_engine.store_policy(before)     # (UBEP_STORES's, in a run under it)
     return out
 
 
 def measured_round_trips(ctx, calls: int = 12, T: int = 64, H: int = 2048, E: int = 8, K: int = 4) -> dict:
-    """Normal round trips on the C path under the ``auto`` store policy, started afresh, whose sends are
-    large enough to be measured (about 320 KiB to the peer); returns ``store_policy()`` after them, then
-    sets back the policy it had."""
+    """Normal round trips on the C path whose sends are large enough for the store policy to measure (about
+    320 KiB to the peer); returns ``store_policy()`` after them (run it ``under_store_policy("auto", ...)``)."""
     import torch.distributed as dist
 
     from ubep_torch import Buffer, native_engine
-    before = native_engine.store_policy()["policy"]
-    native_engine.store_policy("auto")
-    try:
-        with Buffer(dist.group.WORLD, 8 << 20, backend="native") as buf:
-            g = torch.Generator().manual_seed(ctx.rank)
-            x = torch.randn(T, H, generator=g).bfloat16()
-            topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-            for _ in range(calls):
-                recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
-                buf.combine(recv_x, handle)
-        return native_engine.store_policy()
-    finally:
-        native_engine.store_policy(before)     # (UBEP_STORES's, in a run under it)
+    with Buffer(dist.group.WORLD, 8 << 20, backend="native") as buf:
+        g = torch.Generator().manual_seed(ctx.rank)
+        x = torch.randn(T, H, generator=g).bfloat16()
+        topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        for _ in range(calls):
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+            buf.combine(recv_x, handle)
+    return native_engine.store_policy()
 
 
 def sp_collision(ctx, T: int = 4, H: int = 256, E: int = 4) -> dict:
