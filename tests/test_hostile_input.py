@@ -163,6 +163,11 @@ def bad_case(ctx, sync, kind):
         "ll zero_copy str": lambda: ll_combine(zero_copy="no"),
         "ll combine hook str": lambda: ll_combine(return_recv_hook="no"),
         "ll dispatch hook str": lambda: buf.low_latency_dispatch(x, topk, S.N_LL, E, return_recv_hook="no"),
+        "layout async str": lambda: buf.get_dispatch_layout(topk, E, async_finish="yes"),
+        "dispatch async str": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E, async_finish="yes"),
+        "dispatch comm stream None": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E,
+                                                          allocate_on_comm_stream=None),
+        "combine async str": lambda: combine(async_finish="yes"),
         "worst True": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E, num_worst_tokens=True),
         "alignment True": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E, expert_alignment=True),
         "ll N True": lambda: buf.low_latency_dispatch(x, topk, True, E),
@@ -333,11 +338,14 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
              "tuple rank mask edited", "tuple source index edited", "ll layout edited", "cost model str",
              "on_report not callable", "sparse ll weights", "sparse combine bias", "sparse bias in a pair",
              "sparse x", "sparse ll out", "sparse ll stats", "ll zero_copy str", "ll combine hook str",
-             "ll dispatch hook str", "worst True", "alignment True", "ll N True", "bias triple"]
+             "ll dispatch hook str", "worst True", "alignment True", "ll N True", "bias triple",
+             "layout async str", "dispatch async str", "dispatch comm stream None", "combine async str"]
 
 
 # what the error of some kinds must say (an earlier check could refuse them for another reason)
-BAD_SAYS = {"meta combine x": "meta tensor", "meta ll out": "meta tensor", "ll experts per rank": "control message",
+BAD_SAYS = {**{k: "must be True or False" for k in ("layout async str", "dispatch async str",
+                                                   "dispatch comm stream None", "combine async str")},
+            "meta combine x": "meta tensor", "meta ll out": "meta tensor", "ll experts per rank": "control message",
             "experts per rank": "control message", "ll layout edited": "changed after",
             "ll clean too big": "too small for",
             **{k: "layout torch.sparse_coo" for k in ("sparse ll weights", "sparse combine bias",

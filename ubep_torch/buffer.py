@@ -1346,6 +1346,7 @@ class Buffer:
         _check_process(self, "get_dispatch_layout")
         try:
             _check_host_tensors(Buffer.get_dispatch_layout, (topk_idx,), {})
+            _check_flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
             E = self._check_num_experts(num_experts)
             layout = self._layout(topk_idx, E)[0]
         except Exception as e:
@@ -1411,6 +1412,7 @@ class Buffer:
             ``(recv_x, None, None, None, None, event)``.
         """
         self._check_usable()
+        _check_flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
         self._apply_config(config)
         if layout not in ("rank_major", "expert_major"):
             raise ValueError(f"layout must be 'rank_major' or 'expert_major', got {layout!r}")
@@ -2002,6 +2004,7 @@ class Buffer:
             ``(combined_x [T, H] in x's dtype, combined_topk_weights [T, K] or None, event)``.
         """
         self._check_usable()
+        _check_flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
         self._apply_config(config)
         # the dispatch this combine answers, for the peers to check: known for the handle object dispatch
         # returned, not for a plain-tuple copy (it may match a newer handle of the same content)
