@@ -428,15 +428,16 @@ def late_rank(ctx, case):
 
 def refused_call(ctx, case):
     """Rank 1's first dispatch has an expert id out of range (refused with ValueError before it reaches
-    rank 0); rank 0's is valid. ``"late"``: rank 1 calls again only after 2.5 s, so rank 0, waiting in the
-    call rank 1 refused, raises once the refusal is 1 s old (its deadline is 20 s): the call is cancelled
-    on both ranks, and both go on with a round trip that completes (rank 0's waits for rank 1's).
-    ``"prompt"``: rank 1 calls again at once and that call is the one rank 0 waits in.
-    ``"both"``: both ranks' first calls are refused, rank 1 calls again after 2.5 s, and rank 0, waiting
-    in its retry of the call, does not count rank 1's refusal. ``"layout"``: as ``"late"``, with rank 1's
-    error raised by ``get_dispatch_layout``. ``"destroy"``: rank 1 destroys its Buffer right after the
-    refusal (as a ``with`` block ended by the error does). Returns what each step raised or returned
-    (the seconds it took and, for an error, its type, whether it says refused, the ranks it names)."""
+    rank 0); rank 0's is valid. ``"late"``: rank 1 calls again only after 2.5 s; rank 0, waiting in the
+    call rank 1 refused, raises at once (its deadline is 20 s): the call is cancelled on both ranks, and
+    both go on with a round trip that completes (rank 0's waits for rank 1's). ``"prompt"``: rank 1 calls
+    again at once: that is its next call, not the cancelled one (former bug: rank 0's cancelled call took
+    it), and rank 0 makes it too after its error. ``"both"``: both ranks' first calls are refused (no call
+    happens), rank 1 calls again after 2.5 s, and rank 0's call again waits for it. ``"layout"``: as
+    ``"late"``, with rank 1's error raised by ``get_dispatch_layout``. ``"destroy"``: rank 1 destroys its
+    Buffer right after the refusal (as a ``with`` block ended by the error does). Returns what each step
+    raised or returned (the seconds it took and, for an error, its type, whether it says refused, the ranks
+    it names)."""
     import time
 
     import torch
@@ -461,7 +462,7 @@ def refused_call(ctx, case):
         steps = [lambda: buf.get_dispatch_layout(bad, E)]
     if ctx.rank == 1 and case == "destroy":
         steps.append(buf.destroy)
-    elif ctx.rank == 1 or case in ("both", "late", "layout"):
+    elif ctx.rank == 1 or case in ("both", "late", "layout", "prompt"):
         if ctx.rank == 1 and case != "prompt":
             steps.append(lambda: time.sleep(2.5))
         steps.append(lambda: dispatch(good))
@@ -481,11 +482,13 @@ def refused_call(ctx, case):
 
 def refused_with_hooks(ctx, case):
     """Refusals around low-latency recv hooks (2 ranks, 20 s deadline). ``"later"``: rank 0 refuses a
-    low-latency dispatch (call 1) and calls nothing for 3 s; rank 1 issued call 1 with a recv hook and
-    waits in a normal dispatch (call 2): it names rank 0 after about a second. ``"twice"``: both ranks
-    refuse call 1; rank 0 retries it at once with a recv hook, refuses call 2 alone and retries it at once,
-    then runs hook 1; rank 1 retries call 1 after 1.5 s, then makes call 2: everything completes. Returns
-    (step, outcome, seconds) per step."""
+    low-latency dispatch and makes its next call, a normal round trip, 1.5 s later; rank 1 issued the
+    refused call with a recv hook and waits in the round trip: it completes with rank 0's, and the hook,
+    run last, raises ``CancelledCallError`` (its call was cancelled while rank 1 waited in a later one).
+    ``"twice"``: both ranks refuse a low-latency dispatch (no call); rank 0 makes it again at once with a
+    recv hook, refuses a round trip alone, makes it again at once, then runs the hook; rank 1 makes the
+    low-latency dispatch after 1.5 s, then the round trip (cancelled: rank 0 refused it) and the round trip
+    again: everything completes. Returns (step, outcome, seconds) per step."""
     import time
 
     import torch
@@ -508,14 +511,15 @@ def refused_with_hooks(ctx, case):
         d = buf.dispatch(x, topk_idx=topk, num_experts=E)
         buf.combine(d[0], d[4])
     if case == "later":
-        steps = [("ll", lambda: ll(bad)), ("sleep", lambda: time.sleep(3))] if ctx.rank == 0 else \
-            [("ll", lambda: ll(good, hook=True)), ("normal", lambda: normal(good))]
+        steps = [("ll", lambda: ll(bad)), ("sleep", lambda: time.sleep(1.5)), ("normal", lambda: normal(good))] \
+            if ctx.rank == 0 else [("ll", lambda: ll(good, hook=True)), ("normal", lambda: normal(good)),
+                                   ("hook", lambda: held[-1][-1]())]
     elif ctx.rank == 0:
         steps = [("ll", lambda: ll(bad)), ("ll", lambda: ll(good, hook=True)), ("normal", lambda: normal(bad)),
                  ("normal", lambda: normal(good)), ("hook", lambda: held[-1][-1]())]
     else:
         steps = [("ll", lambda: ll(bad)), ("sleep", lambda: time.sleep(1.5)), ("ll", lambda: ll(good)),
-                 ("normal", lambda: normal(good))]
+                 ("normal", lambda: normal(good)), ("normal", lambda: normal(good))]
     out = []
     for name, step in steps:
         t0 = time.monotonic()
@@ -1315,3 +1319,35 @@ def after_a_cancel(ctx, case):
     dist.barrier()
     buf.destroy()
     return log, max(errs) if errs else None
+
+
+def refused_then_next_step(ctx, steps=3):
+    """Every rank runs ``steps`` steps of a dispatch and its combine, each step's rows worth 10 * step + the
+    rank; rank 1 passes an expert id out of range in step 1 and, like every rank, goes on to the next step
+    after any error (the pattern of a training or serving loop). Returns per step: the error's type and
+    whether it was cancelled, or the values received and the combine's largest error."""
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, T, H, K = ctx.world_size, 4, 64, 2
+    E = 2 * R
+    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
+    out = []
+    for step in range(1, steps + 1):
+        x = torch.full((T, H), float(10 * step + ctx.rank)).bfloat16()
+        topk = (torch.arange(T * K).view(T, K) + step) % E
+        if step == 1 and ctx.rank == 1:
+            topk[0, 0] = E
+        try:
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+            combined = buf.combine(recv_x, handle)[0]
+            reached = torch.zeros(T, R, dtype=torch.bool)
+            reached.scatter_(1, topk // 2, True)
+            err = float((combined.float() - x.float() * reached.sum(1, keepdim=True)).abs().max())
+            out.append(("ok", sorted(set(recv_x[:, 0].float().tolist())), err))
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, getattr(e, "cancelled", None)))
+    dist.barrier()
+    buf.destroy()
+    return out

@@ -600,8 +600,8 @@ def test_errors_before_the_peers_are_posted_as_refusals():
 
     def failing_layout(*args, **kwargs):
         raise RuntimeError("allocation failed")
-    fake = types.SimpleNamespace(rank=0, group_size=2, _calls=3, _refuse=lambda what: posted.append(what),
-                                 get_dispatch_layout=failing_layout)
+    fake = types.SimpleNamespace(rank=0, group_size=2, _calls=3, _seq=3,
+                                 _refuse=lambda what: posted.append(what), get_dispatch_layout=failing_layout)
     x, topk = torch.randn(3, 8), torch.zeros(3, 1, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="allocation failed"):
         functional.dispatch(fake, x, topk, torch.ones(3, 1), 2)

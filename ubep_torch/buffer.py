@@ -50,13 +50,13 @@ from .utils import Config, EventOverlap, TensorCache, check_count, check_host
 
 _AUX_REGIONS = 8          # region ids that have an ack table
 _MAX_LL_BUFFERS = 8       # receive buffers (halves) a low-latency region may have, each with its acks
-# aux words, R per row: acks [region][half][source] | abort words | refused calls | refusal times | calls
-# given up on a refusing rank | refused calls settled as cancelled | SyncAll counters, a row per call modulo
+# aux words, R per row: acks [region][half][source] | abort words | decisions on refused attempts, a row per
+# attempt modulo _DECIDE_SLOTS (see Buffer._post_decision) | SyncAll counters, a row per call modulo
 # _SYNC_SLOTS (one word per rank in each row; row * R + rank)
 _ACK_WORDS = _MAX_LL_BUFFERS * _AUX_REGIONS
-_ABORT_ROW, _REFUSED_ROW, _REFUSED_AT_ROW = _ACK_WORDS, _ACK_WORDS + 1, _ACK_WORDS + 2
-_GIVEUP_ROW, _CANCELLED_ROW = _ACK_WORDS + 3, _ACK_WORDS + 4
-_SYNC_ROW, _SYNC_SLOTS = _ACK_WORDS + 5, 64
+_ABORT_ROW = _ACK_WORDS
+_DECIDE_ROW, _DECIDE_SLOTS = _ACK_WORDS + 1, 4
+_SYNC_ROW, _SYNC_SLOTS = _DECIDE_ROW + _DECIDE_SLOTS, 64
 _AUX_ROWS = _SYNC_ROW + _SYNC_SLOTS
 # the region whose epoch a refused call would have taken, by the call (or the step preparing it) that refused
 _REFUSED_REGION = {"dispatch": P.REGION_DISPATCH, "combine": P.REGION_DISPATCH,
@@ -73,7 +73,6 @@ _LL_LAYOUT_KEYS = ("K", "num_tokens", "return_slot", "sent_counts", "pos", "n_pa
 _DEFAULT_NVL_BYTES = 256 << 20
 _POLLS_BEFORE_REGION_CHECK = 16   # polls of a control-message wait before it also looks at the other regions
 _STREAM_ROWS = 32         # fewest arrived rows of a source that streaming Token-Reordering copies at once
-_REFUSAL_GRACE_S = 1.0    # a peer's refusal of a call fails the ranks waiting in it once this old (see _post_refusal)
 
 
 def _round(x: int, a: int = P.BLOCK_BYTES) -> int:
@@ -399,18 +398,20 @@ def _collective(fn):
         hook = out[-1] if isinstance(out, tuple) and out and callable(out[-1]) else None
         if hook is None:
             return out
-        issued = self._calls      # the hook completes this call, whenever it runs
+        issued, issued_seq = self._calls, self._seq     # the hook completes this call, whenever it runs
 
         @functools.wraps(hook)
         def guarded_hook():
             if getattr(hook, "pending", None) is not None:
                 _raise_if_cancelled(hook.pending)    # (before anything is touched: the Buffer stays usable)
             _enter_call(self, f"{fn.__name__} recv hook")
-            outer, self._active_call = self._active_call, issued   # an abort it signals names its own call
-            # the hook of the latest call that reached the peers can cancel it (see _cancel_call); once a
-            # later call has gone out, the peers may be in it
+            # (an abort it signals names its own call; a refusal it sees is of its own attempt)
+            outer = self._active_call, self._active_seq
+            self._active_call, self._active_seq = issued, issued_seq
+            # the hook of a call a peer refused cancels it (see _cancel_call), whatever calls came since: a
+            # refused attempt is cancelled on every rank, and later calls do not depend on it
             pend = next((p for p in self._pending if p.call == issued and not p.done), None)
-            if pend is not None and self._calls == issued:
+            if pend is not None:
                 self._cancel_point = pend.extra.get("cancel_point")
             try:
                 # The hook fills tensors the call created, in the caller's mode then: under inference mode
@@ -428,7 +429,7 @@ def _collective(fn):
                         self._fail(e)
                 raise
             finally:
-                self._active_call = outer
+                self._active_call, self._active_seq = outer
                 self._cancel_point = None
                 self._call_lock.release()
         return out[:-1] + (guarded_hook,)
@@ -443,6 +444,7 @@ class _Pending:
     done: bool = False
     extra: dict = field(default_factory=dict)
     call: int = 0          # the Buffer's call number (``Buffer._calls``) that issued it
+    seq: int = 0           # and its attempt number (``Buffer._seq``)
     pair: int = 0          # what a combine of its rows names it by (see ``Buffer._pair_tag``)
 
 
@@ -609,10 +611,8 @@ class Buffer:
         self._barriers: dict = {}      # call number -> SyncAll barriers it (and its recv hook) took so far
         self._broken: Optional[str] = None
         self._pending: List[_Pending] = []
-        self._refused_calls: set = set()   # numbers of the (recent) calls this rank refused (bad input)
-        self._refusal_posted = False    # whether the peers' memories still say so
-        self._refusal = (0, None)       # (call, region of its epoch) of the refusal posted last
-        self._cancelled_calls: set = set()   # calls cancelled on every rank because a rank refused them
+        # (attempt, region of its epoch) of the call this rank refused last, until every peer has decided on it
+        self._refusal: Optional[tuple] = None
         self._cancel_point: Optional[dict] = None   # how to cancel the call in progress (see _cancel_call)
         self._ll_combine_buffer: Optional[torch.Tensor] = None    # flat; see get_next_low_latency_combine_buffer
         self._ll_combine_zeroed = 0
@@ -631,6 +631,10 @@ class Buffer:
         self._calls = 0              # calls that reached their peers (the same count on every rank)
         self._begun = 0              # of those, the ones this rank made (not refused ones the peers cancelled)
         self._active_call = 0        # the call whose work runs now (a recv hook's own), named by aborts
+        # attempts: the calls this rank made or refused, refused ones included whether or not a peer took part
+        # (the same count on every rank once a refusal is settled: see _settle_refusal)
+        self._seq = 0
+        self._active_seq = 0         # the attempt whose work runs now (a recv hook's own)
         self._destroyed = False
         self._out = TensorCache()   # output tensors are reused once the caller has dropped them
         self._layout_cache = None   # (num_experts, layout, routing snapshot, derived send lists) of the last routing
@@ -897,8 +901,8 @@ class Buffer:
             now = region.ctrl_heads(local, half)[list(ahead)].tolist() if ahead else []
             other = {s: k for (s, k), head in zip(ahead.items(), now) if head >> 8 != flag >> 8}
         if other:
-            # (a rank that refused this call and settled it as cancelled goes on with its next call at once)
-            self._raise_if_settled(phase, missing, other)
+            # (a rank that refused this attempt and went on with its next call: the refusal is the cause)
+            self._raise_if_refused(phase, missing, other)
             op = P.REGION_NAMES.get(flag & 0xFF, str(flag & 0xFF))
             theirs = ", ".join(f"rank {s} called {P.REGION_NAMES.get(k, 'another operation')}"
                                for s, k in sorted(other.items()))
@@ -930,12 +934,7 @@ class Buffer:
 
         def poll():
             vals = words[off:off + R].tolist()
-            missing = [r for r in range(R) if vals[r] < count]
-            if not missing and self._cancel_point is not None:
-                # (a rank that settled this call as cancelled goes on at once: its next call may have stored
-                # counts of a later call in this row)
-                self._raise_if_settled(phase, [], range(R))
-            return missing
+            return [r for r in range(R) if vals[r] < count]
         self._wait(phase, poll)
 
     def _check_call_words(self, ctrl_words, op: str) -> None:
@@ -994,20 +993,26 @@ class Buffer:
     def _begin_call(self) -> None:
         """From here on, peers may be waiting for this rank. The first time in a call this numbers the call in
         ``_calls`` (only calls that reach their peers count; every rank makes the same ones, so the numbers
-        agree)."""
+        agree) and the attempt in ``_seq``."""
         if not self._in_call:
             self._settle_refusal()
             self._begun += 1
             self._calls += 1
+            self._seq += 1
             self._active_call = self._calls
+            self._active_seq = self._seq
+            if self._pending:
+                self._cancel_refused_hooks()
         self._in_call = True
 
     def _refuse(self, what: str) -> None:
         """An error in a collective call (bad input, a failed allocation: see ``errors.refusal``), or in a step
         that leads to one (``get_dispatch_layout``, ``ubep_torch.functional``), before it reached the peers:
-        post the refusal of the call they may be waiting in (see ``_post_refusal``); ``what`` names the call
-        (or step). Only the process that built the Buffer, and not while another thread is inside a call (its
-        call is the one the peers wait in)."""
+        this rank refuses the attempt its peers may be waiting in, and tells them (``_post_decision``); ``what``
+        names the call (or step). The attempt is cancelled on every rank, always: a peer that waits in it
+        leaves it at once with ``UBEPPeerAbortedError`` (``cancelled``), and this rank's next call is the
+        next one on every rank (``_settle_refusal``). Only the process that built the Buffer, and not while
+        another thread is inside a call (its call is the one the peers wait in)."""
         if self._pid != os.getpid() or not self._call_lock.acquire(blocking=False):
             return
         try:
@@ -1016,79 +1021,89 @@ class Buffer:
                     self._settle_refusal()
                 except UBEPError:     # (the Buffer is broken and says why at its next call)
                     return
-                self._post_refusal(self._calls + 1, _REFUSED_REGION[what])
+                self._seq += 1
+                rid = _REFUSED_REGION[what]
+                self._post_decision(self._seq, self._region_code(rid), gave_up=False)
+                self._refusal = (self._seq, rid)
         finally:
             self._call_lock.release()
 
-    def _settle_refusal(self) -> None:
-        """Before this rank's next call (or refusal) after refusing call N: withdraw the refusal, then learn
-        whether a peer gave up on it meanwhile. Then call N was cancelled on every rank (see
-        ``_peer_aborted``): this rank counts it too and moves its region's epoch past it, tells the peers
-        still waiting in it, and makes its next call as N + 1. Else its next call is N.
+    def _post_decision(self, seq: int, region_code: int, gave_up: bool) -> None:
+        """Write into every peer's memory what this rank did with attempt ``seq``: refused it, or (``gave_up``)
+        took part in it and left it because a peer refused it. ``region_code``: the region whose epoch the
+        call takes (see ``_region_code``), so that ranks in different operations are caught.
 
-        A peer gives up by storing N into this rank's memory, then (after a full fence) reading whether the
-        refusal is still posted; this rank withdraws it, then (after a full fence) reads those stores. Of two
-        such store-then-load pairs at least one load sees the other's store, so the two sides never decide
-        differently: a peer that saw the refusal still posted has its store seen here. A give-up names the
-        kind of call the peer was in: another kind than this rank refused (the ranks' calls differ) raises
-        ``UBEPError`` and breaks the Buffer, as any operation mismatch does."""
-        if not self._refusal_posted:
-            return
-        call, rid = self._refusal
-        self._post_refusal(0)
-        P.full_fence()
+        A rank decides once per attempt and never takes a decision back, so a peer reads it whenever it
+        looks. Rows are kept per attempt modulo ``_DECIDE_SLOTS``: no rank gets more than one attempt
+        ahead of a refusal that a peer has not settled (its next call waits for that peer)."""
         R = self.group_size
-        gave_up = {s: int(w) & 15 for s, w in enumerate(self._aux_words[_GIVEUP_ROW * R:_GIVEUP_ROW * R + R])
-                   if int(w) >> 4 == call}
-        if gave_up:
-            other = {s: k for s, k in gave_up.items() if k != self._region_code(rid)}
-            if other:   # (the peers were in another kind of call: moving this rank's region would not match)
-                names = {**P.REGION_NAMES, P.REGION_DISPATCH: "dispatch or combine", 15: "clean_low_latency_buffer"}
-                self._broken = f"operation mismatch with rank(s) {sorted(other)}"
-                self._signal_abort()
-                raise UBEPError(f"ubep_torch: rank {self.rank} refused call {call} of this Buffer as "
-                                f"{names.get(self._region_code(rid), '?')}, but " + ", ".join(
-                                    f"rank {s} was in {names.get(k, 'another operation')}"
-                                    for s, k in sorted(other.items()))
-                                + ": every rank must make the same calls in the same order")
-            for r in range(R):
-                if r != self.rank:
-                    self._peer_words[r][_CANCELLED_ROW * R + self.rank] = call
-            self._calls += 1
-            epoch = None
-            if rid is not None and rid in self._regions:
-                epoch = self._next_epoch_number(rid)
-            self._cancel_done(call, rid, epoch)
+        word = seq << 5 | region_code << 1 | int(gave_up)
+        slot = (_DECIDE_ROW + seq % _DECIDE_SLOTS) * R + self.rank
+        for r in range(R):
+            if r != self.rank:
+                self._peer_words[r][slot] = word
+
+    def _decision(self, r: int, seq: int) -> Optional[int]:
+        """Rank r's decision word on attempt ``seq`` (see ``_post_decision``), or None: it has not decided."""
+        if seq <= 0:          # (attempts count from 1: an empty row decides nothing)
+            return None
+        w = int(self._aux_words[(_DECIDE_ROW + seq % _DECIDE_SLOTS) * self.group_size + r])
+        return w if w >> 5 == seq else None
+
+    def _refused_by(self, r: int, seq: int) -> bool:
+        w = self._decision(r, seq) if r != self.rank else None
+        return w is not None and not w & 1
+
+    def _settle_refusal(self) -> None:
+        """Before this rank's next call (or refusal) after refusing attempt S: wait until every peer has
+        decided on S, refused it too or taken part and left it (``_post_decision``). If any peer took part,
+        S was a call on every rank, cancelled: this rank counts it too, moves its region's epoch past it and
+        acknowledges the rows peers sent in it. If every rank refused S, no rank took part and no call
+        happened (the usual case of bad input passed everywhere). Every rank sees the same decisions, so all
+        count the same calls and epochs. A peer that took part in another kind of call than this rank refused
+        raises ``UBEPError`` and breaks the Buffer, as any operation mismatch does."""
+        if self._refusal is None:
+            return
+        seq, rid = self._refusal
+        R, me = self.group_size, self.rank
+        outer, self._active_seq = self._active_seq, 0     # (no attempt's work runs here: see _peer_aborted)
+        try:
+            self._wait(f"the start of the next call: waiting for every rank to leave attempt {seq}, which rank "
+                       f"{me} refused", lambda: [r for r in range(R) if r != me and self._decision(r, seq) is None])
+        finally:
+            self._active_seq = outer
+        self._refusal = None
+        gave_up = {r: self._decision(r, seq) >> 1 & 15 for r in range(R)
+                   if r != me and self._decision(r, seq) & 1}
+        if not gave_up:
+            return
+        other = {s: k for s, k in gave_up.items() if k != self._region_code(rid)}
+        if other:   # (the peers were in another kind of call: moving this rank's region would not match)
+            names = {**P.REGION_NAMES, P.REGION_DISPATCH: "dispatch or combine", 15: "clean_low_latency_buffer"}
+            self._broken = f"operation mismatch with rank(s) {sorted(other)}"
+            self._signal_abort()
+            raise UBEPError(f"ubep_torch: rank {me} refused call {self._calls + 1} of this Buffer as "
+                            f"{names.get(self._region_code(rid), '?')}, but " + ", ".join(
+                                f"rank {s} was in {names.get(k, 'another operation')}"
+                                for s, k in sorted(other.items()))
+                            + ": every rank must make the same calls in the same order")
+        self._calls += 1
+        epoch = None
+        if rid is not None and rid in self._regions:
+            epoch = self._next_epoch_number(rid)
+        self._cancel_done(rid, epoch)
 
     def _region_code(self, rid: Optional[int]) -> int:
         """The region whose epoch a call of region ``rid`` takes, as 4 bits (15: none, a barrier-only call)."""
         return 15 if rid is None else self._regions[rid].rid if rid in self._regions else rid
 
-    def _cancel_done(self, call: int, rid: Optional[int], epoch: Optional[int]) -> None:
-        """Call ``call`` is cancelled on every rank; on this one it took ``epoch`` of region ``rid`` (None:
-        none). Acknowledge every source's rows of that epoch (this rank will not read them: the peers may
-        reuse that half), and ignore refusals of that call from now on."""
+    def _cancel_done(self, rid: Optional[int], epoch: Optional[int]) -> None:
+        """A call is cancelled on every rank; on this one it took ``epoch`` of region ``rid`` (None: none).
+        Acknowledge every source's rows of that epoch (this rank will not read them: the peers may reuse
+        that half)."""
         if epoch is not None:
             for s in range(self.group_size):
                 self._send_ack(rid, s, epoch)
-        self._cancelled_calls = {c for c in self._cancelled_calls if c > call - 1024} | {call}
-
-    def _post_refusal(self, call: int, rid=None) -> None:
-        """Write into every peer's memory that this rank refused call number ``call`` because of bad input,
-        and when (0: withdrawn, when this rank's next call reaches the peers). A peer that waits for this
-        rank in that call raises once the refusal is ``_REFUSAL_GRACE_S`` old instead of waiting for its
-        deadline (see ``_peer_aborted``); a call made again sooner is the one the peer waits for. The bad
-        input's error is raised here, and this Buffer stays usable."""
-        R = self.group_size
-        now = time.monotonic_ns()       # (CLOCK_MONOTONIC: one clock for every process of the host)
-        for r in range(R):
-            if r != self.rank:          # the time first: a peer that reads the call reads its time
-                self._peer_words[r][_REFUSED_AT_ROW * R + self.rank] = now
-                self._peer_words[r][_REFUSED_ROW * R + self.rank] = call
-        if call:
-            self._refused_calls = {c for c in self._refused_calls if c > call - 1024} | {call}
-            self._refusal = (call, rid)
-        self._refusal_posted = bool(call)
 
     def _next_epoch(self, rid: int) -> int:
         """The next epoch of region ``rid`` (see ``_begin_call``)."""
@@ -1104,64 +1119,54 @@ class Buffer:
 
     def _peer_aborted(self, r: int) -> int:
         """0, or how rank r aborted: ``P.ABORT_FAILED``, ``P.ABORT_GAVE_UP`` or ``P.ABORT_DESTROYED``; or
-        ``P.ABORT_REFUSED`` when it refused (bad input) the call this rank is in, or an earlier one (this
-        rank waits in a later call, its recv hook for that one pending), at least ``_REFUSAL_GRACE_S`` ago
-        and has not called again since, unless this rank refused that call too (then every rank calls
-        again, and the call it waits in is the retry)."""
+        ``P.ABORT_REFUSED`` when it refused the attempt this rank is in (this rank then leaves it: see
+        ``_leave_refused``). Recv hooks still pending for attempts r refused are cancelled on the way
+        (``_cancel_refused_hooks``): r waits for this rank to leave them before its next call."""
         if r == self.rank:
             return 0
-        R = self.group_size
-        how = P.abort_how(int(self._aux_words[_ABORT_ROW * R + r]))
-        refused = int(self._aux_words[_REFUSED_ROW * R + r])
-        refused_here = refused and refused <= self._active_call and refused not in self._refused_calls \
-            and refused not in self._cancelled_calls
-        if self._cancellable(r):        # (it refused this call and found that a peer gave up on it)
-            self._cancel_point["refused"] = True
+        if self._pending:
+            self._cancel_refused_hooks([r])
+        if self._refused_by(r, self._active_seq):
+            self._leave_refused()
             return P.ABORT_REFUSED
-        if how:
-            # a rank that refused this call and then destroyed its Buffer (as a ``with`` block ended by the
-            # bad input's error does) will not call again: its refusal is the cause, named at once
-            return self._give_up(r, refused) if how == P.ABORT_DESTROYED and refused_here else how
-        if not refused_here:
-            return 0
-        age = time.monotonic_ns() - int(self._aux_words[_REFUSED_AT_ROW * R + r])
-        return self._give_up(r, refused) if age >= min(_REFUSAL_GRACE_S, self.timeout_s / 4) * 1e9 else 0
+        return P.abort_how(int(self._aux_words[_ABORT_ROW * self.group_size + r]))
 
-    def _cancellable(self, r: int) -> bool:
-        """Rank r refused the call this rank is in, and has settled it as cancelled (``_settle_refusal``)."""
+    def _leave_refused(self) -> None:
+        """A peer refused the attempt this rank is in: tell every peer that this rank took part and leaves
+        it, and mark the call cancellable (``_cancel_call``)."""
         cp = self._cancel_point
-        return cp is not None and cp["call"] == self._active_call and \
-            int(self._aux_words[_CANCELLED_ROW * self.group_size + r]) == cp["call"]
+        code = 15
+        if cp is not None and cp["call"] == self._active_call:
+            cp["refused"] = True
+            code = self._region_code(cp["rid"])
+        self._post_decision(self._active_seq, code, gave_up=True)
 
-    def _raise_if_settled(self, phase: str, missing: Sequence[int], ranks) -> None:
-        """The refused-call error (cancelling this call) if any of ``ranks`` refused this call and has settled
-        it as cancelled (``_cancellable``); it names them (and ``missing``, or them again)."""
-        cancelled = [r for r in ranks if self._cancellable(r)]
-        if cancelled:
-            self._cancel_point["refused"] = True
-            raise UBEPPeerAbortedError(phase, self.rank, list(missing) or cancelled, cancelled, refused=True)
+    def _raise_if_refused(self, phase: str, missing: Sequence[int], ranks) -> None:
+        """The refused-call error (cancelling this call) if any of ``ranks`` refused the attempt this rank is
+        in; it names them (and ``missing``, or them again)."""
+        refused = [r for r in ranks if self._refused_by(r, self._active_seq)]
+        if refused:
+            self._leave_refused()
+            raise UBEPPeerAbortedError(phase, self.rank, list(missing) or refused, refused, refused=True)
 
-    def _give_up(self, r: int, refused: int) -> int:
-        """``P.ABORT_REFUSED``: rank r refused call ``refused`` long enough ago (or destroyed its Buffer since).
-        Inside that very call (not a recv hook of it), this rank first gives up on it in r's memory; the call
-        is cancelled on every rank if r still refuses it after that (then r, when it calls again, finds the
-        give-up: see ``_settle_refusal``), and this rank waits on if r has just called again (r then finds
-        the give-up or not, and says which)."""
-        cp = self._cancel_point
-        if cp is None or cp["call"] != self._active_call or refused != cp["call"]:
-            return P.ABORT_REFUSED
-        R = self.group_size
-        # (into every rank that refuses this call: one that calls again later then finds it too and moves on
-        # at once, instead of making the call again that the others cancelled)
-        word = refused << 4 | self._region_code(cp["rid"])     # (the kind of call given up: see _settle_refusal)
-        for q in range(R):
-            if q == r or int(self._aux_words[_REFUSED_ROW * R + q]) == refused:
-                self._peer_words[q][_GIVEUP_ROW * R + self.rank] = word
-        P.full_fence()
-        if int(self._aux_words[_REFUSED_ROW * R + r]) != refused and not self._cancellable(r):
-            return 0
-        cp["refused"] = True
-        return P.ABORT_REFUSED
+    def _cancel_refused_hooks(self, ranks=None) -> None:
+        """Cancel the pending recv hooks (other than the one running) of attempts that one of ``ranks`` (all:
+        None) refused: the hook raises ``CancelledCallError`` when run, and this rank tells the peers that it
+        left that attempt (the refusing rank's next call waits for that)."""
+        for pend in self._pending:
+            if pend.done or pend.seq == self._active_seq:
+                continue
+            if not any(self._refused_by(r, pend.seq) for r in (range(self.group_size) if ranks is None else ranks)):
+                continue
+            cp = pend.extra.get("cancel_point") or {}
+            self._post_decision(pend.seq, self._region_code(cp.get("rid")), gave_up=True)
+            for fmt, dests in cp.get("sent", ()):
+                for d in dests:
+                    if d.sel.numel():
+                        self.engine.rearm(fmt, d.rows[:d.sel.numel()])
+            self._cancel_done(cp.get("rid"), cp.get("epoch"))
+            pend.done = pend.extra["cancelled"] = True
+        self._pending = [p for p in self._pending if not p.done]
 
     def _signal_abort(self, how: int = P.ABORT_FAILED) -> None:
         """Tell every peer that this rank failed inside a call (``how``: see ``_peer_aborted``), so they fail
@@ -1180,7 +1185,7 @@ class Buffer:
 
     def _cancel_call(self, e: BaseException) -> bool:
         """True, with the call cancelled and this Buffer usable, when ``e`` says that the ranks this call
-        waits for refused it and it is cancelled on every rank (see ``_give_up``); else False.
+        waits for refused it, which cancels it on every rank (see ``_refuse``); else False.
 
         Every rank that took part leaves the call: it acknowledges the rows of the call's epoch (it will not
         read them) and re-arms (SP) the slots it wrote into its peers, whose first words would otherwise read
@@ -1197,7 +1202,7 @@ class Buffer:
             for d in dests:
                 if d.sel.numel():
                     self.engine.rearm(fmt, d.rows[:d.sel.numel()])
-        self._cancel_done(cp["call"], cp["rid"], cp["epoch"])
+        self._cancel_done(cp["rid"], cp["epoch"])
         e.cancel()
         return True
 
@@ -2275,7 +2280,7 @@ class Buffer:
                                   sent_counts=counts, pos=pos, n_pairs=int(t_idx.numel()), recv_rows=0,
                                   topk_snapshot=topk_idx.clone())
         self._recent_ll_handles.append(handle)
-        pending = handle.pending = _Pending("low_latency_dispatch", epoch, call=self._calls,
+        pending = handle.pending = _Pending("low_latency_dispatch", epoch, call=self._calls, seq=self._seq,
                                             pair=self._pair_tag | self._calls)
         wait_ns = [0] * R            # per source: ns from the start of the receive until its rows were in
 
@@ -2657,7 +2662,7 @@ class Buffer:
         eng.send_phase(job)
 
         result = out if out is not None else self._out.empty((T, H), torch.bfloat16)
-        pending = _Pending("low_latency_combine", epoch, call=self._calls)
+        pending = _Pending("low_latency_combine", epoch, call=self._calls, seq=self._seq)
         # (weights that share out='s memory are read before the sum overwrites them)
         weights = topk_weights.clone() if out is not None and _same_memory(out, topk_weights) else \
             topk_weights.contiguous()

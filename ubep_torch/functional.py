@@ -110,12 +110,12 @@ def _refuses_bad_input(fn):
     rank will not make the call its peers may be waiting in: tell them (``Buffer._refuse``)."""
     @functools.wraps(fn)
     def wrapper(buffer, *args, **kwargs):
-        calls = getattr(buffer, "_calls", None)
+        attempts = getattr(buffer, "_seq", None)    # (a call it made, or refused itself, counts one)
         try:
             return fn(buffer, *args, **kwargs)
         except Exception as e:
             refuse = getattr(buffer, "_refuse", None)
-            if refuse is not None and buffer._calls == calls and refusal(e):
+            if refuse is not None and buffer._seq == attempts and refusal(e):
                 refuse(fn.__name__)
             raise
     return wrapper
