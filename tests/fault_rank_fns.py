@@ -1351,3 +1351,117 @@ def refused_then_next_step(ctx, steps=3):
     dist.barrier()
     buf.destroy()
     return out
+
+
+def refusals_behind_pending_hooks(ctx):
+    """Two low-latency dispatches, then rank 0 issues four calls with recv hooks (two combines, two
+    dispatches: every buffer half held) and refuses a normal dispatch; rank 1 comes 1 s later and refuses the
+    first of those combines, then issues the other three with hooks, runs them and makes the normal dispatch
+    (cancelled: rank 0 refused it) and a normal dispatch again; rank 0 runs its hooks (the first raises, its
+    call refused) and makes the normal dispatch again. A rank runs that far ahead of a peer's decision
+    without waiting for it (former bug: its later decisions overwrote earlier ones before the peer read
+    them, and both ranks waited for their deadline). Returns (step, outcome) per step, then the call and
+    attempt counts."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, H, N = ctx.world_size, 128, 8
+    E = 2 * R
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
+                 low_latency_mode=True, timeout_s=20.0)
+    x = torch.randn(4, H).bfloat16()
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    w = torch.ones(4, 2)
+    bad = topk.clone()
+    bad[0, 0] = E
+    out = []
+
+    def step(name, f):
+        try:
+            result = f()
+            out.append((name, "ok"))
+            return result
+        except Exception as e:  # noqa: BLE001
+            out.append((name, type(e).__name__, getattr(e, "cancelled", None)))
+
+    def ll(hook=False):
+        return buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=hook)
+
+    def comb(d, weights, hook=False):
+        return buf.low_latency_combine(d[0], topk, weights, d[2], return_recv_hook=hook)
+
+    def normal(t):
+        return buf.dispatch(x, topk_idx=t, num_experts=E)
+    d1, d2 = ll(), ll()
+    if ctx.rank == 0:
+        hooks = [comb(d1, w, True)[-1], comb(d2, w, True)[-1], ll(True)[-1], ll(True)[-1]]
+        step("normal bad", lambda: normal(bad))
+        for i, h in enumerate(hooks):
+            step(f"hook {i}", h)
+        step("normal", lambda: normal(topk))
+    else:
+        time.sleep(1.0)
+        step("combine bad", lambda: comb(d1, torch.ones(5, 2)))
+        hooks = [comb(d2, w, True)[-1], ll(True)[-1], ll(True)[-1]]
+        for i, h in enumerate(hooks, start=1):
+            step(f"hook {i}", h)
+        step("normal", lambda: normal(topk))
+        step("normal", lambda: normal(topk))
+    out.append((buf._calls, buf._seq, buf._broken))
+    dist.barrier()
+    buf.destroy()
+    return out
+
+
+def refused_call_holding_a_half(ctx):
+    """Rank 0 issues two low-latency dispatches with recv hooks (both buffer halves held), then, 0.6 s later,
+    a third; rank 1 refuses the first 0.2 s in, then makes the second (with a hook) and the third. The third
+    needs the half of the first, whose call rank 1 refused: that hook holds nothing (former bug: the third
+    was refused, its half held, unless rank 0 had already noticed the refusal elsewhere). Returns (step,
+    outcome) per step."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, H, N = ctx.world_size, 128, 8
+    E = 2 * R
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
+                 low_latency_mode=True, timeout_s=20.0)
+    x = torch.randn(4, H).bfloat16()
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    bad = topk.clone()
+    bad[0, 0] = E
+    out, hooks = [], []
+
+    def step(name, f):
+        try:
+            result = f()
+            out.append((name, "ok"))
+            return result
+        except Exception as e:  # noqa: BLE001
+            out.append((name, type(e).__name__, getattr(e, "cancelled", None)))
+
+    def ll(t, hook=False):
+        d = buf.low_latency_dispatch(x, t, N, E, use_fp8=False, return_recv_hook=hook)
+        if hook:
+            hooks.append(d[-1])
+    if ctx.rank == 0:
+        step("ll 1", lambda: ll(topk, True))
+        step("ll 2", lambda: ll(topk, True))
+        time.sleep(0.6)
+        step("ll 3", lambda: ll(topk))
+    else:
+        time.sleep(0.2)
+        step("ll 1", lambda: ll(bad))
+        step("ll 2", lambda: ll(topk, True))
+        step("ll 3", lambda: ll(topk))
+    for i, h in enumerate(hooks):
+        step(f"hook {i}", h)
+    dist.barrier()
+    buf.destroy()
+    return out

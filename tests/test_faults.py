@@ -738,3 +738,23 @@ def test_a_refusing_rank_that_goes_on_to_its_next_step_stays_in_step():
         for step, got in enumerate(steps[1:], start=2):
             assert got[0] == "ok" and got[2] == 0.0, (rank, step, got)
             assert got[1] and all(10 * step <= v < 10 * step + 3 for v in got[1]), (rank, step, got)
+
+
+def test_decisions_on_refused_calls_outlast_the_calls_a_rank_runs_ahead():
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        r0, r1 = pool.run(FR.refusals_behind_pending_hooks, timeout_s=90)
+    assert r0[:-1] == [("normal bad", "ValueError", None), ("hook 0", "UBEPPeerAbortedError", True),
+                       ("hook 1", "ok"), ("hook 2", "ok"), ("hook 3", "ok"), ("normal", "ok")], r0
+    assert r1[:-1] == [("combine bad", "ValueError", None), ("hook 1", "ok"), ("hook 2", "ok"), ("hook 3", "ok"),
+                       ("normal", "UBEPPeerAbortedError", True), ("normal", "ok")], r1
+    assert r0[-1] == r1[-1] and r0[-1][2] is None, (r0[-1], r1[-1])       # same calls and attempts, usable
+
+
+def test_a_hook_of_a_refused_call_holds_no_buffer_half():
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        r0, r1 = pool.run(FR.refused_call_holding_a_half, timeout_s=90)
+    assert r0 == [("ll 1", "ok"), ("ll 2", "ok"), ("ll 3", "ok"), ("hook 0", "CancelledCallError", None),
+                  ("hook 1", "ok")], r0
+    assert r1 == [("ll 1", "ValueError", None), ("ll 2", "ok"), ("ll 3", "ok"), ("hook 0", "ok")], r1

@@ -55,7 +55,9 @@ _MAX_LL_BUFFERS = 8       # receive buffers (halves) a low-latency region may ha
 # _SYNC_SLOTS (one word per rank in each row; row * R + rank)
 _ACK_WORDS = _MAX_LL_BUFFERS * _AUX_REGIONS
 _ABORT_ROW = _ACK_WORDS
-_DECIDE_ROW, _DECIDE_SLOTS = _ACK_WORDS + 1, 4
+# (a rank runs ahead of a peer, without waiting for it, by the low-latency calls whose recv hooks are pending,
+# at most one per buffer half of each low-latency region, and by one refusal: see Buffer._post_decision)
+_DECIDE_ROW, _DECIDE_SLOTS = _ACK_WORDS + 1, 2 * _MAX_LL_BUFFERS + 4
 _SYNC_ROW, _SYNC_SLOTS = _DECIDE_ROW + _DECIDE_SLOTS, 64
 _AUX_ROWS = _SYNC_ROW + _SYNC_SLOTS
 # the region whose epoch a refused call would have taken, by the call (or the step preparing it) that refused
@@ -406,8 +408,8 @@ def _collective(fn):
                 _raise_if_cancelled(hook.pending)    # (before anything is touched: the Buffer stays usable)
             _enter_call(self, f"{fn.__name__} recv hook")
             # (an abort it signals names its own call; a refusal it sees is of its own attempt)
-            outer = self._active_call, self._active_seq
-            self._active_call, self._active_seq = issued, issued_seq
+            outer = self._active_call, self._active_seq, self._hook_seq
+            self._active_call, self._active_seq, self._hook_seq = issued, issued_seq, issued_seq
             # the hook of a call a peer refused cancels it (see _cancel_call), whatever calls came since: a
             # refused attempt is cancelled on every rank, and later calls do not depend on it
             pend = next((p for p in self._pending if p.call == issued and not p.done), None)
@@ -429,7 +431,7 @@ def _collective(fn):
                         self._fail(e)
                 raise
             finally:
-                self._active_call, self._active_seq = outer
+                self._active_call, self._active_seq, self._hook_seq = outer
                 self._cancel_point = None
                 self._call_lock.release()
         return out[:-1] + (guarded_hook,)
@@ -635,6 +637,7 @@ class Buffer:
         # (the same count on every rank once a refusal is settled: see _settle_refusal)
         self._seq = 0
         self._active_seq = 0         # the attempt whose work runs now (a recv hook's own)
+        self._hook_seq = 0           # the attempt of the recv hook running now (0: none)
         self._destroyed = False
         self._out = TensorCache()   # output tensors are reused once the caller has dropped them
         self._layout_cache = None   # (num_experts, layout, routing snapshot, derived send lists) of the last routing
@@ -1034,8 +1037,10 @@ class Buffer:
         call takes (see ``_region_code``), so that ranks in different operations are caught.
 
         A rank decides once per attempt and never takes a decision back, so a peer reads it whenever it
-        looks. Rows are kept per attempt modulo ``_DECIDE_SLOTS``: no rank gets more than one attempt
-        ahead of a refusal that a peer has not settled (its next call waits for that peer)."""
+        looks. Rows are kept per attempt modulo ``_DECIDE_SLOTS``, which must exceed how far a rank can run
+        ahead of a peer that has not yet read its decision: every call but one with a recv hook waits for
+        the peers, a rank holds at most one pending hook per buffer half of each low-latency region (a call
+        whose half is held is refused), and its next refusal waits until the peers decided on its last."""
         R = self.group_size
         word = seq << 5 | region_code << 1 | int(gave_up)
         slot = (_DECIDE_ROW + seq % _DECIDE_SLOTS) * R + self.rank
@@ -1154,7 +1159,7 @@ class Buffer:
         None) refused: the hook raises ``CancelledCallError`` when run, and this rank tells the peers that it
         left that attempt (the refusing rank's next call waits for that)."""
         for pend in self._pending:
-            if pend.done or pend.seq == self._active_seq:
+            if pend.done or pend.seq == self._hook_seq:
                 continue
             if not any(self._refused_by(r, pend.seq) for r in (range(self.group_size) if ranks is None else ranks)):
                 continue
@@ -2476,6 +2481,8 @@ class Buffer:
         recv hook has not run: the halves alternate, so waiting for that half would wait for this rank."""
         region, name = self._region(rid), P.REGION_NAMES[rid]
         self._settle_refusal()     # (a call this rank refused and the peers cancelled moves the epoch first)
+        if self._pending:          # (a hook whose call a peer refused holds no half)
+            self._cancel_refused_hooks()
         half = region.half(self._epoch[region.rid] + 1)
         pend = [p for p in self._pending if not p.done and p.kind == name]
         if any(region.half(p.epoch) == half for p in pend):
@@ -2746,6 +2753,8 @@ class Buffer:
             raise ValueError(f"clean_low_latency_buffer: the low-latency buffer is too small for "
                              f"num_max_dispatch_tokens_per_rank={N}, hidden={H}, num_experts={E}; use "
                              f"num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E)}")
+        if self._pending:          # (a hook whose call a peer refused is not pending)
+            self._cancel_refused_hooks()
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
         self._begin_call()
