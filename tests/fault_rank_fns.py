@@ -1465,3 +1465,58 @@ def refused_call_holding_a_half(ctx):
     dist.barrier()
     buf.destroy()
     return out
+
+
+def refusals_while_one_rank_lags(ctx):
+    """5 ranks, ``low_latency_buffers=8``. Eight low-latency dispatches; then four
+    ``clean_low_latency_buffer`` calls (they take no buffer half), each refused by another rank (ranks 1, 2,
+    3, 4), rank 1 resting 2 s after its refusal; then eight low-latency combines and eight dispatches with
+    recv hooks (every buffer half held); then a normal dispatch refused by rank 0; then every hook, and a
+    normal dispatch. Rank 0 runs all of that before rank 1 has read its decision on the first refused call:
+    as far ahead as a rank can get (former bug: rows too few for that, the decision was overwritten, and
+    every rank waited for its deadline). Returns per step "ok" or the error's type and whether it was
+    cancelled, then (calls, attempts, broken)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, H, N, k = ctx.world_size, 128, 4, 8
+    E = 2 * R
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E, num_buffers=k),
+                 low_latency_mode=True, timeout_s=30.0, low_latency_buffers=k)
+    x = torch.randn(N, H).bfloat16()
+    topk = torch.stack([torch.arange(2) * R + (t % R) for t in range(N)]) % E
+    w = torch.ones(N, 2)
+    bad = topk.clone()
+    bad[0, 0] = E
+    out, hooks = [], []
+
+    def step(f):
+        try:
+            result = f()
+            out.append("ok")
+            return result
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, getattr(e, "cancelled", None)))
+
+    def normal(refuser):
+        return buf.dispatch(x, topk_idx=bad if ctx.rank == refuser else topk, num_experts=E)
+    handles = [buf.low_latency_dispatch(x, topk, N, E, use_fp8=False) for _ in range(k)]
+    for refuser in (1, 2, 3, 4):
+        step(lambda r=refuser: buf.clean_low_latency_buffer(N, H, E + 1 if ctx.rank == r else E))
+        if refuser == 1 and ctx.rank == 1:
+            time.sleep(2.0)
+    for d in handles:
+        hooks.append(step(lambda d=d: buf.low_latency_combine(d[0], topk, w, d[2], return_recv_hook=True)[-1]))
+    for _ in range(k):
+        hooks.append(step(lambda: buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=True)[-1]))
+    step(lambda: normal(0))
+    for h in hooks:
+        step(h)
+    step(lambda: normal(None))
+    out.append((buf._calls, buf._seq, buf._broken))
+    dist.barrier()
+    buf.destroy()
+    return out

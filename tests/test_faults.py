@@ -758,3 +758,15 @@ def test_a_hook_of_a_refused_call_holds_no_buffer_half():
     assert r0 == [("ll 1", "ok"), ("ll 2", "ok"), ("ll 3", "ok"), ("hook 0", "CancelledCallError", None),
                   ("hook 1", "ok")], r0
     assert r1 == [("ll 1", "ValueError", None), ("ll 2", "ok"), ("ll 3", "ok"), ("hook 0", "ok")], r1
+
+
+def test_decisions_outlast_a_lagging_rank_on_five_ranks():
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(5, env=env) as pool:
+        out = pool.run(FR.refusals_while_one_rank_lags, timeout_s=120)
+    for rank, steps in enumerate(out):
+        want = [("ValueError", None) if rank == r else ("UBEPPeerAbortedError", True) for r in (1, 2, 3, 4)]
+        want += ["ok"] * 16 + [("ValueError", None) if rank == 0 else ("UBEPPeerAbortedError", True)]
+        want += ["ok"] * 17
+        assert steps[:-1] == want, (rank, steps)
+    assert len({steps[-1] for steps in out}) == 1 and out[0][-1][2] is None, [steps[-1] for steps in out]

@@ -50,16 +50,13 @@ from .utils import Config, EventOverlap, TensorCache, check_count, check_host
 
 _AUX_REGIONS = 8          # region ids that have an ack table
 _MAX_LL_BUFFERS = 8       # receive buffers (halves) a low-latency region may have, each with its acks
-# aux words, R per row: acks [region][half][source] | abort words | decisions on refused attempts, a row per
-# attempt modulo _DECIDE_SLOTS (see Buffer._post_decision) | SyncAll counters, a row per call modulo
-# _SYNC_SLOTS (one word per rank in each row; row * R + rank)
+# aux words, R per row: acks [region][half][source] | abort words | SyncAll counters, a row per call modulo
+# _SYNC_SLOTS | decisions on refused attempts, a row per attempt modulo Buffer._decide_slots (see
+# Buffer._post_decision) (one word per rank in each row; row * R + rank)
 _ACK_WORDS = _MAX_LL_BUFFERS * _AUX_REGIONS
 _ABORT_ROW = _ACK_WORDS
-# (a rank runs ahead of a peer, without waiting for it, by the low-latency calls whose recv hooks are pending,
-# at most one per buffer half of each low-latency region, and by one refusal: see Buffer._post_decision)
-_DECIDE_ROW, _DECIDE_SLOTS = _ACK_WORDS + 1, 2 * _MAX_LL_BUFFERS + 4
-_SYNC_ROW, _SYNC_SLOTS = _DECIDE_ROW + _DECIDE_SLOTS, 64
-_AUX_ROWS = _SYNC_ROW + _SYNC_SLOTS
+_SYNC_ROW, _SYNC_SLOTS = _ACK_WORDS + 1, 64
+_DECIDE_ROW = _SYNC_ROW + _SYNC_SLOTS
 # the region whose epoch a refused call would have taken, by the call (or the step preparing it) that refused
 _REFUSED_REGION = {"dispatch": P.REGION_DISPATCH, "combine": P.REGION_DISPATCH,
                    "get_dispatch_layout": P.REGION_DISPATCH, "low_latency_dispatch": P.REGION_LL_DISPATCH,
@@ -574,7 +571,11 @@ class Buffer:
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = int(num_rdma_bytes)
 
-        aux = _round(_AUX_ROWS * R * 8, 4096)
+        # (how far a rank can run ahead of a peer that has not read its decision on a refused attempt: one
+        # low-latency call per buffer half of each low-latency region, whose recv hooks are pending, one
+        # refused attempt per other rank, and its own: see _post_decision)
+        self._decide_slots = 2 * _MAX_LL_BUFFERS + R + 2
+        aux = _round((_DECIDE_ROW + self._decide_slots) * R * 8, 4096)
         base = aux
         # normal dispatch and combine take turns in one region (see _Region): their rows never sit in the
         # slots together, and one set of slots stays warm in cache across a round trip
@@ -1037,13 +1038,14 @@ class Buffer:
         call takes (see ``_region_code``), so that ranks in different operations are caught.
 
         A rank decides once per attempt and never takes a decision back, so a peer reads it whenever it
-        looks. Rows are kept per attempt modulo ``_DECIDE_SLOTS``, which must exceed how far a rank can run
+        looks. Rows are kept per attempt modulo ``_decide_slots``, which must exceed how far a rank can run
         ahead of a peer that has not yet read its decision: every call but one with a recv hook waits for
-        the peers, a rank holds at most one pending hook per buffer half of each low-latency region (a call
-        whose half is held is refused), and its next refusal waits until the peers decided on its last."""
+        every peer, so only attempts refused by some rank (each rank refuses one before its next call waits
+        for every peer's decision on it) and calls with pending hooks (at most one per buffer half of each
+        low-latency region: a call whose half is held is refused) come between."""
         R = self.group_size
         word = seq << 5 | region_code << 1 | int(gave_up)
-        slot = (_DECIDE_ROW + seq % _DECIDE_SLOTS) * R + self.rank
+        slot = (_DECIDE_ROW + seq % self._decide_slots) * R + self.rank
         for r in range(R):
             if r != self.rank:
                 self._peer_words[r][slot] = word
@@ -1052,7 +1054,7 @@ class Buffer:
         """Rank r's decision word on attempt ``seq`` (see ``_post_decision``), or None: it has not decided."""
         if seq <= 0:          # (attempts count from 1: an empty row decides nothing)
             return None
-        w = int(self._aux_words[(_DECIDE_ROW + seq % _DECIDE_SLOTS) * self.group_size + r])
+        w = int(self._aux_words[(_DECIDE_ROW + seq % self._decide_slots) * self.group_size + r])
         return w if w >> 5 == seq else None
 
     def _refused_by(self, r: int, seq: int) -> bool:

@@ -24,6 +24,7 @@ import torch.nn.functional as tF
 from torch import nn
 
 from . import functional as F
+from .errors import refusal
 
 __all__ = ["GroupedSwiGLU", "MoE", "Router", "SwiGLU", "data_parallel_sync", "is_expert_parameter"]
 
@@ -212,15 +213,23 @@ class MoE(nn.Module):
         return self.buffer is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., H] -> [..., H]``; also sets :attr:`aux_loss`. Collective in expert-parallel mode."""
-        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
-            raise TypeError(f"ubep_torch.nn.MoE: x must be a float tensor, got "
-                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.dim() < 1 or x.shape[-1] != self.hidden:
-            raise ValueError(f"ubep_torch.nn.MoE: x must be [..., {self.hidden}], got {tuple(x.shape)}")
-        shape = x.shape
-        x2 = x.reshape(-1, self.hidden)
-        topk_idx, topk_weights, balance = self.router(x2)
+        """``x [..., H] -> [..., H]``; also sets :attr:`aux_loss`. Collective in expert-parallel mode: an
+        error before the dispatch (a bad ``x``, say) refuses the dispatch the peers make, as bad input to
+        :mod:`ubep_torch.functional` does, so every rank leaves that step."""
+        try:
+            if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+                raise TypeError(f"ubep_torch.nn.MoE: x must be a float tensor, got "
+                                f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+            if x.dim() < 1 or x.shape[-1] != self.hidden:
+                raise ValueError(f"ubep_torch.nn.MoE: x must be [..., {self.hidden}], got {tuple(x.shape)}")
+            shape = x.shape
+            x2 = x.reshape(-1, self.hidden)
+            topk_idx, topk_weights, balance = self.router(x2)
+        except Exception as e:
+            refuse = getattr(self.buffer, "_refuse", None)
+            if refuse is not None and refusal(e):
+                refuse("dispatch")
+            raise
         self.aux_loss = self.aux_loss_coef * balance
         if self.buffer is None:
             out = self._dense(x2, topk_idx, topk_weights)
