@@ -1353,6 +1353,40 @@ def refused_then_next_step(ctx, steps=3):
     return out
 
 
+def _ll_refusal_setup(ctx, N=8, k=2, H=128):
+    """A low-latency Buffer (``k`` buffers, 20 s deadline) and inputs for refusal scenarios: ``(buf, x,
+    topk, bad, N, E)``, ``x`` 4 tokens for ``N`` in 4..8 (``N`` tokens below 4), ``bad`` the routing with an
+    expert id out of range."""
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R = ctx.world_size
+    E = 2 * R
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E, num_buffers=k),
+                 low_latency_mode=True, timeout_s=20.0, low_latency_buffers=k)
+    T = min(4, N)
+    x = torch.randn(T, H).bfloat16()
+    topk = torch.stack([torch.arange(2) * R + t for t in range(T)]) % E
+    bad = topk.clone()
+    bad[0, 0] = E
+    return buf, x, topk, bad, N, E
+
+
+def _recorder(out):
+    """``step(f, name=None)``: runs ``f`` and appends to ``out`` ``"ok"`` (or ``(name, "ok")``), else the
+    error's type and whether it was cancelled (after ``name``); returns ``f``'s result."""
+    def step(f, name=None):
+        try:
+            result = f()
+            out.append((name, "ok") if name else "ok")
+            return result
+        except Exception as e:  # noqa: BLE001
+            err = (type(e).__name__, getattr(e, "cancelled", None))
+            out.append((name,) + err if name else err)
+    return step
+
+
 def refusals_behind_pending_hooks(ctx):
     """Two low-latency dispatches, then rank 0 issues four calls with recv hooks (two combines, two
     dispatches: every buffer half held) and refuses a normal dispatch; rank 1 comes 1 s later and refuses the
@@ -1367,25 +1401,10 @@ def refusals_behind_pending_hooks(ctx):
     import torch
     import torch.distributed as dist
 
-    from ubep_torch import Buffer
-    R, H, N = ctx.world_size, 128, 8
-    E = 2 * R
-    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
-                 low_latency_mode=True, timeout_s=20.0)
-    x = torch.randn(4, H).bfloat16()
-    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    buf, x, topk, bad, N, E = _ll_refusal_setup(ctx)
     w = torch.ones(4, 2)
-    bad = topk.clone()
-    bad[0, 0] = E
     out = []
-
-    def step(name, f):
-        try:
-            result = f()
-            out.append((name, "ok"))
-            return result
-        except Exception as e:  # noqa: BLE001
-            out.append((name, type(e).__name__, getattr(e, "cancelled", None)))
+    step = _recorder(out)
 
     def ll(hook=False):
         return buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=hook)
@@ -1398,18 +1417,18 @@ def refusals_behind_pending_hooks(ctx):
     d1, d2 = ll(), ll()
     if ctx.rank == 0:
         hooks = [comb(d1, w, True)[-1], comb(d2, w, True)[-1], ll(True)[-1], ll(True)[-1]]
-        step("normal bad", lambda: normal(bad))
+        step(lambda: normal(bad), "normal bad")
         for i, h in enumerate(hooks):
-            step(f"hook {i}", h)
-        step("normal", lambda: normal(topk))
+            step(h, f"hook {i}")
+        step(lambda: normal(topk), "normal")
     else:
         time.sleep(1.0)
-        step("combine bad", lambda: comb(d1, torch.ones(5, 2)))
+        step(lambda: comb(d1, torch.ones(5, 2)), "combine bad")
         hooks = [comb(d2, w, True)[-1], ll(True)[-1], ll(True)[-1]]
         for i, h in enumerate(hooks, start=1):
-            step(f"hook {i}", h)
-        step("normal", lambda: normal(topk))
-        step("normal", lambda: normal(topk))
+            step(h, f"hook {i}")
+        step(lambda: normal(topk), "normal")
+        step(lambda: normal(topk), "normal")
     out.append((buf._calls, buf._seq, buf._broken))
     dist.barrier()
     buf.destroy()
@@ -1424,44 +1443,28 @@ def refused_call_holding_a_half(ctx):
     outcome) per step."""
     import time
 
-    import torch
     import torch.distributed as dist
 
-    from ubep_torch import Buffer
-    R, H, N = ctx.world_size, 128, 8
-    E = 2 * R
-    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
-                 low_latency_mode=True, timeout_s=20.0)
-    x = torch.randn(4, H).bfloat16()
-    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
-    bad = topk.clone()
-    bad[0, 0] = E
+    buf, x, topk, bad, N, E = _ll_refusal_setup(ctx)
     out, hooks = [], []
-
-    def step(name, f):
-        try:
-            result = f()
-            out.append((name, "ok"))
-            return result
-        except Exception as e:  # noqa: BLE001
-            out.append((name, type(e).__name__, getattr(e, "cancelled", None)))
+    step = _recorder(out)
 
     def ll(t, hook=False):
         d = buf.low_latency_dispatch(x, t, N, E, use_fp8=False, return_recv_hook=hook)
         if hook:
             hooks.append(d[-1])
     if ctx.rank == 0:
-        step("ll 1", lambda: ll(topk, True))
-        step("ll 2", lambda: ll(topk, True))
+        step(lambda: ll(topk, True), "ll 1")
+        step(lambda: ll(topk, True), "ll 2")
         time.sleep(0.6)
-        step("ll 3", lambda: ll(topk))
+        step(lambda: ll(topk), "ll 3")
     else:
         time.sleep(0.2)
-        step("ll 1", lambda: ll(bad))
-        step("ll 2", lambda: ll(topk, True))
-        step("ll 3", lambda: ll(topk))
+        step(lambda: ll(bad), "ll 1")
+        step(lambda: ll(topk, True), "ll 2")
+        step(lambda: ll(topk), "ll 3")
     for i, h in enumerate(hooks):
-        step(f"hook {i}", h)
+        step(h, f"hook {i}")
     dist.barrier()
     buf.destroy()
     return out
@@ -1481,25 +1484,12 @@ def refusals_while_one_rank_lags(ctx):
     import torch
     import torch.distributed as dist
 
-    from ubep_torch import Buffer
-    R, H, N, k = ctx.world_size, 128, 4, 8
-    E = 2 * R
-    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E, num_buffers=k),
-                 low_latency_mode=True, timeout_s=30.0, low_latency_buffers=k)
-    x = torch.randn(N, H).bfloat16()
-    topk = torch.stack([torch.arange(2) * R + (t % R) for t in range(N)]) % E
+    k = 8
+    buf, x, topk, bad, N, E = _ll_refusal_setup(ctx, N=4, k=k)
+    H = x.shape[1]
     w = torch.ones(N, 2)
-    bad = topk.clone()
-    bad[0, 0] = E
     out, hooks = [], []
-
-    def step(f):
-        try:
-            result = f()
-            out.append("ok")
-            return result
-        except Exception as e:  # noqa: BLE001
-            out.append((type(e).__name__, getattr(e, "cancelled", None)))
+    step = _recorder(out)
 
     def normal(refuser):
         return buf.dispatch(x, topk_idx=bad if ctx.rank == refuser else topk, num_experts=E)
