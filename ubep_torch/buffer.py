@@ -1005,8 +1005,7 @@ class Buffer:
             self._seq += 1
             self._active_call = self._calls
             self._active_seq = self._seq
-            if self._pending:
-                self._cancel_refused_hooks()
+            self._cancel_refused_hooks()
         self._in_call = True
 
     def _refuse(self, what: str) -> None:
@@ -1080,8 +1079,8 @@ class Buffer:
         finally:
             self._active_seq = outer
         self._refusal = None
-        gave_up = {r: self._decision(r, seq) >> 1 & 15 for r in range(R)
-                   if r != me and self._decision(r, seq) & 1}
+        decisions = {r: self._decision(r, seq) for r in range(R) if r != me}
+        gave_up = {r: w >> 1 & 15 for r, w in decisions.items() if w & 1}
         if not gave_up:
             return
         other = {s: k for s, k in gave_up.items() if k != self._region_code(rid)}
@@ -1131,8 +1130,7 @@ class Buffer:
         (``_cancel_refused_hooks``): r waits for this rank to leave them before its next call."""
         if r == self.rank:
             return 0
-        if self._pending:
-            self._cancel_refused_hooks([r])
+        self._cancel_refused_hooks([r])
         if self._refused_by(r, self._active_seq):
             self._leave_refused()
             return P.ABORT_REFUSED
@@ -1160,18 +1158,16 @@ class Buffer:
         """Cancel the pending recv hooks (other than the one running) of attempts that one of ``ranks`` (all:
         None) refused: the hook raises ``CancelledCallError`` when run, and this rank tells the peers that it
         left that attempt (the refusing rank's next call waits for that)."""
+        if not self._pending:
+            return
         for pend in self._pending:
             if pend.done or pend.seq == self._hook_seq:
                 continue
             if not any(self._refused_by(r, pend.seq) for r in (range(self.group_size) if ranks is None else ranks)):
                 continue
-            cp = pend.extra.get("cancel_point") or {}
-            self._post_decision(pend.seq, self._region_code(cp.get("rid")), gave_up=True)
-            for fmt, dests in cp.get("sent", ()):
-                for d in dests:
-                    if d.sel.numel():
-                        self.engine.rearm(fmt, d.rows[:d.sel.numel()])
-            self._cancel_done(cp.get("rid"), cp.get("epoch"))
+            cp = pend.extra["cancel_point"]
+            self._post_decision(pend.seq, self._region_code(cp["rid"]), gave_up=True)
+            self._leave_call(cp)
             pend.done = pend.extra["cancelled"] = True
         self._pending = [p for p in self._pending if not p.done]
 
@@ -1205,13 +1201,18 @@ class Buffer:
         if not (isinstance(e, UBEPPeerAbortedError) and e.refused and cp is not None and cp.get("refused")
                 and cp["call"] == self._active_call):
             return False
+        self._leave_call(cp)
+        e.cancel()
+        return True
+
+    def _leave_call(self, cp: dict) -> None:
+        """Leave the cancelled call of cancel point ``cp`` on this rank: re-arm (SP) the slots it wrote into
+        its peers and acknowledge the rows of its epoch (``_cancel_done``)."""
         for fmt, dests in cp["sent"]:
             for d in dests:
                 if d.sel.numel():
                     self.engine.rearm(fmt, d.rows[:d.sel.numel()])
         self._cancel_done(cp["rid"], cp["epoch"])
-        e.cancel()
-        return True
 
     def _fail(self, e: BaseException) -> None:
         name_global_ranks(e, self._global_ranks)      # (its text is kept for later calls' errors)
@@ -2483,8 +2484,7 @@ class Buffer:
         recv hook has not run: the halves alternate, so waiting for that half would wait for this rank."""
         region, name = self._region(rid), P.REGION_NAMES[rid]
         self._settle_refusal()     # (a call this rank refused and the peers cancelled moves the epoch first)
-        if self._pending:          # (a hook whose call a peer refused holds no half)
-            self._cancel_refused_hooks()
+        self._cancel_refused_hooks()      # (a hook whose call a peer refused holds no half)
         half = region.half(self._epoch[region.rid] + 1)
         pend = [p for p in self._pending if not p.done and p.kind == name]
         if any(region.half(p.epoch) == half for p in pend):
@@ -2755,8 +2755,7 @@ class Buffer:
             raise ValueError(f"clean_low_latency_buffer: the low-latency buffer is too small for "
                              f"num_max_dispatch_tokens_per_rank={N}, hidden={H}, num_experts={E}; use "
                              f"num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E)}")
-        if self._pending:          # (a hook whose call a peer refused is not pending)
-            self._cancel_refused_hooks()
+        self._cancel_refused_hooks()      # (a hook whose call a peer refused is not pending)
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
         self._begin_call()
