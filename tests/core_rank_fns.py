@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import ubep_torch
 from ubep_torch import Buffer
+from ubep_torch.buffer import _RECENT_HANDLES
 from ubep_torch.fp8 import low_latency_cast_to_fp8, per_token_cast_back
 from ubep_torch.protocol import fresh
 
@@ -313,6 +314,23 @@ def dispatch_variants(ctx, sync, seed=1, backend="auto"):
     wc, _, _ = buf.combine(wx, wh)
     assert torch.equal(buf.combine(wx, tuple(wh))[0], wc), "plain-tuple num_worst_tokens handle"
     assert torch.equal(buf.combine(wx, tuple(t.clone() for t in wh))[0], wc), "copied num_worst_tokens handle"
+    # as in DeepEP, recv_src_idx (handle[3]) is sized as the outputs: a copy of the handle carries the worst
+    # size however many calls later it is used (past the Buffer's recent handles, it is rebuilt from entries)
+    assert wh[3].shape[0] == worst and torch.equal(wh[3][:n], handle[3]) and bool((wh[3][n:] == -1).all())
+    old_copy = tuple(t.clone() for t in wh)
+    for _ in range(_RECENT_HANDLES + 1):
+        buf.dispatch(x, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk)
+    assert torch.equal(buf.dispatch(x2, handle=old_copy)[0], torch.cat([recv_x * 3 + 1, wx[n:]])), \
+        "cached dispatch of an old copy of a num_worst_tokens handle"
+    assert torch.equal(buf.combine(wx, old_copy)[0], wc), "old copy of a num_worst_tokens handle"
+    bad = list(old_copy)
+    bad[3] = bad[3].clone()
+    bad[3][-1] = 0
+    try:
+        buf.combine(wx, tuple(bad))
+        raise AssertionError("a recv_src_idx with entries past the received rows was taken")
+    except ValueError as e:
+        assert "must be -1" in str(e), e
     # without topk_idx, the per-expert counts come from num_tokens_per_expert
     nx, _, _, ncounts, _, _ = buf.dispatch(x, is_token_in_rank=itr, num_tokens_per_rank=ntpr,
                                            num_tokens_per_expert=ntpe, expert_alignment=4)

@@ -212,7 +212,8 @@ class DispatchHandle(tuple):
     """Normal-mode handle. Tuple positions follow DeepEP's intranode handle, with one channel:
     ``(rank_prefix_matrix [R, R] int32, channel_prefix_matrix [R, 1] int32 (tokens this rank sent to
     each rank), recv_channel_prefix_matrix [R, 1] int32 (where each source's rows begin in recv_x),
-    recv_src_idx [N_recv] int32, is_token_in_rank [T, R] bool, send_head [T, R] int32)``; an expert-major
+    recv_src_idx [N_recv] int32 (as DeepEP, [num_worst_tokens] with ``num_worst_tokens``: -1 past the
+    received rows), is_token_in_rank [T, R] bool, send_head [T, R] int32)``; an expert-major
     handle has a seventh entry, ``row_index`` [rows] int64: the rank-major row of each expert-major row (-1
     for padding), so a plain-tuple copy of it keeps its order. Attributes carry the rest of the layout: send
     lists per destination, and the rows received from each source and where they begin in recv_x
@@ -257,9 +258,13 @@ class DispatchHandle(tuple):
         col = rank_prefix[:, rank]
         counts = torch.diff(col, prepend=torch.zeros(1, dtype=torch.int64))
         num_recv = int(col[-1]) if R else 0
-        if bool((counts < 0).any()) or recv_src_idx.numel() != num_recv:
+        # (a num_worst_tokens handle's recv_src_idx is that long, -1 past the received rows: its outputs' size)
+        if bool((counts < 0).any()) or recv_src_idx.numel() < num_recv or \
+                bool((recv_src_idx[num_recv:] != -1).any()):
             raise ValueError(f"handle entries disagree: rank_prefix_matrix says {num_recv} received rows, "
-                             f"recv_src_idx has {recv_src_idx.numel()}")
+                             f"recv_src_idx has {recv_src_idx.numel()}" +
+                             (" (the entries past them must be -1)" if recv_src_idx.numel() > num_recv else ""))
+        worst = recv_src_idx.numel() if recv_src_idx.numel() > num_recv else None
         # what this rank sent: is_token_in_rank against both matrices
         sent = itr.sum(0)
         own_row = rank_prefix[rank] - (rank_prefix[rank - 1] if rank else 0)
@@ -277,7 +282,7 @@ class DispatchHandle(tuple):
                                  f"increasing token indices")
         send_idx = [itr[:, d].nonzero().squeeze(1) for d in range(R)]
         return cls(items, send_idx=send_idx, recv_counts=counts.tolist(), recv_offsets=offsets, num_recv=num_recv,
-                   num_tokens=itr.shape[0], num_experts=0, num_worst_tokens=None, layout="rank_major",
+                   num_tokens=itr.shape[0], num_experts=0, num_worst_tokens=worst, layout="rank_major",
                    topk_idx=None, peer_tokens=None, pair=0)
 
 
@@ -1556,7 +1561,9 @@ class Buffer:
             # every received row's meta items and source token are written below (rows past num_recv, with
             # num_worst_tokens, are masked by local_topk)
             out["meta"] = torch.empty(rows_out, fmt.meta_words, dtype=torch.int32)
-            out["src_idx"] = torch.empty(num_recv, dtype=torch.int32)
+            out["src_idx"] = torch.empty(rows_out, dtype=torch.int32)
+            if rows_out > num_recv:     # (DeepEP sizes it as the outputs; rows past num_recv come from no rank)
+                out["src_idx"][num_recv:] = -1
             out["recv"] = recv
             outs = [P.as_bytes(out["x"])] + ([P.as_bytes(out["scales"])] if scales is not None else [])
             return rows_from, outs, out["meta"], out["src_idx"]
