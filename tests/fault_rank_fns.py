@@ -1321,11 +1321,13 @@ def after_a_cancel(ctx, case):
     return log, max(errs) if errs else None
 
 
-def refused_then_next_step(ctx, steps=3):
+def refused_then_next_step(ctx, steps=3, how="bad id"):
     """Every rank runs ``steps`` steps of a dispatch and its combine, each step's rows worth 10 * step + the
-    rank; rank 1 passes an expert id out of range in step 1 and, like every rank, goes on to the next step
-    after any error (the pattern of a training or serving loop). Returns per step: the error's type and
-    whether it was cancelled, or the values received and the combine's largest error."""
+    rank; rank 1 passes an expert id out of range in step 1 (``how="interrupt"``: a KeyboardInterrupt
+    arrives while its dispatch checks its input; ``"interrupt in layout"``: in get_dispatch_layout) and,
+    like every rank, goes on to the next step after any error (the pattern of a training or serving loop).
+    Returns per step: the error's type and whether it was cancelled, or the values received and the
+    combine's largest error."""
     import torch
     import torch.distributed as dist
 
@@ -1337,16 +1339,24 @@ def refused_then_next_step(ctx, steps=3):
     for step in range(1, steps + 1):
         x = torch.full((T, H), float(10 * step + ctx.rank)).bfloat16()
         topk = (torch.arange(T * K).view(T, K) + step) % E
-        if step == 1 and ctx.rank == 1:
+        if step == 1 and ctx.rank == 1 and how == "bad id":
             topk[0, 0] = E
+        if step == 1 and ctx.rank == 1 and how.startswith("interrupt"):
+            def interrupted(*args):
+                raise KeyboardInterrupt
+            buf._check_num_experts = interrupted
+        else:
+            buf.__dict__.pop("_check_num_experts", None)
         try:
+            if how == "interrupt in layout":     # (get_dispatch_layout, before the dispatch it prepares)
+                buf.get_dispatch_layout(topk, E)
             recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
             combined = buf.combine(recv_x, handle)[0]
             reached = torch.zeros(T, R, dtype=torch.bool)
             reached.scatter_(1, topk // 2, True)
             err = float((combined.float() - x.float() * reached.sum(1, keepdim=True)).abs().max())
             out.append(("ok", sorted(set(recv_x[:, 0].float().tolist())), err))
-        except Exception as e:  # noqa: BLE001
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001
             out.append((type(e).__name__, getattr(e, "cancelled", None)))
     dist.barrier()
     buf.destroy()

@@ -473,10 +473,11 @@ def rank_ep_inside_dp(ctx, dp_ranks: str):
     return worst
 
 
-def rank_moe_bad_batch(ctx, layout: str, steps: int = 3):
-    """Training steps of an expert-parallel MoE layer; rank 1's first batch has the wrong hidden size, and
-    every rank goes on to its next step after any error. Returns per step the error's type and whether it
-    was cancelled, or "ok", then (calls, attempts, broken) of the Buffer."""
+def rank_moe_bad_batch(ctx, layout: str, steps: int = 3, how: str = "hidden"):
+    """Training steps of an expert-parallel MoE layer; rank 1's first batch has the wrong hidden size
+    (``how="interrupt"``: a KeyboardInterrupt arrives in its router), and every rank goes on to its next step
+    after any error. Returns per step the error's type and whether it was cancelled, or "ok", then (calls,
+    attempts, broken) of the Buffer."""
     from ubep_torch.buffer import Buffer
     buf = Buffer(ctx.group, num_nvl_bytes=1 << 22, timeout_s=20.0)
     cfg = moe_config("softmax", False)
@@ -484,14 +485,20 @@ def rank_moe_bad_batch(ctx, layout: str, steps: int = 3):
     layer = unn.MoE(**cfg, buffer=buf, layout=layout).double()
     out = []
     for step in range(steps):
-        hidden = cfg["hidden"] + (1 if step == 0 and ctx.rank == 1 else 0)
+        first = step == 0 and ctx.rank == 1
+        hidden = cfg["hidden"] + (1 if first and how == "hidden" else 0)
         x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(10 * step + ctx.rank),
                         dtype=torch.float64)
+        if first and how == "interrupt":
+            def interrupted(*args):
+                raise KeyboardInterrupt
+            layer.router.forward = interrupted
         try:
             (layer(x).sum() + layer.aux_loss).backward()
             out.append("ok")
-        except Exception as e:  # noqa: BLE001
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001
             out.append((type(e).__name__, getattr(e, "cancelled", None)))
+        layer.router.__dict__.pop("forward", None)
     out.append((buf._calls, buf._seq, buf._broken))
     buf.destroy()
     return out

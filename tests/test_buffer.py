@@ -196,6 +196,29 @@ def test_a_peer_that_delivered_before_destroying_its_buffer_is_not_blamed():
     w.wait("test phase", lambda: [] if delivered else [0])
 
 
+def test_a_deadline_shorter_than_the_liveness_period_still_names_the_cause():
+    """Under a ``timeout_s`` below the ~50 ms between looks at the peers' state, a wait on a rank that
+    refused the call, aborted or died raises that, not a timeout blaming a stalled rank (former bug: a refusal
+    on one rank with timeout_s=0.03 broke every Buffer with UBEPTimeoutError)."""
+    from ubep_torch import protocol as P
+    from ubep_torch.errors import UBEPPeerAbortedError, UBEPPeerLostError, UBEPTimeoutError
+
+    def waiter(alive, how):
+        w = P.Waiter(0, 0.01, lambda r: alive, lambda r: how if r == 1 else 0)
+        w.world_size = 2
+        return w
+    with pytest.raises(UBEPPeerAbortedError) as e:
+        waiter(True, P.ABORT_REFUSED).wait("test phase", lambda: [1])
+    assert e.value.refused and e.value.aborted_ranks == [1]
+    with pytest.raises(UBEPPeerAbortedError) as e:
+        waiter(True, P.ABORT_FAILED).wait("test phase", lambda: [1])
+    assert not e.value.refused
+    with pytest.raises(UBEPPeerLostError):
+        waiter(False, 0).wait("test phase", lambda: [1])
+    with pytest.raises(UBEPTimeoutError):       # (a rank that is merely late still times out)
+        waiter(True, 0).wait("test phase", lambda: [1])
+
+
 @pytest.mark.parametrize("sync", ["sp", "tff"])
 def test_last_ll_combine_with_a_peer_that_destroys_its_buffer_at_once(pool2, sync):
     """ll_k_in_flight's last combine with rank 0 stalled between its poll and its look at the abort words

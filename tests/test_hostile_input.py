@@ -589,23 +589,28 @@ def test_valid_programs_the_checks_leave_alone(pool, backend):
 
 def test_errors_before_the_peers_are_posted_as_refusals():
     """Any error (not only ValueError/TypeError) raised before a call reaches the peers is posted to them,
-    so they stop waiting; protocol errors are not (they are about the peers)."""
+    so they stop waiting, and so is an interrupt (a loop that catches KeyboardInterrupt goes on with its next
+    call, which the peers must not take for this one); protocol errors are not (they are about the peers)."""
     import types
 
     from ubep_torch import UBEPTimeoutError, functional
     from ubep_torch.errors import refusal
     assert refusal(ValueError()) and refusal(RuntimeError()) and refusal(MemoryError())
-    assert not refusal(UBEPTimeoutError("p", 0, [1], 1.0)) and not refusal(KeyboardInterrupt())
+    assert not refusal(UBEPTimeoutError("p", 0, [1], 1.0)) and refusal(KeyboardInterrupt())
     posted = []
+    raised = [RuntimeError("allocation failed"), KeyboardInterrupt()]
 
     def failing_layout(*args, **kwargs):
-        raise RuntimeError("allocation failed")
+        raise raised.pop(0)
     fake = types.SimpleNamespace(rank=0, group_size=2, _calls=3, _seq=3,
                                  _refuse=lambda what: posted.append(what), get_dispatch_layout=failing_layout)
     x, topk = torch.randn(3, 8), torch.zeros(3, 1, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="allocation failed"):
         functional.dispatch(fake, x, topk, torch.ones(3, 1), 2)
     assert posted == ["dispatch"]   # (the call it prepares: its region is skipped if cancelled)
+    with pytest.raises(KeyboardInterrupt):
+        functional.dispatch(fake, x, topk, torch.ones(3, 1), 2)
+    assert posted == ["dispatch", "dispatch"]
 
 
 def test_argument_checks_without_a_process_group():

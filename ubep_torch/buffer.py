@@ -1367,7 +1367,7 @@ class Buffer:
             _check_flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
             E = self._check_num_experts(num_experts)
             layout = self._layout(topk_idx, E)[0]
-        except Exception as e:
+        except BaseException as e:
             name_global_ranks(e, self._global_ranks, also=(ValueError, TypeError))
             if refusal(e):
                 self._refuse("get_dispatch_layout")  # (the dispatch it prepares will not come: tell the peers)

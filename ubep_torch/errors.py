@@ -92,10 +92,11 @@ class CancelledCallError(ValueError):
 
 def refusal(e: BaseException) -> bool:
     """Whether an error raised before a call reached the peers makes this rank leave the call in a way its
-    peers should learn of (``Buffer._refuse``): bad input above all, also a failed allocation. Protocol
-    errors (``UBEPError``) are about the peers and leave nothing to tell, and a cancelled call's handle
-    (``CancelledCallError``) is this rank's alone."""
-    return isinstance(e, Exception) and not isinstance(e, (UBEPError, CancelledCallError))
+    peers should learn of (``Buffer._refuse``): bad input above all, also a failed allocation, and an
+    interrupt (``KeyboardInterrupt``; a loop that catches it goes on with its next call, which its peers
+    must not take for this one). Protocol errors (``UBEPError``) are about the peers and leave nothing to
+    tell, and a cancelled call's handle (``CancelledCallError``) is this rank's alone."""
+    return not isinstance(e, (UBEPError, CancelledCallError))
 
 
 _NAMES_A_RANK = re.compile(r"\branks? \[?\d|\brank\(s\) \[?\d")

@@ -113,7 +113,7 @@ def _refuses_bad_input(fn):
         attempts = getattr(buffer, "_seq", None)    # (a call it made, or refused itself, counts one)
         try:
             return fn(buffer, *args, **kwargs)
-        except Exception as e:
+        except BaseException as e:
             refuse = getattr(buffer, "_refuse", None)
             if refuse is not None and buffer._seq == attempts and refusal(e):
                 refuse(fn.__name__)

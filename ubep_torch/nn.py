@@ -225,7 +225,7 @@ class MoE(nn.Module):
             shape = x.shape
             x2 = x.reshape(-1, self.hidden)
             topk_idx, topk_weights, balance = self.router(x2)
-        except Exception as e:
+        except BaseException as e:
             refuse = getattr(self.buffer, "_refuse", None)
             if refuse is not None and refusal(e):
                 refuse("dispatch")

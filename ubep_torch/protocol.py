@@ -450,7 +450,9 @@ class Waiter:
                 memory_fence()
                 return
             now = time.monotonic()
-            if now >= next_liveness:
+            # (also at the deadline: under a deadline shorter than that period, a missing rank that refused,
+            # aborted or died is named as such, not as a stalled one)
+            if now >= next_liveness or now >= deadline:
                 next_liveness = now + 0.05
                 # A rank that died without aborting first: peers that lost it abort too, and the error
                 # should name the cause. A rank that aborted (and may have exited since) is an abort.
