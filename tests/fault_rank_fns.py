@@ -1520,3 +1520,49 @@ def refusals_while_one_rank_lags(ctx):
     dist.barrier()
     buf.destroy()
     return out
+
+
+def interrupted_refusal_handoff(ctx):
+    """Rank 1 refuses a dispatch (an expert id out of range); rank 0 reaches that call only after 2 s, so
+    rank 1's next call waits at its start for rank 0 to leave the refused one, and a Ctrl-C arrives in that
+    wait (a KeyboardInterrupt raised by a timer 0.3 s in). Returns per rank what each step raised and how
+    long it took."""
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    E, T, H = 2 * ctx.world_size, 6, 64
+    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
+    x = torch.randn(T, H).bfloat16()
+    good = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1], [2, 3]])
+    bad = good.clone()
+    bad[0, 0] = E
+    out = []
+
+    def step(f):
+        t0 = time.monotonic()
+        try:
+            f()
+            out.append(("ok", round(time.monotonic() - t0, 2)))
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001
+            out.append((type(e).__name__, round(time.monotonic() - t0, 2)))
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+    if ctx.rank == 1:
+        step(lambda: buf.dispatch(x, topk_idx=bad, num_experts=E))
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        step(lambda: buf.dispatch(x, topk_idx=good, num_experts=E))
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    else:
+        time.sleep(2.0)
+        step(lambda: buf.dispatch(x, topk_idx=good, num_experts=E))
+    step(lambda: buf.dispatch(x, topk_idx=good, num_experts=E))
+    dist.barrier()
+    buf.destroy()
+    return out

@@ -744,6 +744,20 @@ def test_a_refusing_rank_that_goes_on_to_its_next_step_stays_in_step():
                     assert got[1] and all(10 * step <= v < 10 * step + 3 for v in got[1]), (how, rank, step, got)
 
 
+def test_a_ctrl_c_while_a_refusing_rank_waits_for_its_peers_ends_the_wait_at_once():
+    """A refusing rank's next call waits at its start for its peers to leave the refused call; a Ctrl-C
+    there raises at once and breaks the Buffer (the ranks' counts of calls may differ then), telling the
+    peers (former behaviour: the interrupt was taken as a refusal of that call, whose posting waited for
+    the peers again, up to the deadline)."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        r0, r1 = pool.run(FR.interrupted_refusal_handoff, timeout_s=90)
+    assert r1[0][0] == "ValueError" and r1[1][0] == "KeyboardInterrupt" and r1[1][1] < 1.5, r1
+    assert r1[2][0] == "UBEPBrokenError", r1
+    assert r0[0][0] == "UBEPPeerAbortedError" and r0[0][1] < 3.0, r0       # (told at once, not at 20 s)
+    assert r0[1][0] == "UBEPBrokenError", r0
+
+
 def test_decisions_on_refused_calls_outlast_the_calls_a_rank_runs_ahead():
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with RankPool(2, env=env) as pool:

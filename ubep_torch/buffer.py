@@ -1081,6 +1081,13 @@ class Buffer:
         try:
             self._wait(f"the start of the next call: waiting for every rank to leave attempt {seq}, which rank "
                        f"{me} refused", lambda: [r for r in range(R) if r != me and self._decision(r, seq) is None])
+        except BaseException as e:
+            # an interrupt (Ctrl-C) of this wait: the peers' count of calls may now differ from this rank's, as
+            # after an interrupt inside a call, so this Buffer is done (and posting this call as refused would
+            # start this wait again)
+            if not isinstance(e, UBEPError):
+                self._fail(e)
+            raise
         finally:
             self._active_seq = outer
         self._refusal = None
