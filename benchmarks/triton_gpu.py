@@ -293,9 +293,11 @@ def main() -> int:
     where = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     print(f"ubep_torch Triton kernels on {where} ({'compiled' if a.device == 'cuda' else 'interpreted'}), "
           f"triton {triton.__version__}, torch {torch.__version__}")
-    if a.device == "cpu":
+    if a.device == "cpu" and not a.small:
         print(f"(interpreted: a launch of the large checks takes seconds, so this run takes minutes; --small "
               f"takes well under a minute; {a.iters} timed launches per check)", flush=True)
+    elif a.device == "cpu":
+        print(f"(interpreted, small checks: well under a minute; {a.iters} timed launches per check)", flush=True)
     print(f"{'check':<48} {'wall us':>10} {'kernel us':>10}   result")
     c = Checks(a.device, a.iters)
     big = not a.small

@@ -1,6 +1,6 @@
 """The CM384 cost model: calibration points, mechanisms, the Buffer hook and the CLI contract.
 
-Calibration points (public numbers, ../shared/reference/cm384-calibration.md):
+Calibration points (public numbers, docs/cm384-calibration.md):
   * CANN EP dispatch/combine, batch 128, DeepSeek shape, EP 8..256: within 15% (CAL lines 15-22);
   * UBEP's dispatch reduction over CANN EP at EP 64, one expert per die, batch 32/64/128 inside
     34.7%..52.4% with 3 points of slack at the edges (CAL lines 32-33);

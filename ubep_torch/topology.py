@@ -11,7 +11,7 @@ hop class (paper section 2.3, "Terminology"):
 
 The same function applies to the small worlds of the real ``Buffer`` (rank ``r`` is die ``r``).
 
-Every number below cites the line of ``../shared/reference/cm384-calibration.md`` (``CAL``) or the
+Every number below cites the line of ``docs/cm384-calibration.md`` (``CAL``) or the
 paper section it comes from. Numbers marked *calibrated* are not published: they are physical
 quantities (a per-core bandwidth, a barrier cost) whose value was chosen once so that the model
 reproduces the public calibration points listed in ``docs/reproducing.md``; nothing in the model is

@@ -288,7 +288,7 @@ def np_round(x: float, d: int = 1) -> float:
     return float(np.round(x, d))
 
 
-#: Public numbers the parameters were calibrated on (../shared/reference/cm384-calibration.md).
+#: Public numbers the parameters were calibrated on (docs/cm384-calibration.md).
 CANN_EP_TABLE = {8: (116, 118), 16: (131, 132), 32: (133, 146), 64: (141, 150), 128: (152, 150), 256: (152, 149)}
 FIG10_WORST_AIV = {"cann_ep": 62.2, "ubep_no_mapping": 48.1, "ubep": 43.5}
 FIG9_RANGE = (0.347, 0.524)
