@@ -1566,3 +1566,35 @@ def interrupted_refusal_handoff(ctx):
     dist.barrier()
     buf.destroy()
     return out
+
+
+def refusal_handoff_times_out(ctx):
+    """Rank 1 refuses a dispatch and calls again at once; rank 0 reaches the refused call only after 2 s,
+    past rank 1's 1 s deadline, which rank 1's next call spends waiting for rank 0 to leave the refused one.
+    Returns per rank what each step raised (type, message)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    E, T, H = 2 * ctx.world_size, 6, 64
+    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=1.0)
+    x = torch.randn(T, H).bfloat16()
+    good = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1], [2, 3]])
+    bad = good.clone()
+    bad[0, 0] = E
+    out = []
+    steps = [bad, good] if ctx.rank == 1 else [None, good, good]
+    for topk in steps:
+        if topk is None:
+            time.sleep(2.0)
+            continue
+        try:
+            buf.dispatch(x, topk_idx=topk, num_experts=E)
+            out.append(("ok", ""))
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, str(e)))
+    dist.barrier()
+    buf.destroy()
+    return out

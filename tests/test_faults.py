@@ -758,6 +758,19 @@ def test_a_ctrl_c_while_a_refusing_rank_waits_for_its_peers_ends_the_wait_at_onc
     assert r0[1][0] == "UBEPBrokenError", r0
 
 
+def test_a_refusing_rank_that_times_out_waiting_for_its_peers_names_the_refused_call():
+    """The late peer learns that the refusing rank gave up in the call it refused (the peer's call 1), not in
+    an earlier call (former message: 'an earlier call (call 0 of this Buffer; this is call 1)', a call that
+    never was)."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        r0, r1 = pool.run(FR.refusal_handoff_times_out, timeout_s=90)
+    assert [s[0] for s in r1] == ["ValueError", "UBEPTimeoutError"], r1
+    assert "the start of the next call" in r1[1][1], r1
+    assert r0[0][0] == "UBEPPeerAbortedError" and "in this call" in r0[0][1] and "earlier" not in r0[0][1], r0
+    assert r0[1][0] == "UBEPBrokenError", r0
+
+
 def test_decisions_on_refused_calls_outlast_the_calls_a_rank_runs_ahead():
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with RankPool(2, env=env) as pool:

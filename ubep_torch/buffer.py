@@ -1078,6 +1078,9 @@ class Buffer:
         seq, rid = self._refusal
         R, me = self.group_size, self.rank
         outer, self._active_seq = self._active_seq, 0     # (no attempt's work runs here: see _peer_aborted)
+        # (an abort this wait signals names the call the refused attempt is on the peers that took part in it,
+        # not this rank's last completed call)
+        outer_call, self._active_call = self._active_call, self._calls + 1
         try:
             self._wait(f"the start of the next call: waiting for every rank to leave attempt {seq}, which rank "
                        f"{me} refused", lambda: [r for r in range(R) if r != me and self._decision(r, seq) is None])
@@ -1089,7 +1092,7 @@ class Buffer:
                 self._fail(e)
             raise
         finally:
-            self._active_seq = outer
+            self._active_seq, self._active_call = outer, outer_call
         self._refusal = None
         decisions = {r: self._decision(r, seq) for r in range(R) if r != me}
         gave_up = {r: w >> 1 & 15 for r, w in decisions.items() if w & 1}
