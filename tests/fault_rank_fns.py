@@ -1598,3 +1598,37 @@ def refusal_handoff_times_out(ctx):
     dist.barrier()
     buf.destroy()
     return out
+
+
+def ll_next_buffer_refused(ctx):
+    """Rank 0 fetches the zero-copy combine buffer with a bad handle (an edited plain tuple), raising before
+    its combine; rank 1 fetches it rightly and combines. Then both make a low-latency round trip. Returns
+    per rank what each step did (error type and cancelled, or "ok") and the round trip's largest error."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    buf, x, topk, _, N, E = _ll_refusal_setup(ctx)
+    w = torch.full(topk.shape, 0.5)
+    out = []
+    step = _recorder(out)
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+
+    def zero_copy_combine():
+        if ctx.rank == 0:
+            buf.get_next_low_latency_combine_buffer(tuple(handle)[:4] + (2 ** 40,))
+        else:
+            buf.get_next_low_latency_combine_buffer(handle).copy_(recv_x)
+        return buf.low_latency_combine(None, topk, w, handle, zero_copy=True)
+    t0 = time.monotonic()
+    step(zero_copy_combine)
+    took = time.monotonic() - t0
+
+    def round_trip():
+        rx, _, h, _, _ = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+        y = buf.low_latency_combine(rx, topk, w, h)[0]
+        return float((y.float() - x.float() * w.sum(1, keepdim=True)).abs().max())
+    err = step(round_trip)
+    dist.barrier()
+    buf.destroy()
+    return out, took, err

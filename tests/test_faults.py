@@ -771,6 +771,19 @@ def test_a_refusing_rank_that_times_out_waiting_for_its_peers_names_the_refused_
     assert r0[1][0] == "UBEPBrokenError", r0
 
 
+def test_a_bad_handle_for_the_zero_copy_combine_buffer_refuses_that_combine():
+    """get_next_low_latency_combine_buffer raising on one rank (a handle that is not one) refuses the
+    combine it prepares, as get_dispatch_layout does its dispatch: the peer in that combine leaves it at
+    once, cancelled, and both go on (former bug: nothing told the peer; its combine paired with the other
+    rank's next call, an operation mismatch that broke both Buffers)."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        (out0, _, err0), (out1, took1, err1) = pool.run(FR.ll_next_buffer_refused, timeout_s=90)
+    assert out0[0][0] in ("TypeError", "ValueError") and out0[1] == "ok" and err0 < 0.02, (out0, err0)
+    assert out1[0] == ("UBEPPeerAbortedError", True) and took1 < 3.0 and out1[1] == "ok" and err1 < 0.02, \
+        (out1, took1, err1)
+
+
 def test_decisions_on_refused_calls_outlast_the_calls_a_rank_runs_ahead():
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with RankPool(2, env=env) as pool:

@@ -2534,8 +2534,17 @@ class Buffer:
         As in DeepEP, where it is a view of the Buffer's memory, every handle's tensor is a view of the same
         memory: what the caller wrote into one stays there when it fetches another handle's (of any shape)
         before the combine. That memory is as large as the low-latency region's rows, which bounds every
-        handle of this Buffer; its pages are touched (zeroed) as far as a handle has needed them."""
-        handle = self._as_ll_handle(handle)
+        handle of this Buffer; its pages are touched (zeroed) as far as a handle has needed them. An error
+        here (a handle that is not one) refuses the combine it prepares, as ``get_dispatch_layout``'s does
+        its dispatch."""
+        _check_process(self, "get_next_low_latency_combine_buffer")
+        try:
+            handle = self._as_ll_handle(handle)
+        except BaseException as e:
+            name_global_ranks(e, self._global_ranks, also=(ValueError, TypeError))
+            if refusal(e):
+                self._refuse("low_latency_combine")     # (the combine it prepares will not come: tell the peers)
+            raise
         _, _, N, H, E = handle
         shape = (E // self.group_size, self.group_size * N, H)
         n = shape[0] * shape[1] * shape[2]
