@@ -296,6 +296,8 @@ def dispatch_variants(ctx, sync, seed=1, backend="auto"):
     c_x, c_idx, c_w, c_counts, c_h, _ = buf.dispatch(x2, handle=handle)
     assert c_idx is None and c_w is None and c_counts is None and c_h is None
     assert torch.equal(c_x, recv_x * 3 + 1)
+    # rows of hidden size 0 move nothing, in cached mode too (former bug: IndexError mid-call, Buffer broken)
+    assert tuple(buf.dispatch(x[:, :0], handle=handle)[0].shape) == (recv_x.shape[0], 0)
     # fp8 tuple payload
     q = x.clamp(-4, 4).to(torch.float8_e4m3fn)
     sc = torch.rand(T, H // 128, generator=g)

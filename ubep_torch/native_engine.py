@@ -210,6 +210,8 @@ def _reorder_outputs(fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]], m
         if src_out.dtype != torch.int32 or not src_out.is_contiguous():
             return None
         targets.append(src_out.numel())
+    if not targets:     # (nothing to write: rows of hidden size 0 alone, as in a cached dispatch of such rows)
+        return None
     return fields, targets, meta_bytes, meta_stride
 
 
