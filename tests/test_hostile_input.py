@@ -180,6 +180,7 @@ def bad_case(ctx, sync, kind):
             x, topk, S.N_LL, E, dispatch_wait_recv_cost_stats=torch.zeros(1, dtype=torch.int64).expand(
                 stats_of["wait"])),
         "ll out expanded": lambda: ll_combine(out=torch.zeros(1, H).bfloat16().expand(T, H)),
+        "ll out overlapping": lambda: ll_combine(out=torch.zeros(T * H).bfloat16().as_strided((T, H), (1, 1))),
         # sizes found only after the exchange before: now checked first
         "worst huge": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E, num_worst_tokens=1 << 50),
         "E huge": lambda: buf.get_dispatch_layout(topk, ctx.world_size << 44),
@@ -334,6 +335,7 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
              "counts as lists", "rank mask as list", "float rank counts", "expert counts as list", "ll out list",
              "meta weights", "meta fp8", "meta combine x", "meta combine bias", "meta layout ids", "meta ll x",
              "meta ll weights", "meta ll out", "ll recv stats expanded", "ll wait stats expanded", "ll out expanded",
+             "ll out overlapping",
              "worst huge", "E huge", "ll experts per rank", "experts per rank", "ll clean args", "ll clean too big",
              "tuple rank mask edited", "tuple source index edited", "ll layout edited", "cost model str",
              "on_report not callable", "sparse ll weights", "sparse combine bias", "sparse bias in a pair",
@@ -345,7 +347,7 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
 # what the error of some kinds must say (an earlier check could refuse them for another reason)
 BAD_SAYS = {**{k: "must be True or False" for k in ("layout async str", "dispatch async str",
                                                    "dispatch comm stream None", "combine async str")},
-            "meta combine x": "meta tensor", "meta ll out": "meta tensor", "ll experts per rank": "control message",
+            "meta combine x": "meta tensor", "meta ll out": "meta tensor", "ll out overlapping": "share memory", "ll experts per rank": "control message",
             "experts per rank": "control message", "ll layout edited": "changed after",
             "ll clean too big": "too small for",
             **{k: "layout torch.sparse_coo" for k in ("sparse ll weights", "sparse combine bias",

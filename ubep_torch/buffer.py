@@ -2836,10 +2836,20 @@ def _check_stats(name: str, stats, n: int) -> None:
 
 
 def _check_writable(name: str, t: torch.Tensor) -> None:
-    """A tensor the call writes into: no two of its elements share memory (an expanded tensor's do)."""
+    """A tensor the call writes into: no two of its elements share memory (an expanded tensor's do, and so
+    may a view made with ``as_strided``). Taken in order of stride, each dimension must step past all the
+    elements the smaller-stride dimensions span: true of every view of a tensor of its own (slices,
+    transposes, permutations)."""
     if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
         raise ValueError(f"{name} is expanded (several of its elements share memory); the call writes every "
                          f"element: pass a tensor of its own, e.g. {name}.clone()")
+    span = 0         # (elements' offsets covered so far, minus one)
+    for stride, size in sorted((abs(st), sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= span:
+            raise ValueError(f"{name} has elements that share memory (strides {tuple(t.stride())} for shape "
+                             f"{tuple(t.shape)}); the call writes every element: pass a tensor of its own, "
+                             f"e.g. {name}.clone()")
+        span += stride * (size - 1)
 
 
 def _next_run(eng, fmt: P.RowFormat, rows: torch.Tensor, flag: int, start: int, expected_sum: int) -> int:
