@@ -155,6 +155,9 @@ def bad_case(ctx, sync, kind):
         "sparse combine bias": lambda: combine(bias=torch.zeros(T, H).bfloat16().to_sparse()),
         "sparse bias in a pair": lambda: combine(bias=(None, torch.zeros(T, H).bfloat16().to_sparse())),
         "sparse x": lambda: buf.dispatch(x.to_sparse(), topk_idx=topk, num_experts=E),
+        "nested x": lambda: buf.dispatch(torch.nested.nested_tensor([x[:1], x[1:]]), topk_idx=topk, num_experts=E),
+        "nested ll weights": lambda: ll_combine(w=torch.nested.nested_tensor([torch.rand(1, K),
+                                                                             torch.rand(T - 1, K)])),
         "sparse ll out": lambda: ll_combine(out=torch.zeros(T, H).bfloat16().to_sparse()),
         "sparse ll stats": lambda: buf.low_latency_dispatch(
             x, topk, S.N_LL, E, cumulative_local_expert_recv_stats=torch.zeros(
@@ -339,7 +342,8 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
              "worst huge", "E huge", "ll experts per rank", "experts per rank", "ll clean args", "ll clean too big",
              "tuple rank mask edited", "tuple source index edited", "ll layout edited", "cost model str",
              "on_report not callable", "sparse ll weights", "sparse combine bias", "sparse bias in a pair",
-             "sparse x", "sparse ll out", "sparse ll stats", "ll zero_copy str", "ll combine hook str",
+             "sparse x", "sparse ll out", "sparse ll stats", "nested x", "nested ll weights", "ll zero_copy str",
+             "ll combine hook str",
              "ll dispatch hook str", "worst True", "alignment True", "ll N True", "bias triple",
              "layout async str", "dispatch async str", "dispatch comm stream None", "combine async str"]
 
@@ -347,7 +351,8 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
 # what the error of some kinds must say (an earlier check could refuse them for another reason)
 BAD_SAYS = {**{k: "must be True or False" for k in ("layout async str", "dispatch async str",
                                                    "dispatch comm stream None", "combine async str")},
-            "meta combine x": "meta tensor", "meta ll out": "meta tensor", "ll out overlapping": "share memory", "ll experts per rank": "control message",
+            "meta combine x": "meta tensor", "meta ll out": "meta tensor", "ll out overlapping": "share memory",
+            "ll experts per rank": "control message", "nested x": "nested tensor", "nested ll weights": "nested tensor",
             "experts per rank": "control message", "ll layout edited": "changed after",
             "ll clean too big": "too small for",
             **{k: "layout torch.sparse_coo" for k in ("sparse ll weights", "sparse combine bias",
@@ -582,6 +587,53 @@ def grad_weights_and_tuple_copies(ctx, backend):
         fails.append(f"plain-tuple copy of the older handle: error {(y - reach * xs[0]).abs().max()}")
     buf.destroy()
     return fails
+
+
+def functional_bad_args(ctx):
+    """ubep_torch.functional's low-latency calls with counts that are not integers, and weights, routing or
+    expert outputs of the wrong kind, on every rank; then a valid round trip. Returns (what each bad call
+    raised, the round trip's largest error)."""
+    import torch.distributed as dist
+
+    from ubep_torch import functional as UF
+    R = ctx.world_size
+    E, T, H, N = 2 * R, 4, 128, 8
+    buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(N, H, R, E), low_latency_mode=True,
+                 timeout_s=20.0)
+    x = torch.randn(T, H).bfloat16()
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    w = torch.rand(T, 2)
+    raised = {}
+    for name, n, e in (("N str", "8", E), ("N float", 8.9, E), ("N bool", True, E), ("N inf", float("inf"), E),
+                       ("N float tensor", torch.tensor(8.0), E), ("E str", N, str(E)), ("E float", N, float(E))):
+        try:
+            UF.low_latency_dispatch(buf, x, topk, n, e)
+            raised[name] = "accepted"
+        except (TypeError, ValueError) as err:
+            raised[name] = type(err).__name__
+    recv_x, _, h = UF.low_latency_dispatch(buf, x, topk, N, E)
+    for name, y, idx, wt in (("complex weights", recv_x, topk, w.to(torch.complex64)),
+                             ("int weights", recv_x, topk, (w * 10).long()),
+                             ("meta topk_idx", recv_x, topk.to("meta"), w),
+                             ("nested y", torch.nested.nested_tensor([recv_x[0], recv_x[1]]), topk, w)):
+        try:
+            UF.low_latency_combine(buf, y, idx, wt, h)
+            raised[name] = "accepted"
+        except (TypeError, ValueError) as err:
+            raised[name] = type(err).__name__
+    y = UF.low_latency_combine(buf, recv_x, topk, w, h)
+    err = float((y.float() - x.float() * w.sum(1, keepdim=True)).abs().max())
+    buf.destroy()
+    return raised, err
+
+
+def test_functional_low_latency_calls_refuse_counts_and_tensors_of_the_wrong_kind(pool):
+    """(former bugs: counts went through int(), so '8', 8.9 and True were taken and inf raised
+    OverflowError; complex and integer weights were taken, the imaginary part dropped; a meta topk_idx
+    raised NotImplementedError)"""
+    for raised, err in pool.run(functional_bad_args):
+        assert all(v in ("TypeError", "ValueError") for v in raised.values()), raised
+        assert err < 0.05, err
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

@@ -311,12 +311,12 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
     that fails.)"""
     for k, value in enumerate(chain(args, kwargs.values())):
         if isinstance(value, torch.Tensor):
-            if value.is_cpu and value.layout == torch.strided:
+            if value.is_cpu and value.layout == torch.strided and not value.is_nested:
                 continue
             where = ""
         elif isinstance(value, (tuple, list)):
             bad = [i for i, t in enumerate(value) if isinstance(t, torch.Tensor)
-                   and not (t.is_cpu and t.layout == torch.strided)]
+                   and not (t.is_cpu and t.layout == torch.strided and not t.is_nested)]
             if not bad:
                 continue
             where, value = f"[{bad[0]}]", value[bad[0]]
@@ -324,6 +324,9 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
             continue
         name = fn.__code__.co_varnames[1 + k] if k < len(args) else list(kwargs)[k - len(args)]
         check_host(f"{fn.__name__}: {name}{where}", value)
+        if value.is_nested:
+            raise TypeError(f"ubep_torch: {fn.__name__}: {name}{where} is a nested tensor; pass a dense tensor "
+                            f"(rows of one size)")
         raise TypeError(f"ubep_torch: {fn.__name__}: {name}{where} is a tensor of layout {value.layout}; pass a "
                         f"dense (strided) tensor (.to_dense())")
 

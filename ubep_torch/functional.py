@@ -35,7 +35,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .errors import refusal
-from .utils import check_host
+from .utils import check_count, check_host
 
 __all__ = [
     "AutogradHandle",
@@ -130,6 +130,9 @@ def _check_tensors(fn: str, **args) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"ubep_torch.functional.{fn}: {name} must be a tensor, got {type(t).__name__}")
         check_host(f"functional.{fn}: {name}", t)
+        if t.layout != torch.strided or t.is_nested:
+            raise TypeError(f"ubep_torch.functional.{fn}: {name} must be a dense tensor, got "
+                            f"{'a nested tensor' if t.is_nested else t.layout}")
 
 
 def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -147,6 +150,7 @@ def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
                          f"shape of topk_idx {tuple(topk_idx.shape)}")
     if topk_idx.dtype != torch.int64:
         raise TypeError(f"ubep_torch.functional: topk_idx must be int64, got {topk_idx.dtype}")
+    num_experts = check_count("ubep_torch.functional: num_experts", num_experts, 1)
     if num_experts % group_size != 0:
         raise ValueError(f"ubep_torch.functional: num_experts={num_experts} is not divisible by the "
                          f"group size {group_size}")
@@ -486,9 +490,11 @@ def low_latency_dispatch(buffer, x: torch.Tensor, topk_idx: torch.Tensor, num_ma
     if isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int32:
         topk_idx = topk_idx.to(torch.int64)
     _check_tensors("low_latency_dispatch", x=x, topk_idx=topk_idx)
+    n = check_count("ubep_torch.functional.low_latency_dispatch: num_max_dispatch_tokens_per_rank",
+                    num_max_dispatch_tokens_per_rank, 1)
+    e = check_count("ubep_torch.functional.low_latency_dispatch: num_experts", num_experts, 1)
     out: list[LowLatencyAutogradHandle] = []
-    recv_x, recv_count = _LowLatencyDispatch.apply(x, buffer, topk_idx, int(num_max_dispatch_tokens_per_rank),
-                                                   int(num_experts), out)
+    recv_x, recv_count = _LowLatencyDispatch.apply(x, buffer, topk_idx, n, e, out)
     return recv_x, recv_count, out[0]
 
 
@@ -509,9 +515,11 @@ def low_latency_combine(buffer, y: torch.Tensor, topk_idx: torch.Tensor, topk_we
     if not isinstance(handle, LowLatencyAutogradHandle):
         raise TypeError("ubep_torch.functional.low_latency_combine: handle must come from "
                         "ubep_torch.functional.low_latency_dispatch")
-    if not (isinstance(topk_idx, torch.Tensor) and topk_idx.shape == handle.topk_idx.shape
-            and torch.equal(topk_idx.to(torch.int64), handle.topk_idx)):
+    _check_tensors("low_latency_combine", y=y, topk_idx=topk_idx, topk_weights=topk_weights)
+    if not (topk_idx.shape == handle.topk_idx.shape and torch.equal(topk_idx.to(torch.int64), handle.topk_idx)):
         raise ValueError("ubep_torch.functional.low_latency_combine: topk_idx differs from the one dispatched")
-    _check_tensors("low_latency_combine", y=y, topk_weights=topk_weights)
+    if not topk_weights.dtype.is_floating_point:
+        raise TypeError(f"ubep_torch.functional.low_latency_combine: topk_weights must be a float tensor, got "
+                        f"{topk_weights.dtype}")
     return _LowLatencyCombine.apply(y, topk_weights, buffer, handle)
 
