@@ -291,6 +291,22 @@ _TK = make_routing(4, 8, 2, 8, seed=1)          # [4 ranks, 8 tokens, top-2] ove
     (lambda: run_case("dispatch", 4, 8, 1 << 40, 2, 8), ValueError, "hidden"),
     (lambda: run_case("dispatch", 4, 8, 128, 2, 8, seed=1 << 70), ValueError, "seed"),
     (lambda: run_case("dispatch", 8, 8, 128, 2, 8, routing=_TK), ValueError, "routing has shape"),
+    # (former bugs: AttributeError, OverflowError, NotImplementedError, a float or bool count truncated, a huge
+    # size allocated, a 1-d routing modelled as one token)
+    (lambda: simulate("dispatch", "ubep", _TK, 8, 100, topology="x"), TypeError, "topology"),
+    (lambda: simulate("dispatch", "ubep", _TK, 8, 100, params=None), TypeError, "params"),
+    (lambda: CostModel(params=3), TypeError, "params"),
+    (lambda: simulate("dispatch", "ubep", _TK, 8, 100, n_count=float("inf")), TypeError, "n_count"),
+    (lambda: simulate("dispatch", "ubep", _TK, 8, 100, n_count=2.7), TypeError, "n_count"),
+    (lambda: simulate("dispatch", "ubep", _TK, 8, 100, n_count=True), TypeError, "n_count"),
+    (lambda: simulate("dispatch", "ubep", _TK[:1], 8, 100, world_size=4, src_ranks=[float("inf")]), TypeError,
+     "src_ranks"),
+    (lambda: simulate("dispatch", "ubep", _TK, 8, 100, n_aivs=1 << 63), ValueError, "n_aivs"),
+    (lambda: simulate("dispatch", "ubep", _TK, 1 << 40, 100), ValueError, "num_experts"),
+    (lambda: simulate("dispatch", "ubep", _TK[:1], 8, 100, world_size=1 << 30, src_ranks=[0]), ValueError,
+     "world_size"),
+    (lambda: simulate("dispatch", "ubep", _TK.to("meta"), 8, 100), ValueError, "meta"),
+    (lambda: CostModel().report("dispatch", 0, 4, _TK[0, 0], 8, 128), ValueError, r"\[T, K\]"),
 ])
 def test_bad_arguments_are_named(call, err, match):
     """(former bugs: these raised deep inside the model, or returned a latency for a meaningless call)"""

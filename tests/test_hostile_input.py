@@ -685,6 +685,16 @@ def test_argument_checks_without_a_process_group():
         Buffer(None, enable_shrink=True)
     with pytest.raises(ValueError, match="comm="):
         Buffer(None, comm=object())
+    # (former bugs: a string was taken by its truth value, True as 1 AIV or 1 s)
+    for flag in ("low_latency_mode", "explicitly_destroy", "allow_mnnvl", "allow_nvlink_for_low_latency_mode"):
+        with pytest.raises(TypeError, match=f"{flag} must be True or False"):
+            Buffer(None, **{flag: "no"})
+    with pytest.raises(ValueError, match="num_count_aivs must be a positive int"):
+        Buffer(None, num_count_aivs=True)
+    for seconds in ("5", True):
+        with pytest.raises(TypeError, match="timeout_s must be a number of seconds"):
+            P.default_timeout(seconds)
+    assert P.default_timeout(5) == 5.0 or os.environ.get("UBEP_TIMEOUT_S")
     with pytest.raises(ValueError, match="num_sms"):
         Config(num_sms=0)
     with pytest.raises(ValueError, match="num_ranks"):
@@ -704,7 +714,16 @@ def test_argument_checks_without_a_process_group():
         functional.dispatch(fake, x, topk, topk, 2)
     with pytest.raises(ValueError, match="functional.dispatch: x is a meta tensor"):
         functional.dispatch(fake, x.to("meta"), topk, torch.ones(3, 1), 2)
+    # (former bugs: ZeroDivisionError, a negative-dimension RuntimeError, a string taken by its truth value,
+    # an fp8 x that passed the check and failed inside)
+    for bad, error in ((dict(hidden=0), ValueError), (dict(ffn_hidden=-2), ValueError),
+                       (dict(shared_expert_hidden=-1), ValueError), (dict(top_k=1.5), TypeError),
+                       (dict(normalize_topk="no"), TypeError)):
+        with pytest.raises(error, match="ubep_torch.nn.MoE"):
+            nn.MoE(**{**dict(hidden=8, ffn_hidden=16, num_experts=2, top_k=1), **bad})
     moe = nn.MoE(hidden=8, ffn_hidden=16, num_experts=2, top_k=1)
+    with pytest.raises(TypeError, match="float tensor"):
+        moe(torch.zeros(4, 8).to(torch.float8_e4m3fn))
     with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
         moe(torch.randn(4, 16))
     with pytest.raises(TypeError, match="float tensor"):

@@ -527,6 +527,11 @@ class Buffer:
               low_latency_buffers) -> None:
         if sync not in P.SYNC_MODES:
             raise ValueError(f"sync must be one of {P.SYNC_MODES}, got {sync!r}")
+        _check_flags(low_latency_mode=low_latency_mode, explicitly_destroy=explicitly_destroy,
+                     allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode, allow_mnnvl=allow_mnnvl)
+        if num_count_aivs is not None and (not isinstance(num_count_aivs, int) or isinstance(num_count_aivs, bool)
+                                           or num_count_aivs < 1):
+            raise ValueError(f"num_count_aivs must be a positive int, got {num_count_aivs!r}")
         if group is None:
             if not dist.is_initialized():
                 raise ValueError("Buffer needs an initialized torch.distributed process group")
@@ -557,8 +562,6 @@ class Buffer:
         self.timeout_s = P.default_timeout(timeout_s)
         P.spin_seconds()                    # (UBEP_SPIN_S checked before anything is created)
         shm_dir = ugas.shm_dir(shm_dir)     # (checked and normalised: every rank compares peers' paths to it)
-        if num_count_aivs is not None and (not isinstance(num_count_aivs, int) or num_count_aivs < 1):
-            raise ValueError(f"num_count_aivs must be a positive int, got {num_count_aivs!r}")
         self.low_latency_buffers = _check_ll_buffers(low_latency_buffers, "low_latency_buffers")
         self.engine = make_engine(backend, num_count_aivs)
         self._default_n_count = getattr(self.engine, "n_count", None)   # includes UBEP_TRITON_COUNT_AIVS

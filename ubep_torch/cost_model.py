@@ -390,6 +390,33 @@ def count_cost_ratio(params: CM384Params, bytes_per_token: int, world_size: int,
     return beta / alpha
 
 
+#: bounds of what the model replays (a CloudMatrix384 has 768 dies of 48 AIVs; beyond 768 dies the topology
+#: adds nodes of the same kind)
+MAX_WORLD_SIZE = 4096
+MAX_NUM_EXPERTS = 65536
+MAX_AIVS = 1024
+
+
+def _at_most(name: str, value: int, highest: int) -> int:
+    if value > highest:
+        raise ValueError(f"{name}={value}: the model covers at most {highest}")
+    return value
+
+
+def _check_params(params) -> None:
+    if not isinstance(params, CM384Params):
+        raise TypeError(f"params must be a ubep_torch.topology.CM384Params, got {type(params).__name__}")
+
+
+def _routing_array(topk_idx) -> np.ndarray:
+    """``topk_idx`` (a tensor on any device but meta, or an array-like) as a numpy array."""
+    if isinstance(topk_idx, torch.Tensor):
+        if topk_idx.is_meta:
+            raise ValueError("topk_idx is a meta tensor (it has no values to model)")
+        return topk_idx.detach().cpu().numpy()
+    return np.asarray(topk_idx)
+
+
 def simulate(
     kind: str,
     schedule: str,
@@ -442,7 +469,10 @@ def simulate(
         raise TypeError(f"mapping must be True or False, got {mapping!r}")
     if cann_sending not in CANN_SENDING:
         raise ValueError(f"cann_sending must be one of {CANN_SENDING}, got {cann_sending!r}")
-    tk = topk_idx.detach().cpu().numpy() if isinstance(topk_idx, torch.Tensor) else np.asarray(topk_idx)
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a ubep_torch.topology.Topology, got {type(topology).__name__}")
+    _check_params(params)
+    tk = _routing_array(topk_idx)
     if tk.dtype.kind not in "iu":
         raise TypeError(f"topk_idx must hold integer expert ids, got {tk.dtype}")
     if tk.ndim not in (2, 3):
@@ -451,14 +481,18 @@ def simulate(
     if tk.ndim == 2:
         tk = tk[None]
     S, B, K = tk.shape
-    R = check_count("world_size", world_size if world_size is not None else S, 1)
-    E = check_count("num_experts", num_experts, 1)
+    R = _at_most("world_size", check_count("world_size", world_size if world_size is not None else S, 1),
+                 MAX_WORLD_SIZE)
+    E = _at_most("num_experts", check_count("num_experts", num_experts, 1), MAX_NUM_EXPERTS)
     bytes_per_token = check_count("bytes_per_token", bytes_per_token, 1)
     if E % R:
         raise ValueError(f"num_experts={E} must be a multiple of world_size={R}")
     if tk.size and (int(tk.min()) < -1 or int(tk.max()) >= E):
         raise ValueError(f"topk_idx values must be in [-1, {E}); got min {int(tk.min())}, max {int(tk.max())}")
-    src = np.arange(S, dtype=np.int64) if src_ranks is None else np.asarray(src_ranks, dtype=np.int64)
+    try:
+        src = np.arange(S, dtype=np.int64) if src_ranks is None else np.asarray(src_ranks, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise TypeError(f"src_ranks must be integer ranks, got {src_ranks!r}") from None
     if src.shape != (S,) or (S and (int(src.min()) < 0 or int(src.max()) >= R)) or len(set(src.tolist())) != S:
         raise ValueError(f"src_ranks must name {S} distinct ranks in [0, {R}) (one per row of topk_idx), got "
                          f"{src.tolist()}")
@@ -466,7 +500,7 @@ def simulate(
     topo = topology or Topology.for_ranks(R)
     if topo.num_dies < R:
         raise ValueError(f"the topology has {topo.num_dies} dies, fewer than world_size={R}")
-    n = params.aivs_per_die if n_aivs is None else check_count("n_aivs", n_aivs, 2)
+    n = params.aivs_per_die if n_aivs is None else _at_most("n_aivs", check_count("n_aivs", n_aivs, 2), MAX_AIVS)
     c = _copies(kind, tk, src, R, E, full)
     if schedule == "cann_ep":
         total, phases, sr = _cann(kind, c, B, K, R, E, bytes_per_token, topo, params, n, cann_sending)
@@ -475,7 +509,7 @@ def simulate(
     else:
         nc = 0
         if "dispatch" in kind:
-            nc = int(n_count) if n_count is not None else default_count_aivs(
+            nc = check_count("n_count", n_count, 1) if n_count is not None else default_count_aivs(
                 E, K, B, n, count_cost_ratio(params, bytes_per_token, R, E))
             if not 1 <= nc < n:
                 raise ValueError(f"n_count must be in [1, {n - 1}], got {nc}")
@@ -535,6 +569,7 @@ class CostModel:
                  mapping: bool = True, n_count: int | None = None,
                  callback: Callable[[str, dict], None] | None = None) -> None:
         # (checked here, not at the first report: inside a Buffer a bad setting would warn on every call)
+        _check_params(params)
         self.ranks_per_node = check_count("ranks_per_node", ranks_per_node, 1)
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -578,8 +613,9 @@ class CostModel:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         nbytes = check_count("bytes_per_token", bytes_per_token, 1) if bytes_per_token is not None else \
             2 * check_count("hidden", hidden, 1)
-        tk = topk_idx.detach().to("cpu", torch.int64).numpy() if isinstance(topk_idx, torch.Tensor) \
-            else np.asarray(topk_idx, dtype=np.int64)
+        tk = _routing_array(topk_idx)
+        if tk.ndim != 2:
+            raise ValueError(f"topk_idx must be this rank's [T, K] routing, got shape {tk.shape}")
         topo = Topology.for_ranks(world_size, min(self.ranks_per_node, max(2, world_size + world_size % 2)))
         out = compare(kind, tk[None], num_experts, nbytes, world_size=world_size, src_ranks=[rank],
                       topology=topo, params=self.params, sync=sync or self.sync,

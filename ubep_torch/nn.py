@@ -25,6 +25,7 @@ from torch import nn
 
 from . import functional as F
 from .errors import refusal
+from .utils import check_count
 
 __all__ = ["GroupedSwiGLU", "MoE", "Router", "SwiGLU", "data_parallel_sync", "is_expert_parameter"]
 
@@ -193,6 +194,14 @@ class MoE(nn.Module):
         super().__init__()
         if layout not in F.LAYOUTS:
             raise ValueError(f"ubep_torch.nn.MoE: layout must be one of {F.LAYOUTS}, got {layout!r}")
+        for name, value, least in (("hidden", hidden, 1), ("ffn_hidden", ffn_hidden, 1),
+                                   ("num_experts", num_experts, 1), ("top_k", top_k, 1),
+                                   ("expert_alignment", expert_alignment, 1)):
+            check_count(f"ubep_torch.nn.MoE: {name}", value, least)
+        if shared_expert_hidden is not None:
+            check_count("ubep_torch.nn.MoE: shared_expert_hidden", shared_expert_hidden)   # (0: none)
+        if not isinstance(normalize_topk, (bool, int)):
+            raise TypeError(f"ubep_torch.nn.MoE: normalize_topk must be True or False, got {normalize_topk!r}")
         world = 1 if buffer is None else int(buffer.group_size)
         if num_experts % world:
             raise ValueError(f"ubep_torch.nn.MoE: num_experts={num_experts} is not divisible by the "
@@ -217,8 +226,8 @@ class MoE(nn.Module):
         error before the dispatch (a bad ``x``, say) refuses the dispatch the peers make, as bad input to
         :mod:`ubep_torch.functional` does, so every rank leaves that step."""
         try:
-            if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
-                raise TypeError(f"ubep_torch.nn.MoE: x must be a float tensor, got "
+            if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype.itemsize < 2:
+                raise TypeError(f"ubep_torch.nn.MoE: x must be a float tensor (16 bits or more), got "
                                 f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
             if x.dim() < 1 or x.shape[-1] != self.hidden:
                 raise ValueError(f"ubep_torch.nn.MoE: x must be [..., {self.hidden}], got {tuple(x.shape)}")

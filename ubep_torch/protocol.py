@@ -375,6 +375,8 @@ def _seconds(source: str, raw, highest: float, zero: bool = False) -> float:
 def default_timeout(timeout_s: Optional[float]) -> float:
     """The deadline of every wait: ``UBEP_TIMEOUT_S`` if set, else ``timeout_s`` (default 60 s). It must be
     a finite number of seconds > 0 (there is no "wait forever"), at most ``MAX_TIMEOUT_S``."""
+    if isinstance(timeout_s, (bool, str, bytes)):       # (a number, not something float() happens to take)
+        raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
     given = 60.0 if timeout_s is None else _seconds("timeout_s", timeout_s, MAX_TIMEOUT_S)   # checked even
     env = os.environ.get("UBEP_TIMEOUT_S")                                                 # when overridden
     return _seconds("UBEP_TIMEOUT_S", env, MAX_TIMEOUT_S) if env else given

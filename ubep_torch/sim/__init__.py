@@ -12,15 +12,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..cost_model import KINDS, Report, compare, count_cost_ratio, dispatch_bytes_per_token, simulate
+from ..cost_model import (
+    KINDS,
+    MAX_NUM_EXPERTS,
+    MAX_WORLD_SIZE,
+    Report,
+    compare,
+    count_cost_ratio,
+    dispatch_bytes_per_token,
+    simulate,
+)
 from ..mapper import default_count_aivs
 from ..topology import CM384, CM384Params, Topology
 from ..utils import check_count
 
 #: bounds of what ``run_case`` models (a CloudMatrix384 has 768 dies, 384 NPUs of two; the paper goes to 256
 #: experts; beyond 768 dies the topology adds nodes of the same kind)
-MAX_RANKS = 4096
-MAX_EXPERTS = 65536
+MAX_RANKS = MAX_WORLD_SIZE
+MAX_EXPERTS = MAX_NUM_EXPERTS
 MAX_COPIES = 1 << 26
 MAX_HIDDEN = 1 << 20
 
