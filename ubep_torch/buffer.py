@@ -331,6 +331,14 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
                         f"dense (strided) tensor (.to_dense())")
 
 
+def _check_event(previous_event) -> None:
+    """``previous_event`` is None or an ``EventOverlap`` (DeepEP reads its ``.event``); anything else is a
+    mistake this data path would otherwise ignore."""
+    if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        raise TypeError(f"previous_event must be None or an EventOverlap (from a call or Buffer.capture()), got "
+                        f"{type(previous_event).__name__}")
+
+
 def _check_flags(**flags) -> None:
     """Flags must be bools (or numpy bools or ints, as DeepEP's binding converts them): a string or None would
     be taken as True or False by its truth value."""
@@ -1381,6 +1389,7 @@ class Buffer:
         try:
             _check_host_tensors(Buffer.get_dispatch_layout, (topk_idx,), {})
             _check_flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+            _check_event(previous_event)
             E = self._check_num_experts(num_experts)
             layout = self._layout(topk_idx, E)[0]
         except BaseException as e:
@@ -1447,6 +1456,10 @@ class Buffer:
         """
         self._check_usable()
         _check_flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+        _check_event(previous_event)
+        if num_tokens_per_rdma_rank is not None and not isinstance(num_tokens_per_rdma_rank, torch.Tensor):
+            raise TypeError(f"num_tokens_per_rdma_rank must be None or a tensor (get_dispatch_layout's, unused "
+                            f"within a host), got {type(num_tokens_per_rdma_rank).__name__}")
         self._apply_config(config)
         if layout not in ("rank_major", "expert_major"):
             raise ValueError(f"layout must be 'rank_major' or 'expert_major', got {layout!r}")
@@ -1559,7 +1572,7 @@ class Buffer:
         if num_worst_tokens:    # sized by the caller: allocated before anything is sent, so too many rows fail here
             try:
                 worst_x = self._out.zeros((num_worst_tokens, H), xd.dtype)
-            except (RuntimeError, MemoryError) as e:
+            except (RuntimeError, MemoryError, TypeError, OverflowError) as e:
                 raise ValueError(f"num_worst_tokens={num_worst_tokens} rows of hidden size {H} cannot be allocated "
                                  f"({type(e).__name__}: {str(e)[:120]})") from None
 
@@ -2041,6 +2054,7 @@ class Buffer:
         """
         self._check_usable()
         _check_flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+        _check_event(previous_event)
         self._apply_config(config)
         # the dispatch this combine answers, for the peers to check: known for the handle object dispatch
         # returned, not for a plain-tuple copy (it may match a newer handle of the same content)
