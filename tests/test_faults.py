@@ -261,13 +261,14 @@ def test_setup_has_a_deadline(tmp_path):
 def test_timeout_must_be_a_finite_positive_number(monkeypatch, value):
     from ubep_torch import protocol as P
     monkeypatch.delenv("UBEP_TIMEOUT_S", raising=False)
-    with pytest.raises(ValueError, match="timeout_s"):
+    error = TypeError if isinstance(value, str) else ValueError     # (a string is not a number of seconds)
+    with pytest.raises(error, match="timeout_s"):
         P.default_timeout(value)
     monkeypatch.setenv("UBEP_TIMEOUT_S", str(value))
     with pytest.raises(ValueError, match="UBEP_TIMEOUT_S"):
         P.default_timeout(5.0)
     monkeypatch.setenv("UBEP_TIMEOUT_S", "2.5")
-    with pytest.raises(ValueError, match="timeout_s"):      # checked even when the variable overrides it
+    with pytest.raises(error, match="timeout_s"):      # checked even when the variable overrides it
         P.default_timeout(value)
     assert P.default_timeout(7.0) == 2.5
 
