@@ -1632,3 +1632,41 @@ def ll_next_buffer_refused(ctx):
     dist.barrier()
     buf.destroy()
     return out, took, err
+
+
+def ll_zero_copy_combine_interrupted(ctx, steps=3):
+    """Steps of a low-latency dispatch and a zero-copy combine; in step 0 a KeyboardInterrupt reaches rank 0
+    while its combine fetches the zero-copy buffer, before the call reaches the peers. Every rank goes on
+    with its next step after any error. Returns per rank each step's outcome and the largest error."""
+    import torch
+    import torch.distributed as dist
+    buf, x, topk, _, N, E = _ll_refusal_setup(ctx)
+    w = torch.full(topk.shape, 0.5)
+    out = []
+    step = _recorder(out)
+    fetch = buf._next_combine_buffer
+    fetches = []
+
+    def interrupted(handle):      # (the caller's fetch passes; the combine's own is interrupted)
+        fetches.append(handle)
+        if len(fetches) == 1:
+            return fetch(handle)
+        buf._next_combine_buffer = fetch
+        raise KeyboardInterrupt
+
+    def round_trip():
+        rx, _, h, _, _ = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+        buf.get_next_low_latency_combine_buffer(h).copy_(rx)
+        y = buf.low_latency_combine(None, topk, w, h, zero_copy=True)[0]
+        return float((y.float() - x.float() * w.sum(1, keepdim=True)).abs().max())
+    errs = []
+    for i in range(steps):
+        if i == 0 and ctx.rank == 0:
+            buf._next_combine_buffer = interrupted
+        try:
+            errs.append(step(round_trip))
+        except KeyboardInterrupt:
+            out.append(("KeyboardInterrupt", None))
+    dist.barrier()
+    buf.destroy()
+    return out, errs

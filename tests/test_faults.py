@@ -785,6 +785,17 @@ def test_a_bad_handle_for_the_zero_copy_combine_buffer_refuses_that_combine():
         (out1, took1, err1)
 
 
+def test_an_interrupt_in_a_zero_copy_combine_refuses_that_combine_once():
+    """(former bug: the combine fetched its zero-copy buffer through the public method, which refuses the
+    combine it prepares: an interrupt there refused two calls, and the ranks fell out of step)"""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        (out0, errs0), (out1, errs1) = pool.run(FR.ll_zero_copy_combine_interrupted, timeout_s=90)
+    assert out0 == [("KeyboardInterrupt", None), "ok", "ok"], out0
+    assert out1 == [("UBEPPeerAbortedError", True), "ok", "ok"], out1
+    assert all(e is not None and e < 0.02 for e in errs0[-2:] + errs1[-2:]), (errs0, errs1)
+
+
 def test_decisions_on_refused_calls_outlast_the_calls_a_rank_runs_ahead():
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with RankPool(2, env=env) as pool:

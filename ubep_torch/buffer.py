@@ -2559,12 +2559,16 @@ class Buffer:
         its dispatch."""
         _check_process(self, "get_next_low_latency_combine_buffer")
         try:
-            handle = self._as_ll_handle(handle)
+            return self._next_combine_buffer(self._as_ll_handle(handle))
         except BaseException as e:
             name_global_ranks(e, self._global_ranks, also=(ValueError, TypeError))
             if refusal(e):
                 self._refuse("low_latency_combine")     # (the combine it prepares will not come: tell the peers)
             raise
+
+    def _next_combine_buffer(self, handle: "LowLatencyHandle") -> torch.Tensor:
+        """``get_next_low_latency_combine_buffer`` of a handle already recognised, refusing nothing (inside
+        ``low_latency_combine``, whose own error handling refuses it)."""
         _, _, N, H, E = handle
         shape = (E // self.group_size, self.group_size * N, H)
         n = shape[0] * shape[1] * shape[2]
@@ -2622,7 +2626,7 @@ class Buffer:
         R, me = self.group_size, self.rank
         E_local = E // R
         if zero_copy:
-            x = self.get_next_low_latency_combine_buffer(handle)
+            x = self._next_combine_buffer(handle)
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
             fp8_rows = isinstance(x, tuple) or (isinstance(x, torch.Tensor) and x.dtype == FP8)
             raise TypeError("low_latency_combine x must be a bfloat16 tensor" + (
@@ -2860,6 +2864,8 @@ def _check_writable(name: str, t: torch.Tensor) -> None:
     may a view made with ``as_strided``). Taken in order of stride, each dimension must step past all the
     elements the smaller-stride dimensions span: true of every view of a tensor of its own (slices,
     transposes, permutations)."""
+    if t.numel() == 0:
+        return
     if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
         raise ValueError(f"{name} is expanded (several of its elements share memory); the call writes every "
                          f"element: pass a tensor of its own, e.g. {name}.clone()")

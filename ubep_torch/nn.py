@@ -16,8 +16,10 @@ Shapes: ``T`` tokens, ``H`` hidden, ``F`` expert FFN hidden, ``E`` experts, ``K`
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as tF
@@ -200,7 +202,7 @@ class MoE(nn.Module):
             check_count(f"ubep_torch.nn.MoE: {name}", value, least)
         if shared_expert_hidden is not None:
             check_count("ubep_torch.nn.MoE: shared_expert_hidden", shared_expert_hidden)   # (0: none)
-        if not isinstance(normalize_topk, (bool, int)):
+        if not isinstance(normalize_topk, (bool, np.bool_, numbers.Integral)):     # (as Buffer's flags)
             raise TypeError(f"ubep_torch.nn.MoE: normalize_topk must be True or False, got {normalize_topk!r}")
         world = 1 if buffer is None else int(buffer.group_size)
         if num_experts % world:
