@@ -502,3 +502,24 @@ def rank_moe_bad_batch(ctx, layout: str, steps: int = 3, how: str = "hidden"):
     out.append((buf._calls, buf._seq, buf._broken))
     buf.destroy()
     return out
+
+
+def rank_dp_sync_unused_branches(ctx) -> list:
+    """Rank r's loss uses only branch r % 2 of a two-branch model (a batch that takes one path), and rank 0
+    also holds a branch no rank uses. After ``data_parallel_sync`` every rank must hold the mean over ranks
+    of every used branch's gradient (zeros counted for the ranks that did not use it), and no gradient for
+    the unused branch. Returns the largest error and whether the unused branch got a gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([torch.nn.Linear(4, 3, bias=False) for _ in range(3)])
+    x = torch.arange(8.0).view(2, 4) + ctx.rank
+    model[ctx.rank % 2](x).square().sum().backward()
+    # every rank's gradients, computed here on the same weights for the reference
+    want = [torch.zeros(3, 4), torch.zeros(3, 4)]
+    for r in range(ctx.world_size):
+        xr = torch.arange(8.0).view(2, 4) + r
+        w = model[r % 2].weight.detach().clone().requires_grad_(True)
+        (xr @ w.t()).square().sum().backward()
+        want[r % 2] += w.grad / ctx.world_size
+    unn.data_parallel_sync(model, ctx.group)
+    err = max(float((model[i].weight.grad - want[i]).abs().max()) for i in range(2))
+    return [err, model[2].weight.grad is not None]

@@ -731,6 +731,8 @@ def test_argument_checks_without_a_process_group():
     moe = nn.MoE(hidden=8, ffn_hidden=16, num_experts=2, top_k=1)
     with pytest.raises(TypeError, match="float tensor"):
         moe(torch.zeros(4, 8).to(torch.float8_e4m3fn))
+    with pytest.raises(TypeError, match="dense tensor"):
+        moe(torch.zeros(4, 8).to_sparse())
     with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
         moe(torch.randn(4, 16))
     with pytest.raises(TypeError, match="float tensor"):

@@ -164,3 +164,11 @@ def test_a_bad_batch_on_one_rank_cancels_that_step_on_every_rank(pool, layout):
         assert r0[:-1] == [("UBEPPeerAbortedError", True), "ok", "ok"], (how, r0)
         assert r1[:-1] == [(error, None), "ok", "ok"], (how, r1)
         assert r0[-1] == r1[-1] and r0[-1][2] is None, (how, r0[-1], r1[-1])
+
+
+def test_data_parallel_sync_with_branches_some_ranks_did_not_use(pool):
+    """(former bug: each rank all-reduced the gradients it had, so ranks that used different parameters added
+    one another's unrelated gradients, silently, or gloo aborted on a size mismatch)"""
+    for err, unused_has_grad in pool.run(M.rank_dp_sync_unused_branches):
+        assert err < 1e-5 and not unused_has_grad, (err, unused_has_grad)
+

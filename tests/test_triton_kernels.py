@@ -308,3 +308,14 @@ def test_combine_kernels_keep_special_values_bit_for_bit():
         TorchEngine().weighted_combine(fmt, rows, topk, w, want)
         TE.TritonEngine().weighted_combine(fmt, rows, topk, w, got)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("name,value", [("UBEP_TRITON_AIVS", "abc"), ("UBEP_TRITON_AIVS", "2.5"),
+                                        ("UBEP_TRITON_AIVS", "1"), ("UBEP_TRITON_AIVS", "0"),
+                                        ("UBEP_TRITON_AIVS", "100000"), ("UBEP_TRITON_COUNT_AIVS", "abc"),
+                                        ("UBEP_TRITON_COUNT_AIVS", "0"), ("UBEP_TRITON_COUNT_AIVS", "-3")])
+def test_bad_engine_variables_are_named(monkeypatch, name, value):
+    """(former bugs: int()'s bare message, 0 taken as the default, counts below 1 clamped, 100000 AIVs taken)"""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        TE.TritonEngine()

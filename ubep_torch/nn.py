@@ -231,6 +231,9 @@ class MoE(nn.Module):
             if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype.itemsize < 2:
                 raise TypeError(f"ubep_torch.nn.MoE: x must be a float tensor (16 bits or more), got "
                                 f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+            if x.layout != torch.strided or x.is_nested:
+                raise TypeError(f"ubep_torch.nn.MoE: x must be a dense tensor, got "
+                                f"{'a nested tensor' if x.is_nested else x.layout}")
             if x.dim() < 1 or x.shape[-1] != self.hidden:
                 raise ValueError(f"ubep_torch.nn.MoE: x must be [..., {self.hidden}], got {tuple(x.shape)}")
             shape = x.shape
@@ -311,14 +314,36 @@ def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:
     world = dist.get_world_size(group)
     if world > 1:
         experts = _expert_parameters(module)
-        replicated = [p.grad for p in module.parameters() if p.grad is not None and id(p) not in experts]
-        _average(replicated, group, world)
+        _average(_agreed_grads([p for p in module.parameters() if id(p) not in experts], group), group, world)
         for p in module.parameters():
             if p.grad is not None and id(p) in experts:
                 p.grad /= world
     replicas = 1 if dp_group is None else dist.get_world_size(dp_group)
     if replicas > 1:
-        _average([p.grad for p in module.parameters() if p.grad is not None], dp_group, replicas)
+        _average(_agreed_grads(list(module.parameters()), dp_group), dp_group, replicas)
+
+
+def _agreed_grads(params: list, group) -> list:
+    """The gradients of those of ``params`` that a rank of ``group`` has one for, the same list on every rank:
+    a rank that did not use a parameter this step (a branch its batch did not take) gets zeros for it, so
+    the all-reduce adds the same tensors everywhere. Parameters no rank has a gradient for keep none."""
+    counts = torch.tensor([len(params), -len(params)], dtype=torch.int64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
+    if counts[0] != -counts[1]:
+        raise ValueError(f"ubep_torch.nn.data_parallel_sync: the ranks' modules have different numbers of "
+                         f"parameters to average ({-int(counts[1])} to {int(counts[0])}); every rank must hold the "
+                         f"same model")
+    if not params:
+        return []
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    dist.all_reduce(used, group=group)
+    grads = []
+    for p, n in zip(params, used.tolist()):
+        if n:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    return grads
 
 
 def _average(grads: list, group, size: int) -> None:

@@ -10,7 +10,9 @@ within ``timeout_s``, fails the call and stops the pool (later calls raise Runti
 """
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
+import numbers
 import os
 import queue
 import socket
@@ -55,14 +57,14 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str,
         msg = inbox.get()
         if msg is None:
             break
-        fn, args, kwargs = msg
+        call, fn, args, kwargs = msg
         try:
             result = fn(ctx, *args, **kwargs)
             ForkingPickler.dumps(result)   # (the queue pickles in a thread of its own: a failure there is only printed)
         except BaseException:  # noqa: BLE001 - report everything to the parent
-            outbox.put((rank, False, traceback.format_exc()))
+            outbox.put((call, rank, False, traceback.format_exc()))
         else:
-            outbox.put((rank, True, result))
+            outbox.put((call, rank, True, result))
     for obj in ctx.cache.values():
         destroy = getattr(obj, "destroy", None)
         if callable(destroy):
@@ -76,14 +78,26 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str,
         pass
 
 
+def _seconds(name: str, value) -> float:
+    """``value`` as a finite number of seconds > 0, else TypeError or ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 class RankPool:
     """``world_size`` persistent gloo ranks. Use as a context manager or call :meth:`close`."""
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, env: Optional[Dict[str, str]] = None):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in (env or {}).items()):
+            raise TypeError(f"env must map variable names to strings, got {env!r}")
         self.world_size = world_size
-        self.timeout_s = timeout_s
+        self.timeout_s = _seconds("timeout_s", timeout_s)
+        self._call = 0          # (every call's results carry its number: a late one of an earlier call is dropped)
         self._closed: Optional[str] = None      # why the pool can no longer run anything
         ctx = mp.get_context("spawn")
         port = _free_port()
@@ -102,23 +116,24 @@ class RankPool:
     def run(self, fn: Callable, *args, timeout_s: Optional[float] = None, **kwargs) -> List[Any]:
         if self._closed:
             raise RuntimeError(f"this RankPool is closed ({self._closed}): start a new one")
+        limit = self.timeout_s if timeout_s is None else _seconds("timeout_s", timeout_s)
         try:       # (the queues pickle in threads of their own, where a failure is only printed)
             ForkingPickler.dumps((fn, args, kwargs))   # (what the queues do, serializing only)
         except Exception as e:  # noqa: BLE001 - pickling raises many types
             raise TypeError(f"RankPool.run: the function and its arguments must be picklable for the spawned ranks "
                             f"to receive them (a module-level function of a module or script file, not a lambda or "
                             f"a nested function): {type(e).__name__}: {e}") from None
+        self._call += 1
         for q in self._inboxes:
-            q.put((fn, args, kwargs))
+            q.put((self._call, fn, args, kwargs))
         results: Dict[int, Any] = {}
         failures: Dict[int, str] = {}
-        limit = timeout_s or self.timeout_s
         start = time.monotonic()
         deadline = start + limit
         while len(results) + len(failures) < self.world_size:
             try:
                 # (short waits: a rank process that died is reported at once, not at the deadline)
-                rank, ok, value = self._outbox.get(timeout=min(0.2, max(deadline - time.monotonic(), 0.0)))
+                call, rank, ok, value = self._outbox.get(timeout=min(0.2, max(deadline - time.monotonic(), 0.0)))
             except queue.Empty:
                 missing = [r for r in range(self.world_size) if r not in results and r not in failures]
                 dead = {r: self._procs[r].exitcode for r in missing if not self._procs[r].is_alive()}
@@ -134,6 +149,8 @@ class RankPool:
                             for r in missing if r not in dead})
                 self._closed = f"rank(s) {sorted(dead)} died" if dead else f"a call ran past {limit}s"
                 raise RankFailure(why | failures) from None
+            if call != self._call:     # (an earlier call's, whose wait was interrupted)
+                continue
             (results if ok else failures)[rank] = value
         if failures:
             raise RankFailure(failures)

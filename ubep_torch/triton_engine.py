@@ -82,9 +82,23 @@ def _addr(t: torch.Tensor) -> int:
     return int(t.data_ptr())
 
 
-def _env_int(name: str) -> int | None:
+#: most AIVs (programs of a send launch) a rank emulates: a CM384 die has 48
+_MAX_AIVS = 256
+
+
+def _env_int(name: str, least: int) -> int | None:
+    """The integer in environment variable ``name`` (None when unset or empty), in [least, _MAX_AIVS]; else
+    ValueError naming the variable."""
     v = os.environ.get(name)
-    return int(v) if v else None
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {v!r}") from None
+    if not least <= n <= _MAX_AIVS:
+        raise ValueError(f"{name} must be in [{least}, {_MAX_AIVS}], got {n}")
+    return n
 
 
 class TritonEngine(TorchEngine):
@@ -104,10 +118,10 @@ class TritonEngine(TorchEngine):
     def __init__(self, n_aivs: int | None = None, n_count: int | None = None, mapping: bool | None = None,
                  max_spins: int = _DEFAULT_SPINS):
         super().__init__()
-        self.n_aivs = int(n_aivs or _env_int("UBEP_TRITON_AIVS") or 8)
-        if self.n_aivs < 2:
-            raise ValueError(f"n_aivs must be >= 2 (a token and a count group), got {self.n_aivs}")
-        self.n_count = n_count if n_count is not None else _env_int("UBEP_TRITON_COUNT_AIVS")
+        self.n_aivs = int(n_aivs if n_aivs is not None else _env_int("UBEP_TRITON_AIVS", 2) or 8)
+        if not 2 <= self.n_aivs <= _MAX_AIVS:
+            raise ValueError(f"n_aivs must be in [2, {_MAX_AIVS}] (a token and a count group), got {self.n_aivs}")
+        self.n_count = n_count if n_count is not None else _env_int("UBEP_TRITON_COUNT_AIVS", 1)
         if mapping is None:
             mapping = os.environ.get("UBEP_TRITON_MAPPING", "1") != "0"
         self.mapping = bool(mapping)
