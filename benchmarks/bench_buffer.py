@@ -382,6 +382,11 @@ def main() -> None:
     backends = [b for b in a.backends.split(",") if b]
     if not backends:
         ap.error("--backends names no backend")
+    unknown = [b for b in backends if b not in ("auto", "native", "torch", "triton")]
+    if unknown:
+        ap.error(f"--backends: unknown {', '.join(unknown)} (auto, native, torch, triton)")
+    if a.experts // a.ranks > 256:
+        ap.error(f"--experts {a.experts}: at most 256 per rank here")
     if a.topk > a.experts or a.experts % a.ranks:
         ap.error(f"--topk {a.topk} must not exceed --experts {a.experts}, and --experts must be a multiple of "
                  f"--ranks {a.ranks}")

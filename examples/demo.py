@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int_at_least(1), default=2048)
     ap.add_argument("--topk", type=int_at_least(1), default=None,
                     help="experts per token (default: 8, or every expert when there are fewer)")
-    ap.add_argument("--experts-per-rank", type=int_at_least(1), default=4)
+    ap.add_argument("--experts-per-rank", type=int_at_least(1, 256), default=4)
     ap.add_argument("--sync", default="tff", choices=["tff", "dc", "sp", "sw"])
     ap.add_argument("--iters", type=int_at_least(1), default=5)
     args = ap.parse_args()

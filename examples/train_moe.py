@@ -31,7 +31,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ubep_torch import nn as unn
-from ubep_torch.utils import int_at_least, require_torchrun
+from ubep_torch.utils import int_at_least, positive_number, require_torchrun
 
 # ----------------------------------------------------------------------------- data
 _SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child", "the teacher"]
@@ -190,6 +190,7 @@ def train(args) -> list:
         require_torchrun("examples/train_moe.py", "python examples/train_moe.py --single --world 2 (one process)")
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
+        check_experts_per_rank("examples/train_moe.py", args.experts, world)
     else:
         rank, world = 0, args.world
     torch.set_num_threads(max(1, args.threads))
@@ -265,9 +266,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ffn", type=int_at_least(1), default=96)
     p.add_argument("--shared", type=int_at_least(0), default=64, help="shared expert width (0 = none)")
     p.add_argument("--router", choices=unn.ROUTERS, default="softmax")
-    p.add_argument("--seq", type=int_at_least(2), default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seq", type=int_at_least(2, 4096), default=64)
+    p.add_argument("--seed", type=int_at_least(0, 2 ** 63 - 1), default=0)
     p.add_argument("--threads", type=int_at_least(1), default=1)
+
+
+#: experts one rank may host in these examples (the Buffer's control messages count up to ~470)
+MAX_EXPERTS_PER_RANK = 256
+
+
+def check_experts_per_rank(script: str, experts: int, world: int) -> None:
+    """Under torchrun, once the group size is known: a one-line error (on every rank) instead of a traceback
+    when ``--experts`` does not split over the ranks."""
+    if experts % world or experts // world > MAX_EXPERTS_PER_RANK:
+        raise SystemExit(f"{script}: --experts {experts} must be a multiple of the {world} ranks, with at most "
+                         f"{MAX_EXPERTS_PER_RANK} per rank")
 
 
 def check_model_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -279,6 +292,8 @@ def check_model_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         path = getattr(args, opt, "")
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             p.error(f"--{opt.replace('_', '-')} {path}: no such directory")
+        if path and os.path.isdir(path):
+            p.error(f"--{opt.replace('_', '-')} {path} is a directory; give a file name")
 
 
 def parse_args(argv=None):
@@ -286,8 +301,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int_at_least(1), default=40)
     p.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per rank and step")
     add_model_args(p)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--lr", type=positive_number, default=3e-3)
+    p.add_argument("--timeout", type=positive_number, default=60.0, help="seconds every wait may take")
     p.add_argument("--single", action="store_true", help="run the same model and global batch in one process")
     p.add_argument("--world", type=int_at_least(1), default=2, help="with --single: how many ranks to reproduce")
     p.add_argument("--tiny", action="store_true", help="a seconds-long run (tests)")

@@ -145,6 +145,14 @@ def test_sums_benchmark_prints_every_path():
     (["examples/demo.py"], "torchrun"),                 # (not under torchrun)
     (["examples/train_moe.py", "--tiny"], "--single"),
     (["examples/infer_moe.py"], "--single"),
+    # (former tracebacks, some after a whole run)
+    (["examples/train_moe.py", "--single", "--lr", "nan"], "--lr"),
+    (["examples/train_moe.py", "--single", "--save", "examples"], "is a directory"),
+    (["examples/train_moe.py", "--single", "--seq", "200000"], "--seq"),
+    (["examples/infer_moe.py", "--single", "--timeout", "0"], "--timeout"),
+    (["benchmarks/bench_buffer.py", "--backends", "nope"], "--backends"),
+    (["benchmarks/stress.py", "--parallel", "0"], "--parallel"),
+    (["benchmarks/stress.py", "--timeout", "nan"], "--timeout"),
 ])
 def test_bad_options_give_one_line_errors(cmd, what):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

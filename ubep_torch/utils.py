@@ -41,8 +41,9 @@ def require_torchrun(script: str, instead: str = "") -> None:
                          f"{script}{hint}")
 
 
-def int_at_least(minimum: int):
-    """An ``argparse`` type: an integer of at least ``minimum`` (a one-line usage error otherwise)."""
+def int_at_least(minimum: int, maximum: Optional[int] = None):
+    """An ``argparse`` type: an integer of at least ``minimum`` (and at most ``maximum``; a one-line usage
+    error otherwise)."""
     import argparse
 
     def parse(text: str) -> int:
@@ -52,9 +53,25 @@ def int_at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
     parse.__name__ = f"integer >= {minimum}"
     return parse
+
+
+def positive_number(text: str) -> float:
+    """An ``argparse`` type: a finite number > 0 (seconds, a learning rate; a one-line usage error
+    otherwise)."""
+    import argparse
+    import math
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 class EventOverlap:
