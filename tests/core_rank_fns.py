@@ -1236,3 +1236,23 @@ def same_bytes_other_rows(ctx, case: str):
     finally:
         buf.destroy()
     return None, ""
+
+
+def local_buffer_tensor(ctx):
+    """``get_local_buffer_tensor`` with DeepEP's arguments ``(dtype, size, offset, use_rdma_buffer)``: views
+    of the normal and low-latency buffers, and bad arguments refused. Returns what each call gave."""
+    import torch.distributed as dist
+    buf = Buffer(dist.group.WORLD, 1 << 20, Buffer.get_low_latency_rdma_size_hint(8, 128, ctx.world_size, 4),
+                 low_latency_mode=True)
+    out = [tuple(buf.get_local_buffer_tensor().shape),
+           tuple(buf.get_local_buffer_tensor(torch.bfloat16, (4, 8), 64).shape),
+           buf.get_local_buffer_tensor(torch.int32, None, 0, True).numel() > 0]
+    for bad in (dict(offset=-8), dict(offset=3, dtype=torch.int32), dict(size=(1 << 40,)), dict(dtype="x"),
+                dict(use_rdma_buffer="yes")):
+        try:
+            buf.get_local_buffer_tensor(**bad)
+            out.append("accepted")
+        except (TypeError, ValueError) as e:
+            out.append(type(e).__name__)
+    buf.destroy()
+    return out

@@ -492,3 +492,10 @@ def test_benchmark_copies_only_round_trip_moves_the_rows(pool4):
         for rows_equal, excess in rank_result:
             assert rows_equal
             assert excess <= 0, excess
+
+
+def test_get_local_buffer_tensor_takes_deepeps_arguments(pool2):
+    """(former signature: (dtype, offset), the whole segment; a negative offset counted from its end)"""
+    for out in pool2.run(F.local_buffer_tensor):
+        assert out == [(1 << 20,), (4, 8), True, "ValueError", "ValueError", "ValueError", "TypeError",
+                       "TypeError"], out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import math
 import numbers
 import os
 import sys
@@ -783,11 +784,39 @@ class Buffer:
         self.cost_model = cost_model
         self.on_report = on_report
 
-    def get_local_buffer_tensor(self, dtype: torch.dtype = torch.uint8, offset: int = 0) -> torch.Tensor:
-        """This rank's shared segment as a flat tensor (for inspection and tests)."""
+    def get_local_buffer_tensor(self, dtype: torch.dtype = torch.uint8, size=None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """As in DeepEP: this rank's normal-mode buffer (``use_rdma_buffer``: its low-latency one), a view of
+        its shared memory from byte ``offset`` on, as ``dtype``, shaped ``size`` (None: a flat tensor to the
+        end of the buffer). For inspection and tests: the peers write into it."""
         if self._destroyed:
             raise UBEPBrokenError("ubep_torch: this Buffer was destroyed")
-        return self._heap.local[offset:].view(dtype)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        _check_flags(use_rdma_buffer=use_rdma_buffer)
+        if use_rdma_buffer:
+            region = self._regions.get(P.REGION_LL_DISPATCH)
+            start, nbytes = (region.ctrl_base, 2 * region.nbytes) if region is not None else (0, 0)
+        else:
+            region = self._regions[P.REGION_DISPATCH]
+            start, nbytes = region.ctrl_base, region.nbytes
+        if not nbytes:
+            raise ValueError(f"this Buffer has no {'low-latency' if use_rdma_buffer else 'normal-mode'} buffer "
+                             f"({'num_rdma_bytes' if use_rdma_buffer else 'num_nvl_bytes'} was 0)")
+        offset = check_count("offset", offset)
+        item = dtype.itemsize
+        if offset % item or offset > nbytes:
+            raise ValueError(f"offset {offset} must be a multiple of {item} (the size of {dtype}) within the "
+                             f"buffer's {nbytes} bytes")
+        flat = self._heap.local[start + offset:start + nbytes - (nbytes - offset) % item].view(dtype)
+        if size is None:
+            return flat
+        shape = tuple(check_count("size", d) for d in size)
+        n = math.prod(shape)
+        if n > flat.numel():
+            raise ValueError(f"size {shape} needs {n * item} bytes from offset {offset}; the buffer has "
+                             f"{nbytes - offset}")
+        return flat[:n].view(shape)
 
     # ------------------------------------------------------------------ internals
     def _check_usable(self) -> None:
