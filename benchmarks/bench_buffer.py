@@ -385,8 +385,8 @@ def main() -> None:
     unknown = [b for b in backends if b not in ("auto", "native", "torch", "triton")]
     if unknown:
         ap.error(f"--backends: unknown {', '.join(unknown)} (auto, native, torch, triton)")
-    if a.experts // a.ranks > 256:
-        ap.error(f"--experts {a.experts}: at most 256 per rank here")
+    if a.experts // a.ranks > P.MAX_CTRL_COUNTS - a.ranks - 1:
+        ap.error(f"--experts {a.experts}: at most {P.MAX_CTRL_COUNTS - a.ranks - 1} per rank with {a.ranks} ranks")
     if a.topk > a.experts or a.experts % a.ranks:
         ap.error(f"--topk {a.topk} must not exceed --experts {a.experts}, and --experts must be a multiple of "
                  f"--ranks {a.ranks}")

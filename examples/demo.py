@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ubep_torch import Buffer
+from ubep_torch import protocol as P
 from ubep_torch.utils import int_at_least, require_torchrun
 
 
@@ -24,7 +25,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int_at_least(1), default=2048)
     ap.add_argument("--topk", type=int_at_least(1), default=None,
                     help="experts per token (default: 8, or every expert when there are fewer)")
-    ap.add_argument("--experts-per-rank", type=int_at_least(1, 256), default=4)
+    ap.add_argument("--experts-per-rank", type=int_at_least(1), default=4)
     ap.add_argument("--sync", default="tff", choices=["tff", "dc", "sp", "sw"])
     ap.add_argument("--iters", type=int_at_least(1), default=5)
     args = ap.parse_args()
@@ -38,6 +39,9 @@ def main() -> None:
     K = min(8, E) if args.topk is None else args.topk
     if K > E:
         ap.error(f"--topk {K} exceeds the {E} experts ({args.experts_per_rank} per rank x {world} ranks)")
+    if args.experts_per_rank > P.MAX_CTRL_COUNTS - world - 1:     # (one control message counts them)
+        ap.error(f"--experts-per-rank {args.experts_per_rank}: at most {P.MAX_CTRL_COUNTS - world - 1} with "
+                 f"{world} ranks")
     try:
         from ubep_torch.cost_model import CostModel, format_report
         cost_model = CostModel()

@@ -31,7 +31,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ubep_torch import nn as unn
-from ubep_torch.utils import int_at_least, positive_number, require_torchrun
+from ubep_torch import protocol as P
+from ubep_torch.utils import int_at_least, non_negative_number, positive_number, require_torchrun
 
 # ----------------------------------------------------------------------------- data
 _SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child", "the teacher"]
@@ -266,21 +267,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ffn", type=int_at_least(1), default=96)
     p.add_argument("--shared", type=int_at_least(0), default=64, help="shared expert width (0 = none)")
     p.add_argument("--router", choices=unn.ROUTERS, default="softmax")
-    p.add_argument("--seq", type=int_at_least(2, 4096), default=64)
-    p.add_argument("--seed", type=int_at_least(0, 2 ** 63 - 1), default=0)
+    p.add_argument("--seq", type=int_at_least(2), default=64)
+    p.add_argument("--seed", type=int_at_least(-(2 ** 63), 2 ** 64 - 1), default=0)   # (torch.manual_seed's range)
     p.add_argument("--threads", type=int_at_least(1), default=1)
-
-
-#: experts one rank may host in these examples (the Buffer's control messages count up to ~470)
-MAX_EXPERTS_PER_RANK = 256
 
 
 def check_experts_per_rank(script: str, experts: int, world: int) -> None:
     """Under torchrun, once the group size is known: a one-line error (on every rank) instead of a traceback
-    when ``--experts`` does not split over the ranks."""
-    if experts % world or experts // world > MAX_EXPERTS_PER_RANK:
-        raise SystemExit(f"{script}: --experts {experts} must be a multiple of the {world} ranks, with at most "
-                         f"{MAX_EXPERTS_PER_RANK} per rank")
+    when ``--experts`` does not split over the ranks, or gives a rank more experts than one control message
+    of a normal-mode call counts."""
+    most = P.MAX_CTRL_COUNTS - world - 1
+    if experts % world:
+        raise SystemExit(f"{script}: --experts {experts} must be a multiple of the {world} ranks")
+    if experts // world > most:
+        raise SystemExit(f"{script}: --experts {experts} gives {experts // world} experts per rank; at most "
+                         f"{most} with {world} ranks")
 
 
 def check_model_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -288,6 +289,8 @@ def check_model_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         p.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
     if args.top_k > args.experts:
         p.error(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    if args.seq >= len(generate_text()) - 1:
+        p.error(f"--seq {args.seq} is not shorter than the {len(generate_text())}-character corpus")
     for opt in ("save", "loss_file"):
         path = getattr(args, opt, "")
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -301,7 +304,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int_at_least(1), default=40)
     p.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per rank and step")
     add_model_args(p)
-    p.add_argument("--lr", type=positive_number, default=3e-3)
+    p.add_argument("--lr", type=non_negative_number, default=3e-3)
     p.add_argument("--timeout", type=positive_number, default=60.0, help="seconds every wait may take")
     p.add_argument("--single", action="store_true", help="run the same model and global batch in one process")
     p.add_argument("--world", type=int_at_least(1), default=2, help="with --single: how many ranks to reproduce")

@@ -1670,3 +1670,31 @@ def ll_zero_copy_combine_interrupted(ctx, steps=3):
     dist.barrier()
     buf.destroy()
     return out, errs
+
+
+def zero_copy_buffer_of_a_normal_buffer(ctx):
+    """Rank 0 asks its normal-mode Buffer for the zero-copy combine buffer of a low-latency handle (of the
+    program's other Buffer): a usage error on a Buffer that has no low-latency calls, which must not refuse
+    anything; then both ranks make a normal round trip. Returns what each step did."""
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    llbuf, x, topk, _, N, E = _ll_refusal_setup(ctx)
+    normal = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
+    out = []
+    step = _recorder(out)
+    _, _, handle, _, _ = llbuf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+    if ctx.rank == 0:
+        step(lambda: normal.get_next_low_latency_combine_buffer(handle))
+
+    def round_trip():
+        recv_x, _, _, _, h, _ = normal.dispatch(x, topk_idx=topk, num_experts=E)
+        reached = torch.zeros(x.shape[0], ctx.world_size, dtype=torch.bool)
+        reached.scatter_(1, topk // (E // ctx.world_size), True)
+        return float((normal.combine(recv_x, h)[0].float() - x.float() * reached.sum(1, keepdim=True)).abs().max())
+    err = step(round_trip)
+    dist.barrier()
+    normal.destroy()
+    llbuf.destroy()
+    return out, err

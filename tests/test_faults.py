@@ -805,6 +805,16 @@ def test_an_interrupt_in_a_zero_copy_combine_refuses_that_combine_once():
     assert all(e is not None and e < 0.02 for e in errs0[-2:] + errs1[-2:]), (errs0, errs1)
 
 
+def test_asking_a_normal_buffer_for_a_zero_copy_combine_buffer_refuses_nothing():
+    """(former bug: the error counted as refusing a low-latency combine the Buffer can never make; its next
+    normal call then broke every Buffer with an operation mismatch)"""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        (out0, err0), (out1, err1) = pool.run(FR.zero_copy_buffer_of_a_normal_buffer, timeout_s=90)
+    assert out0 == [("ValueError", None), "ok"] and out1 == ["ok"] and err0 < 0.05 and err1 < 0.05, \
+        (out0, out1, err0, err1)
+
+
 def test_decisions_on_refused_calls_outlast_the_calls_a_rank_runs_ahead():
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with RankPool(2, env=env) as pool:

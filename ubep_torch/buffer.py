@@ -800,9 +800,12 @@ class Buffer:
         else:
             region = self._regions[P.REGION_DISPATCH]
             start, nbytes = region.ctrl_base, region.nbytes
-        if not nbytes:
-            raise ValueError(f"this Buffer has no {'low-latency' if use_rdma_buffer else 'normal-mode'} buffer "
-                             f"({'num_rdma_bytes' if use_rdma_buffer else 'num_nvl_bytes'} was 0)")
+        if isinstance(size, numbers.Integral) and not isinstance(size, bool):
+            size = (size,)
+        if size is not None and not isinstance(size, (tuple, list, torch.Size)):
+            raise TypeError(f"size must be a torch.Size (or a tuple of ints), got {type(size).__name__}")
+        if not nbytes and (size is None or math.prod(size) == 0) and not offset:   # (as DeepEP: empty)
+            return torch.empty(tuple(size) if size is not None else (0,), dtype=dtype)
         offset = check_count("offset", offset)
         item = dtype.itemsize
         if offset % item or offset > nbytes:
@@ -2587,6 +2590,7 @@ class Buffer:
         here (a handle that is not one) refuses the combine it prepares, as ``get_dispatch_layout``'s does
         its dispatch."""
         _check_process(self, "get_next_low_latency_combine_buffer")
+        self._region(P.REGION_LL_DISPATCH)   # (a Buffer without low-latency calls: no combine to refuse)
         try:
             return self._next_combine_buffer(self._as_ll_handle(handle))
         except BaseException as e:

@@ -18,6 +18,7 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional
@@ -93,7 +94,8 @@ class RankPool:
     def __init__(self, world_size: int, timeout_s: float = 120.0, env: Optional[Dict[str, str]] = None):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in (env or {}).items()):
+        if env is not None and not (isinstance(env, Mapping) and
+                                    all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
             raise TypeError(f"env must map variable names to strings, got {env!r}")
         self.world_size = world_size
         self.timeout_s = _seconds("timeout_s", timeout_s)

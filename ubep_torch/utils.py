@@ -60,18 +60,23 @@ def int_at_least(minimum: int, maximum: Optional[int] = None):
     return parse
 
 
-def positive_number(text: str) -> float:
-    """An ``argparse`` type: a finite number > 0 (seconds, a learning rate; a one-line usage error
-    otherwise)."""
+def positive_number(text: str, zero: bool = False) -> float:
+    """An ``argparse`` type: a finite number > 0 (seconds; a one-line usage error otherwise); with ``zero``,
+    >= 0 (see :func:`non_negative_number`)."""
     import argparse
     import math
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if zero else '>'} 0, got {text}")
     return value
+
+
+def non_negative_number(text: str) -> float:
+    """An ``argparse`` type: a finite number >= 0 (a learning rate)."""
+    return positive_number(text, zero=True)
 
 
 class EventOverlap:
