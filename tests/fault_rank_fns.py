@@ -1522,6 +1522,22 @@ def refusals_while_one_rank_lags(ctx):
     return out
 
 
+def _normal_refusal_setup(ctx, timeout_s: float):
+    """A normal-mode Buffer (deadline ``timeout_s``) and inputs for refusal scenarios on two ranks: ``(buf, x,
+    good, bad, E)``, ``bad`` the routing ``good`` with an expert id out of range."""
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    E, T, H = 2 * ctx.world_size, 6, 64
+    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=timeout_s)
+    x = torch.randn(T, H).bfloat16()
+    good = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1], [2, 3]])
+    bad = good.clone()
+    bad[0, 0] = E
+    return buf, x, good, bad, E
+
+
 def interrupted_refusal_handoff(ctx):
     """Rank 1 refuses a dispatch (an expert id out of range); rank 0 reaches that call only after 2 s, so
     rank 1's next call waits at its start for rank 0 to leave the refused one, and a Ctrl-C arrives in that
@@ -1530,16 +1546,8 @@ def interrupted_refusal_handoff(ctx):
     import signal
     import time
 
-    import torch
     import torch.distributed as dist
-
-    from ubep_torch import Buffer
-    E, T, H = 2 * ctx.world_size, 6, 64
-    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
-    x = torch.randn(T, H).bfloat16()
-    good = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1], [2, 3]])
-    bad = good.clone()
-    bad[0, 0] = E
+    buf, x, good, bad, E = _normal_refusal_setup(ctx, 20.0)
     out = []
 
     def step(f):
@@ -1574,16 +1582,8 @@ def refusal_handoff_times_out(ctx):
     Returns per rank what each step raised (type, message)."""
     import time
 
-    import torch
     import torch.distributed as dist
-
-    from ubep_torch import Buffer
-    E, T, H = 2 * ctx.world_size, 6, 64
-    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=1.0)
-    x = torch.randn(T, H).bfloat16()
-    good = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1], [2, 3]])
-    bad = good.clone()
-    bad[0, 0] = E
+    buf, x, good, bad, E = _normal_refusal_setup(ctx, 1.0)
     out = []
     steps = [bad, good] if ctx.rank == 1 else [None, good, good]
     for topk in steps:
