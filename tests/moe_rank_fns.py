@@ -510,9 +510,14 @@ def rank_dp_sync_unused_branches(ctx) -> list:
     of every used branch's gradient (zeros counted for the ranks that did not use it), and no gradient for
     the unused branch. Returns the largest error and whether the unused branch got a gradient."""
     torch.manual_seed(0)
-    model = torch.nn.ModuleList([torch.nn.Linear(4, 3, bias=False) for _ in range(3)])
+    model = torch.nn.ModuleList([torch.nn.Linear(4, 3, bias=False) for _ in range(4)])
     x = torch.arange(8.0).view(2, 4) + ctx.rank
     model[ctx.rank % 2](x).square().sum().backward()
+    # branch 3: used by rank 1 only, and frozen on rank 0 (which must then keep no gradient for it)
+    if ctx.rank == 0:
+        model[3].weight.requires_grad_(False)
+    else:
+        model[3](x).sum().backward()
     # every rank's gradients, computed here on the same weights for the reference
     want = [torch.zeros(3, 4), torch.zeros(3, 4)]
     for r in range(ctx.world_size):
@@ -522,4 +527,4 @@ def rank_dp_sync_unused_branches(ctx) -> list:
         want[r % 2] += w.grad / ctx.world_size
     unn.data_parallel_sync(model, ctx.group)
     err = max(float((model[i].weight.grad - want[i]).abs().max()) for i in range(2))
-    return [err, model[2].weight.grad is not None]
+    return [err, model[2].weight.grad is not None or (ctx.rank == 0 and model[3].weight.grad is not None)]

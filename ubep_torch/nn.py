@@ -340,9 +340,10 @@ def _agreed_grads(params: list, group) -> list:
     grads = []
     for p, n in zip(params, used.tolist()):
         if n:
-            if p.grad is None:
+            if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
+            # (a parameter frozen here takes part with zeros and keeps no gradient: no optimizer step moves it)
+            grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
     return grads
 
 
