@@ -1256,3 +1256,29 @@ def local_buffer_tensor(ctx):
             out.append(type(e).__name__)
     buf.destroy()
     return out
+
+
+def deepep_event_idioms(ctx):
+    """DeepEP's overlap idioms, which frameworks use as written: ``EventOverlap(EventHandle())`` or
+    ``Buffer.capture()`` as ``previous_event``, ``async_finish=True``, ``allocate_on_comm_stream``, then
+    ``current_stream_wait()`` or ``with event:``. Returns the combine's largest error."""
+    import torch.distributed as dist
+
+    from ubep_torch import EventHandle, EventOverlap
+    buf = get_buffer(ctx, "tff")
+    T, H, K, E = 6, 64, 2, 2 * ctx.world_size
+    topk, w = make_routing(3, ctx.rank, T, K, E)
+    x = torch.randn(T, H)
+    previous = EventOverlap(EventHandle())
+    ntpr, _, ntpe, itr, event = buf.get_dispatch_layout(topk, E, previous_event=previous, async_finish=True,
+                                                        allocate_on_comm_stream=True)
+    event.current_stream_wait()
+    recv_x, _, _, _, handle, event = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
+                                                  num_tokens_per_expert=ntpe, topk_idx=topk, topk_weights=w,
+                                                  previous_event=event, async_finish=True,
+                                                  allocate_on_comm_stream=True)
+    with event:
+        combined, _, event = buf.combine(recv_x, handle, previous_event=Buffer.capture(), async_finish=True)
+    event.current_stream_wait()
+    dist.barrier()
+    return float((combined - x * itr.sum(1, keepdim=True)).abs().max())

@@ -499,3 +499,8 @@ def test_get_local_buffer_tensor_takes_deepeps_arguments(pool2):
     for out in pool2.run(F.local_buffer_tensor):
         assert out == [(1 << 20,), (4, 8), True, "ValueError", "ValueError", "ValueError", "TypeError",
                        "TypeError"], out
+
+
+def test_deepeps_event_idioms_run_unchanged(pool2):
+    """(former gap: ubep_torch had no EventHandle, so ``EventOverlap(EventHandle())`` failed at import)"""
+    assert all(err < 1e-5 for err in pool2.run(F.deepep_event_idioms))

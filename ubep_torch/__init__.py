@@ -17,12 +17,12 @@ from .errors import (
                      UBEPUsageError,
 )
 from .fp8 import calc_diff, per_token_cast_back, per_token_cast_to_fp8
-from .utils import Config, EventOverlap
+from .utils import Config, EventHandle, EventOverlap
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Buffer", "Config", "EventOverlap", "DispatchHandle", "LowLatencyHandle",
+    "Buffer", "Config", "EventHandle", "EventOverlap", "DispatchHandle", "LowLatencyHandle",
     "UBEPError", "UBEPTimeoutError", "UBEPPeerLostError", "UBEPPeerAbortedError", "UBEPBrokenError", "UBEPUsageError",
     "CancelledCallError",
     "functional", "nn", "per_token_cast_to_fp8", "per_token_cast_back", "calc_diff",

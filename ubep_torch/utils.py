@@ -79,6 +79,15 @@ def non_negative_number(text: str) -> float:
     return positive_number(text, zero=True)
 
 
+class EventHandle:
+    """DeepEP's handle on a recorded device event, here with nothing to record: every call has completed when
+    it returns. It exists so that DeepEP code such as ``EventOverlap(EventHandle())`` (how some frameworks
+    make the ``previous_event`` of their first call) runs unchanged."""
+
+    def current_stream_wait(self) -> None:
+        """Wait for the event (nothing to wait for)."""
+
+
 class EventOverlap:
     """A handle on work that may still be in flight, as in DeepEP.
 
