@@ -332,9 +332,11 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
                         f"dense (strided) tensor (.to_dense())")
 
 
-def _check_event(previous_event) -> None:
-    """``previous_event`` is None or an ``EventOverlap`` (DeepEP reads its ``.event``); anything else is a
-    mistake this data path would otherwise ignore."""
+def _check_overlap(previous_event, async_finish, allocate_on_comm_stream) -> None:
+    """The overlap arguments of a normal-mode call: flags (``_check_flags``), and a ``previous_event`` that is
+    None or an ``EventOverlap`` (DeepEP reads its ``.event``; anything else is a mistake this data path would
+    otherwise ignore)."""
+    _check_flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
     if previous_event is not None and not isinstance(previous_event, EventOverlap):
         raise TypeError(f"previous_event must be None or an EventOverlap (from a call or Buffer.capture()), got "
                         f"{type(previous_event).__name__}")
@@ -804,9 +806,7 @@ class Buffer:
             size = (size,)
         if size is not None and not isinstance(size, (tuple, list, torch.Size)):
             raise TypeError(f"size must be a torch.Size (or a tuple of ints), got {type(size).__name__}")
-        if not nbytes and (size is None or math.prod(size) == 0) and not offset:   # (as DeepEP: empty)
-            return torch.empty(tuple(size) if size is not None else (0,), dtype=dtype)
-        offset = check_count("offset", offset)
+        offset = check_count("offset", offset)      # (an empty buffer gives empty views, as in DeepEP)
         item = dtype.itemsize
         if offset % item or offset > nbytes:
             raise ValueError(f"offset {offset} must be a multiple of {item} (the size of {dtype}) within the "
@@ -1420,8 +1420,7 @@ class Buffer:
         _check_process(self, "get_dispatch_layout")
         try:
             _check_host_tensors(Buffer.get_dispatch_layout, (topk_idx,), {})
-            _check_flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
-            _check_event(previous_event)
+            _check_overlap(previous_event, async_finish, allocate_on_comm_stream)
             E = self._check_num_experts(num_experts)
             layout = self._layout(topk_idx, E)[0]
         except BaseException as e:
@@ -1487,8 +1486,7 @@ class Buffer:
             ``(recv_x, None, None, None, None, event)``.
         """
         self._check_usable()
-        _check_flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
-        _check_event(previous_event)
+        _check_overlap(previous_event, async_finish, allocate_on_comm_stream)
         if num_tokens_per_rdma_rank is not None and not isinstance(num_tokens_per_rdma_rank, torch.Tensor):
             raise TypeError(f"num_tokens_per_rdma_rank must be None or a tensor (get_dispatch_layout's, unused "
                             f"within a host), got {type(num_tokens_per_rdma_rank).__name__}")
@@ -2085,8 +2083,7 @@ class Buffer:
             ``(combined_x [T, H] in x's dtype, combined_topk_weights [T, K] or None, event)``.
         """
         self._check_usable()
-        _check_flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
-        _check_event(previous_event)
+        _check_overlap(previous_event, async_finish, allocate_on_comm_stream)
         self._apply_config(config)
         # the dispatch this combine answers, for the peers to check: known for the handle object dispatch
         # returned, not for a plain-tuple copy (it may match a newer handle of the same content)
@@ -2899,15 +2896,13 @@ def _check_writable(name: str, t: torch.Tensor) -> None:
     transposes, permutations)."""
     if t.numel() == 0:
         return
-    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
-        raise ValueError(f"{name} is expanded (several of its elements share memory); the call writes every "
-                         f"element: pass a tensor of its own, e.g. {name}.clone()")
     span = 0         # (elements' offsets covered so far, minus one)
-    for stride, size in sorted((abs(st), sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
         if stride <= span:
-            raise ValueError(f"{name} has elements that share memory (strides {tuple(t.stride())} for shape "
-                             f"{tuple(t.shape)}); the call writes every element: pass a tensor of its own, "
-                             f"e.g. {name}.clone()")
+            what = "is expanded (several of its elements share memory)" if stride == 0 else \
+                f"has elements that share memory (strides {tuple(t.stride())} for shape {tuple(t.shape)})"
+            raise ValueError(f"{name} {what}; the call writes every element: pass a tensor of its own, e.g. "
+                             f"{name}.clone()")
         span += stride * (size - 1)
 
 

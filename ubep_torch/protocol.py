@@ -372,12 +372,19 @@ def _seconds(source: str, raw, highest: float, zero: bool = False) -> float:
     return value
 
 
+def check_deadline(name: str, value) -> float:
+    """A deadline given in code: a finite number of seconds > 0 (there is no "wait forever"), at most
+    ``MAX_TIMEOUT_S``; TypeError for what is not a number (a string or a bool that ``float()`` would take),
+    else ValueError, naming ``name``."""
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    return _seconds(name, value, MAX_TIMEOUT_S)
+
+
 def default_timeout(timeout_s: Optional[float]) -> float:
-    """The deadline of every wait: ``UBEP_TIMEOUT_S`` if set, else ``timeout_s`` (default 60 s). It must be
-    a finite number of seconds > 0 (there is no "wait forever"), at most ``MAX_TIMEOUT_S``."""
-    if isinstance(timeout_s, (bool, str, bytes)):       # (a number, not something float() happens to take)
-        raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
-    given = 60.0 if timeout_s is None else _seconds("timeout_s", timeout_s, MAX_TIMEOUT_S)   # checked even
+    """The deadline of every wait: ``UBEP_TIMEOUT_S`` if set, else ``timeout_s`` (default 60 s), each as
+    ``check_deadline`` takes it."""
+    given = 60.0 if timeout_s is None else check_deadline("timeout_s", timeout_s)   # checked even
     env = os.environ.get("UBEP_TIMEOUT_S")                                                 # when overridden
     return _seconds("UBEP_TIMEOUT_S", env, MAX_TIMEOUT_S) if env else given
 

@@ -10,9 +10,7 @@ within ``timeout_s``, fails the call and stops the pool (later calls raise Runti
 """
 from __future__ import annotations
 
-import math
 import multiprocessing as mp
-import numbers
 import os
 import queue
 import socket
@@ -22,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional
+
+from .protocol import check_deadline
 
 
 @dataclass
@@ -79,15 +79,6 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str,
         pass
 
 
-def _seconds(name: str, value) -> float:
-    """``value`` as a finite number of seconds > 0, else TypeError or ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
-
-
 class RankPool:
     """``world_size`` persistent gloo ranks. Use as a context manager or call :meth:`close`."""
 
@@ -98,7 +89,7 @@ class RankPool:
                                     all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
             raise TypeError(f"env must map variable names to strings, got {env!r}")
         self.world_size = world_size
-        self.timeout_s = _seconds("timeout_s", timeout_s)
+        self.timeout_s = check_deadline("timeout_s", timeout_s)
         self._call = 0          # (every call's results carry its number: a late one of an earlier call is dropped)
         self._closed: Optional[str] = None      # why the pool can no longer run anything
         ctx = mp.get_context("spawn")
@@ -118,7 +109,7 @@ class RankPool:
     def run(self, fn: Callable, *args, timeout_s: Optional[float] = None, **kwargs) -> List[Any]:
         if self._closed:
             raise RuntimeError(f"this RankPool is closed ({self._closed}): start a new one")
-        limit = self.timeout_s if timeout_s is None else _seconds("timeout_s", timeout_s)
+        limit = self.timeout_s if timeout_s is None else check_deadline("timeout_s", timeout_s)
         try:       # (the queues pickle in threads of their own, where a failure is only printed)
             ForkingPickler.dumps((fn, args, kwargs))   # (what the queues do, serializing only)
         except Exception as e:  # noqa: BLE001 - pickling raises many types
