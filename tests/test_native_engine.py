@@ -455,10 +455,11 @@ def test_meta_items_same_on_both_engines(wdtype, T, K):
 @needs_native
 @pytest.mark.parametrize("wdtype", [None, torch.float32, torch.float64])
 @pytest.mark.parametrize("lo,valid", [(0, 20), (4, 20), (8, 13)])
-def test_local_topk_same_on_both_engines(wdtype, lo, valid):
+@pytest.mark.parametrize("K", [3, 8])     # (the C loop has its own copy for K = 8)
+def test_local_topk_same_on_both_engines(wdtype, lo, valid, K):
     """Received global ids become this rank's local ids (-1 elsewhere, and past the valid rows); weights
     follow them, zero where the id is -1."""
-    K, E_local, rows = 3, 4, 20
+    E_local, rows = 4, 20
     wsz = 0 if wdtype is None else torch.finfo(wdtype).bits // 32
     g = torch.randint(-1, 12, (rows, K), dtype=torch.int32, generator=torch.Generator().manual_seed(lo))
     w = torch.rand(rows, K, dtype=wdtype or torch.float32)

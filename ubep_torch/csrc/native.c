@@ -949,6 +949,29 @@ static PyObject *meta_items(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* local_topk's loop (see there). Masks, not selects: nothing branches on the routing, which is random;
+ * the unsigned compare checks 0 <= l < E_local at once (an id of -1 gives a negative l). Inlined twice,
+ * for K = 8 (a constant the compiler unrolls: DeepSeek's top-k) and for any K. */
+static inline __attribute__((always_inline)) void
+local_topk_rows(const int32_t *restrict meta, Py_ssize_t rows, Py_ssize_t mw, Py_ssize_t K, Py_ssize_t wsz,
+                Py_ssize_t lo, Py_ssize_t E_local, Py_ssize_t valid_rows, int64_t *restrict idx,
+                int32_t *restrict w) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const int32_t *restrict m = meta + r * mw;
+        int64_t *restrict o = idx + r * K;
+        const int64_t valid = r < valid_rows;
+        for (Py_ssize_t k = 0; k < K; k++) {
+            const int64_t l = (int64_t)m[k] - lo;
+            const int64_t ok = valid & ((uint64_t)l < (uint64_t)E_local);
+            o[k] = (l + 1) * ok - 1;
+            if (w && wsz == 1)      /* (float32 weights: one word each) */
+                w[r * K + k] = m[K + k] & -(int32_t)ok;
+            else if (w)
+                for (Py_ssize_t j = 0; j < wsz; j++) w[(r * K + k) * wsz + j] = m[K + k * wsz + j] & -(int32_t)ok;
+        }
+    }
+}
+
 /* local_topk(meta, rows, meta_words, K, wsz, lo, E_local, valid_rows, idx_out, w_out)
  *
  * Normal dispatch's received routing: row r's meta items (int32, meta_words per row) hold K global expert
@@ -968,23 +991,10 @@ static PyObject *local_topk(PyObject *self, PyObject *args) {
     const int32_t *meta = (const int32_t *)(uintptr_t)meta_p;
     int64_t *idx = (int64_t *)(uintptr_t)idx_p;
     int32_t *w = (int32_t *)(uintptr_t)w_p;
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        const int32_t *m = meta + r * mw;
-        const int valid = r < valid_rows;
-        for (Py_ssize_t k = 0; k < K; k++) {
-            /* (bitwise, not short-circuit: no branch on routing data, which is random) */
-            const int64_t l = (int64_t)m[k] - lo;
-            const int ok = valid & (m[k] >= 0) & (l >= 0) & (l < E_local);
-            idx[r * K + k] = ok ? l : -1;
-        }
-        if (w && wsz == 1)      /* (float32 weights: one word each, a loop the compiler vectorizes) */
-            for (Py_ssize_t k = 0; k < K; k++) w[r * K + k] = idx[r * K + k] >= 0 ? m[K + k] : 0;
-        else if (w)
-            for (Py_ssize_t k = 0; k < K; k++) {
-                const int keep = idx[r * K + k] >= 0;
-                for (Py_ssize_t j = 0; j < wsz; j++) w[(r * K + k) * wsz + j] = keep ? m[K + k * wsz + j] : 0;
-            }
-    }
+    if (K == 8)
+        local_topk_rows(meta, rows, mw, 8, wsz, lo, E_local, valid_rows, idx, w);
+    else
+        local_topk_rows(meta, rows, mw, K, wsz, lo, E_local, valid_rows, idx, w);
     Py_RETURN_NONE;
 }
 
