@@ -1,7 +1,7 @@
-"""``utils.TensorCache``: outputs are reused only once nothing outside the cache refers to them."""
+"""``utils.TensorCache``: outputs are reused only once nothing outside the cache refers to them; ``Config``."""
 import torch
 
-from ubep_torch.utils import TensorCache
+from ubep_torch.utils import Config, TensorCache
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -45,3 +45,16 @@ def test_a_full_cache_evicts_a_free_entry_or_allocates_outside():
     del fresh
     assert _ptr(cache.empty((35,), torch.int32)) not in (_ptr(held[0]), _ptr(extra))
     assert len(cache._entries[torch.int32]) == 2
+
+
+def test_config_repr_names_every_argument_and_rebuilds_an_equal_config():
+    """(former bug: the repr left out the RDMA chunk sizes and num_count_aivs, so a logged Config could not
+    be told from another or rebuilt)"""
+    c = Config(24, 8, 512, 7, 130, num_count_aivs=3)
+    text = repr(c)
+    for value in ("num_sms=24", "num_max_nvl_chunked_send_tokens=8", "num_max_nvl_chunked_recv_tokens=512",
+                  "num_max_rdma_chunked_send_tokens=7", "num_max_rdma_chunked_recv_tokens=130",
+                  "num_count_aivs=3"):
+        assert value in text
+    again = eval(text, {"Config": Config})
+    assert vars(again) == vars(c)

@@ -147,9 +147,10 @@ class Config:
         return 0
 
     def __repr__(self) -> str:
-        return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens="
-                f"{self.num_max_nvl_chunked_send_tokens}, num_max_nvl_chunked_recv_tokens="
-                f"{self.num_max_nvl_chunked_recv_tokens})")
+        # (every constructor argument: the repr rebuilds an equal Config)
+        names = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+                 "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens", "num_count_aivs")
+        return "Config(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
 
 
 def version_of(t: torch.Tensor) -> Optional[int]:
