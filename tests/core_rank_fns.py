@@ -1261,7 +1261,9 @@ def local_buffer_tensor(ctx):
 def deepep_event_idioms(ctx):
     """DeepEP's overlap idioms, which frameworks use as written: ``EventOverlap(EventHandle())`` or
     ``Buffer.capture()`` as ``previous_event``, ``async_finish=True``, ``allocate_on_comm_stream``, then
-    ``current_stream_wait()`` or ``with event:``. Returns the combine's largest error."""
+    ``current_stream_wait()`` or ``with event:``. Returns the combine's largest error, and the type of what
+    the events hold (async dispatch, async combine, ``capture()``, async cached dispatch, plain combine,
+    async low-latency dispatch and combine)."""
     import torch.distributed as dist
 
     from ubep_torch import EventHandle, EventOverlap
@@ -1277,8 +1279,18 @@ def deepep_event_idioms(ctx):
                                                   num_tokens_per_expert=ntpe, topk_idx=topk, topk_weights=w,
                                                   previous_event=event, async_finish=True,
                                                   allocate_on_comm_stream=True)
+    events = [event]
     with event:
         combined, _, event = buf.combine(recv_x, handle, previous_event=Buffer.capture(), async_finish=True)
     event.current_stream_wait()
+    events += [event, Buffer.capture(), buf.dispatch(x, handle=handle, async_finish=True)[5]]
+    # (as in DeepEP, an event holds an EventHandle where the call was asked to finish asynchronously)
+    kinds = [type(e.event).__name__ for e in events]
+    kinds.append(type(buf.combine(recv_x, handle)[2].event).__name__)
+    ll = get_buffer(ctx, low_latency=True, N=8, H=128, E=E)
+    xl = torch.randn(T, 128).bfloat16()
+    recv, _, ll_handle, ll_event, _ = ll.low_latency_dispatch(xl, topk, 8, E, use_fp8=False, async_finish=True)
+    kinds.append(type(ll_event.event).__name__)
+    kinds.append(type(ll.low_latency_combine(recv, topk, w, ll_handle, async_finish=True)[1].event).__name__)
     dist.barrier()
-    return float((combined - x * itr.sum(1, keepdim=True)).abs().max())
+    return float((combined - x * itr.sum(1, keepdim=True)).abs().max()), kinds

@@ -502,5 +502,9 @@ def test_get_local_buffer_tensor_takes_deepeps_arguments(pool2):
 
 
 def test_deepeps_event_idioms_run_unchanged(pool2):
-    """(former gap: ubep_torch had no EventHandle, so ``EventOverlap(EventHandle())`` failed at import)"""
-    assert all(err < 1e-5 for err in pool2.run(F.deepep_event_idioms))
+    """(former gaps: ubep_torch had no EventHandle, so ``EventOverlap(EventHandle())`` failed at import; the
+    events of ``capture()`` and of calls with ``async_finish=True`` held None, where DeepEP's hold an
+    EventHandle)"""
+    for err, kinds in pool2.run(F.deepep_event_idioms):
+        assert err < 1e-5
+        assert kinds == ["EventHandle"] * 4 + ["NoneType"] + ["EventHandle"] * 2

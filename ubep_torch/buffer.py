@@ -47,7 +47,7 @@ from .errors import (
 )
 from .fp8 import FP8, low_latency_cast_to_fp8, pack_ue8m0
 from .ugas import SymmetricHeap, refuse_setup
-from .utils import Config, EventOverlap, TensorCache, check_count, check_host
+from .utils import Config, EventHandle, EventOverlap, TensorCache, check_count, check_host
 
 _AUX_REGIONS = 8          # region ids that have an ack table
 _MAX_LL_BUFFERS = 8       # receive buffers (halves) a low-latency region may have, each with its acks
@@ -340,6 +340,12 @@ def _check_overlap(previous_event, async_finish, allocate_on_comm_stream) -> Non
     if previous_event is not None and not isinstance(previous_event, EventOverlap):
         raise TypeError(f"previous_event must be None or an EventOverlap (from a call or Buffer.capture()), got "
                         f"{type(previous_event).__name__}")
+
+
+def _event(async_finish) -> EventOverlap:
+    """A call's event, as DeepEP returns it: holding an ``EventHandle`` where the call was asked to finish
+    asynchronously, else None (here every call has completed when it returns either way)."""
+    return EventOverlap(EventHandle() if async_finish else None)
 
 
 def _check_flags(**flags) -> None:
@@ -749,8 +755,9 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An event for ``previous_event=`` arguments; calls complete before they return, so it holds none."""
-        return EventOverlap(None)
+        """An event for ``previous_event=`` arguments, as in DeepEP: ``EventOverlap(EventHandle())`` (calls
+        complete before they return, so there is nothing to wait for)."""
+        return EventOverlap(EventHandle())
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -1428,7 +1435,7 @@ class Buffer:
             if refusal(e):
                 self._refuse("get_dispatch_layout")  # (the dispatch it prepares will not come: tell the peers)
             raise
-        return tuple(None if t is None else t.clone() for t in layout) + (EventOverlap(None),)
+        return tuple(None if t is None else t.clone() for t in layout) + (_event(async_finish),)
 
     def _layout(self, topk_idx: torch.Tensor, E: int):
         """(layout tuple without the event, validated int64 topk_idx), both private to the Buffer.
@@ -1502,7 +1509,7 @@ class Buffer:
         T, H = xd.shape
         R = self.group_size
         if handle is not None:
-            return self._cached_dispatch(xd, scales, handle, x)
+            return self._cached_dispatch(xd, scales, handle, x)[:-1] + (_event(async_finish),)
 
         # ---------------- layout and validation (all before anything reaches a peer)
         for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
@@ -1681,10 +1688,11 @@ class Buffer:
         self._report("dispatch", topk_idx, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0),
                      token_in_rank=is_token_in_rank)
         if layout == "expert_major":
-            res = self._to_expert_major(out_x, recv_topk_idx, recv_topk_weights, h, expert_alignment, num_recv)
+            res = self._to_expert_major(out_x, recv_topk_idx, recv_topk_weights, h, expert_alignment,
+                                        num_recv)[:-1] + (_event(async_finish),)
             h = res[4]
         else:
-            res = out_x, recv_topk_idx, recv_topk_weights, count_list, h, EventOverlap(None)
+            res = out_x, recv_topk_idx, recv_topk_weights, count_list, h, _event(async_finish)
         self._recent_handles.append(h)
         return res
 
@@ -2210,7 +2218,7 @@ class Buffer:
                                reduce=functools.partial(reduce, x_rows, toks, a, b, recv))
         self._call_complete("combine")
         self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size(), token_in_rank=base[4])
-        return out, wacc, EventOverlap(None)
+        return out, wacc, _event(async_finish)
 
     # ================================================================== low-latency dispatch
     @_collective
@@ -2541,9 +2549,9 @@ class Buffer:
             pending.extra["cancel_point"] = self._cancel_point
             self._pending.append(pending)
             receive_scales.pending = pending
-            return out_x, recv_count, handle, EventOverlap(None), receive_scales
+            return out_x, recv_count, handle, _event(async_finish), receive_scales
         receive_scales()
-        return out_x, recv_count, handle, EventOverlap(None), None
+        return out_x, recv_count, handle, _event(async_finish), None
 
     def _check_in_flight(self, rid: int) -> None:
         """Refuse (before anything is sent) a call whose buffer half an earlier call still holds because its
@@ -2813,9 +2821,9 @@ class Buffer:
             pending.extra["cancel_point"] = self._cancel_point
             self._pending.append(pending)
             receive.pending = pending
-            return result, EventOverlap(None), receive
+            return result, _event(async_finish), receive
         receive()
-        return result, EventOverlap(None), None
+        return result, _event(async_finish), None
 
     @_collective
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:

@@ -101,9 +101,11 @@ class EventOverlap:
         self.extra_tensors = extra_tensors
 
     def current_stream_wait(self) -> None:
-        """Wait for the work behind the event (none on the CPU data path: calls have completed)."""
-        if self.event is not None and hasattr(self.event, "synchronize"):
-            self.event.synchronize()
+        """Wait for the work behind the event (none on the CPU data path: calls have completed): the event's
+        own ``current_stream_wait`` (an ``EventHandle``), or its ``synchronize`` (a ``torch`` event)."""
+        wait = getattr(self.event, "current_stream_wait", None) or getattr(self.event, "synchronize", None)
+        if wait is not None:
+            wait()
 
     def __enter__(self) -> "EventOverlap":
         return self
