@@ -713,8 +713,9 @@ def mismatched_call_args(ctx, low_latency: bool):
 def mismatched_operations(ctx, sync, case="skipped combine"):
     """After a dispatch on every rank, rank 0 makes one call while the others make another: a combine
     against a dispatch (a rank that skipped its combine), or a normal dispatch against a low-latency one
-    (with or without a recv hook). Every rank raises at once, naming the other side's operation, instead
-    of waiting for the deadline."""
+    (with or without a recv hook), or ``clean_low_latency_buffer`` (which sends no control message) against
+    a low-latency or a normal dispatch. Every rank raises at once, naming the other side's operation,
+    instead of waiting for the deadline."""
     import time
     R, r = ctx.world_size, ctx.rank
     buf = Buffer(ctx.group, 8 << 20, Buffer.get_low_latency_rdma_size_hint(8, 128, R, 2 * R), sync=sync,
@@ -726,9 +727,11 @@ def mismatched_operations(ctx, sync, case="skipped combine"):
         if r == 0:
             if case == "skipped combine":
                 buf.combine(d[0], d[4])
+            elif case.startswith("clean"):
+                buf.clean_low_latency_buffer(8, 128, 2 * R)
             else:
                 buf.dispatch(x, topk_idx=topk, num_experts=2 * R)
-        elif case == "skipped combine":
+        elif case == "skipped combine" or case == "clean against dispatch":
             buf.dispatch(x, topk_idx=topk, num_experts=2 * R)
         else:
             hook = case == "low-latency with a hook"

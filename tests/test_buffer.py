@@ -219,6 +219,29 @@ def test_a_deadline_shorter_than_the_liveness_period_still_names_the_cause():
         waiter(True, 0).wait("test phase", lambda: [1])
 
 
+def test_a_rank_that_died_is_named_where_the_ranks_waited_for_gave_up_on_it():
+    """Three ranks: rank 2 dies without a word after delivering to rank 0 (or sending it nothing); rank 1,
+    which waits for it, gives up. Rank 0, waiting for rank 1 only, names rank 2 as the rank that exited (the
+    cause), not rank 1 as the one that gave up (former gap). A rank that failed itself is still named as
+    such, and with every rank alive the rank that gave up is."""
+    from ubep_torch import protocol as P
+    from ubep_torch.errors import UBEPPeerAbortedError, UBEPPeerLostError
+
+    def waiter(codes, dead):
+        w = P.Waiter(0, 5.0, lambda r: r not in dead, lambda r: codes.get(r, 0))
+        w.world_size = 3
+        return w
+    with pytest.raises(UBEPPeerLostError) as e:
+        waiter({1: P.ABORT_GAVE_UP}, {2}).wait("test phase", lambda: [1])
+    assert e.value.dead_ranks == [2] and e.value.missing_ranks == [1]
+    with pytest.raises(UBEPPeerAbortedError) as e:
+        waiter({1: P.ABORT_FAILED}, {2}).wait("test phase", lambda: [1])
+    assert e.value.aborted_ranks == [1]
+    with pytest.raises(UBEPPeerAbortedError) as e:
+        waiter({1: P.ABORT_GAVE_UP}, set()).wait("test phase", lambda: [1])
+    assert e.value.aborted_ranks == [1]
+
+
 @pytest.mark.parametrize("sync", ["sp", "tff"])
 def test_last_ll_combine_with_a_peer_that_destroys_its_buffer_at_once(pool2, sync):
     """ll_k_in_flight's last combine with rank 0 stalled between its poll and its look at the abort words
@@ -273,11 +296,17 @@ def test_mismatch_check_rereads_the_awaited_message(pool2):
 
 
 @pytest.mark.parametrize("sync,case", [("tff", "skipped combine"), ("sw", "skipped combine"),
-                                       ("tff", "low-latency"), ("sp", "low-latency with a hook")])
+                                       ("tff", "low-latency"), ("sp", "low-latency with a hook"),
+                                       ("tff", "clean against low-latency"), ("sw", "clean against low-latency"),
+                                       ("tff", "clean against dispatch")])
 def test_ranks_in_different_operations_fail_at_once(pool2, sync, case):
-    """(They used to wait for the 60 s deadline.)"""
+    """(They used to wait for the 60 s deadline; a clean_low_latency_buffer against another call too, and in
+    sync="sw" its barrier paired with the other call's first one: it returned, as if both ranks had cleaned.)"""
     (kind0, msg0, t0), (kind1, msg1, t1) = pool2.run(F.mismatched_operations, sync, case)
-    ops = ("combine", "dispatch") if case == "skipped combine" else ("dispatch", "low_latency_dispatch")
+    ops = {"skipped combine": ("combine", "dispatch"),
+           "clean against dispatch": ("clean_low_latency_buffer", "dispatch"),
+           "clean against low-latency": ("clean_low_latency_buffer", "low_latency_dispatch")}.get(
+               case, ("dispatch", "low_latency_dispatch"))
     assert kind0 == kind1 == "UBEPError", (msg0, msg1)
     assert f"rank 0 called {ops[0]} " in msg0 and f"rank 1 called {ops[1]}:" in msg0, msg0
     assert f"rank 1 called {ops[1]} " in msg1 and f"rank 0 called {ops[0]}:" in msg1, msg1

@@ -57,6 +57,7 @@ _MAX_LL_BUFFERS = 8       # receive buffers (halves) a low-latency region may ha
 _ACK_WORDS = _MAX_LL_BUFFERS * _AUX_REGIONS
 _ABORT_ROW = _ACK_WORDS
 _SYNC_ROW, _SYNC_SLOTS = _ACK_WORDS + 1, 64
+_BARRIER_KIND_SHIFT = 20     # a SyncAll word: call << 24 | operation << 20 | barrier index (see _sync_all)
 _DECIDE_ROW = _SYNC_ROW + _SYNC_SLOTS
 # the region whose epoch a refused call would have taken, by the call (or the step preparing it) that refused
 _REFUSED_REGION = {"dispatch": P.REGION_DISPATCH, "combine": P.REGION_DISPATCH,
@@ -346,6 +347,13 @@ def _event(async_finish) -> EventOverlap:
     """A call's event, as DeepEP returns it: holding an ``EventHandle`` where the call was asked to finish
     asynchronously, else None (here every call has completed when it returns either way)."""
     return EventOverlap(EventHandle() if async_finish else None)
+
+
+def _other_barrier(word: int, call: int, kind: int) -> bool:
+    """Is ``word`` a SyncAll word (see ``Buffer._sync_all``) of call ``call`` in another operation than
+    ``kind``? (A word of no barrier is 0: its index is 0.)"""
+    return word >> 24 == call and word & ((1 << _BARRIER_KIND_SHIFT) - 1) > 0 and \
+        word >> _BARRIER_KIND_SHIFT & 0xF != kind
 
 
 def _check_flags(**flags) -> None:
@@ -950,53 +958,97 @@ class Buffer:
         heads = region.ctrl_heads(local, half)[missing].tolist()
         other = {s: h & 0xFF for s, h in zip(missing, heads) if h >> 8 == flag >> 8 and h != flag}
         if all_regions and not other:
-            ahead = {}
-            for r in self._call_regions:
-                reached = self._epoch[r.rid]
-                for h in range(r.halves):
-                    for s, head in zip(missing, r.ctrl_heads(local, h)[missing].tolist()):
-                        if head >> 8 > reached:
-                            ahead.setdefault(s, head & 0xFF)
+            # (a source in a SyncAll of this call in another operation: clean_low_latency_buffer, which sends
+            # no control message)
+            other = self._barriers_of_other_kind(missing, flag & 0xFF)
+        if all_regions and not other:
+            ahead = self._calls_ahead(missing)
             # (``missing`` was polled before those loads: a source may have sent this call's message and
             # moved on to its next call since. A source stores its messages in call order, and these loads
             # happen in program order, so this call's message is visible now if it was sent before those.)
             now = region.ctrl_heads(local, half)[list(ahead)].tolist() if ahead else []
             other = {s: k for (s, k), head in zip(ahead.items(), now) if head >> 8 != flag >> 8}
         if other:
-            # (a rank that refused this attempt and went on with its next call: the refusal is the cause)
-            self._raise_if_refused(phase, missing, other)
-            op = P.REGION_NAMES.get(flag & 0xFF, str(flag & 0xFF))
-            theirs = ", ".join(f"rank {s} called {P.REGION_NAMES.get(k, 'another operation')}"
-                               for s, k in sorted(other.items()))
-            self._broken = f"operation mismatch with rank(s) {sorted(other)}"
-            raise UBEPError(f"ubep_torch: rank {self.rank} called {op} as call {self._active_call} of this Buffer, but "
-                            f"{theirs}: every rank must make the same calls in the same order")
+            self._raise_mismatch(flag & 0xFF, other, phase, missing)
         return missing
 
-    def _sync_all(self, phase: str) -> None:
-        """SyncAll emulation for the "sw" baseline: a barrier through shared memory, not through gloo.
+    def _calls_ahead(self, missing: List[int]) -> dict:
+        """``{source: operation}`` for the sources in ``missing`` that sent a control message of a later epoch
+        than this rank has reached in its region: they made a call this rank has not made (yet)."""
+        local, ahead = self._heap.local, {}
+        for r in self._call_regions:
+            reached = self._epoch[r.rid]
+            for h in range(r.halves):
+                for s, head in zip(missing, r.ctrl_heads(local, h)[missing].tolist()):
+                    if head >> 8 > reached:
+                        ahead.setdefault(s, head & 0xFF)
+        return ahead
+
+    def _barriers_of_other_kind(self, missing: List[int], kind: int) -> dict:
+        """``{source: operation}`` for the sources in ``missing`` that stored a SyncAll word of this call for
+        another operation than ``kind`` (see ``_sync_all``)."""
+        call, R = self._active_call, self.group_size
+        off = (_SYNC_ROW + call % _SYNC_SLOTS) * R
+        vals = self._aux_words[off:off + R].tolist()
+        return {s: vals[s] >> _BARRIER_KIND_SHIFT & 0xF for s in missing if _other_barrier(vals[s], call, kind)}
+
+    def _raise_mismatch(self, kind: int, other: dict, phase: str, missing: Sequence[int]) -> None:
+        """The operation-mismatch error (breaking the Buffer): this rank's call is operation ``kind``, the
+        sources in ``other`` are in the operations it names."""
+        # (a rank that refused this attempt and went on with its next call: the refusal is the cause)
+        self._raise_if_refused(phase, missing, other)
+        op = P.REGION_NAMES.get(kind, str(kind))
+        theirs = ", ".join(f"rank {s} called {P.REGION_NAMES.get(k, 'another operation')}"
+                           for s, k in sorted(other.items()))
+        self._broken = f"operation mismatch with rank(s) {sorted(other)}"
+        raise UBEPError(f"ubep_torch: rank {self.rank} called {op} as call {self._active_call} of this Buffer, but "
+                        f"{theirs}: every rank must make the same calls in the same order")
+
+    def _sync_all(self, phase: str, kind: int) -> None:
+        """SyncAll emulation for the "sw" baseline (and ``clean_low_latency_buffer``): a barrier through shared
+        memory, not through gloo. ``kind`` is the call's operation (its region id, ``P.REGION_BARRIER`` for
+        ``clean_low_latency_buffer``).
 
         Barriers are counted per call (a recv hook's with its own call's): the i-th barrier of call c waits
-        until every rank stored ``c << 24 | i`` or more in the row of call c. So a barrier never pairs with
-        one of another call, whichever order ranks run recv hooks and calls in, and a call cancelled on
-        every rank (see ``_cancel_call``) leaves nothing out of step: no rank waits in its row again."""
+        until every rank stored ``c << 24 | kind << 20 | i`` or more in the row of call c. So a barrier never
+        pairs with one of another call, whichever order ranks run recv hooks and calls in, and a call
+        cancelled on every rank (see ``_cancel_call``) leaves nothing out of step: no rank waits in its row
+        again. A rank whose word of call c names another operation is in another call than this one: an
+        operation mismatch, raised at once (``clean_low_latency_buffer`` on one rank and ``low_latency_dispatch``
+        on another would pair their barriers otherwise). ``clean_low_latency_buffer`` has no control message
+        for its peers to see, so its wait also looks for ranks that made a call it has not (``_calls_ahead``)."""
         call = self._active_call
         index = self._barriers.get(call, 0) + 1
+        if index >= 1 << _BARRIER_KIND_SHIFT:
+            raise UBEPError(f"{phase}: more than {(1 << _BARRIER_KIND_SHIFT) - 1} SyncAll barriers in one call (its "
+                            f"exchanges: tokens over the rows a source's slots hold); give the Buffer more "
+                            f"num_nvl_bytes")
         self._barriers[call] = index
         if len(self._barriers) > 2 * _SYNC_SLOTS:
             self._barriers = {c: i for c, i in self._barriers.items() if c > call - _SYNC_SLOTS}
-        count = call << 24 | index
+        word = call << 24 | kind << _BARRIER_KIND_SHIFT | index
         R = self.group_size
         off = (_SYNC_ROW + call % _SYNC_SLOTS) * R
         for r in range(R):     # (never lowered: a hook run _SYNC_SLOTS calls late shares a later call's row)
             words_r = self._peer_words[r]
-            if words_r[off + self.rank] < count:
-                words_r[off + self.rank] = count
+            if words_r[off + self.rank] < word:
+                words_r[off + self.rank] = word
         words = self._aux_words
+        polls = count()
+        look_ahead = kind == P.REGION_BARRIER
 
         def poll():
             vals = words[off:off + R].tolist()
-            return [r for r in range(R) if vals[r] < count]
+            missing = [r for r in range(R) if vals[r] < word]
+            other = {r: vals[r] >> _BARRIER_KIND_SHIFT & 0xF for r in range(R) if _other_barrier(vals[r], call, kind)}
+            if not other and missing and look_ahead and next(polls) >= _POLLS_BEFORE_REGION_CHECK:
+                ahead = self._calls_ahead(missing)
+                # (as in ``_same_call``: a rank may have stored its word and moved on since ``vals`` was read)
+                now = words[off:off + R].tolist()
+                other = {r: k for r, k in ahead.items() if now[r] < word}
+            if other:
+                self._raise_mismatch(kind, other, phase, missing)
+            return missing
         self._wait(phase, poll)
 
     def _check_call_words(self, ctrl_words, op: str) -> None:
@@ -1842,7 +1894,7 @@ class Buffer:
         key = (rid, half, nctrl, fmt.blocks)
         if not eng.send_again(key, fmt, staging, flag, sels, words):
             job = SendJob(fmt, staging, checked, row_sums, flag,
-                          sync_all=lambda: self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after Token-Sending"))
+                          sync_all=lambda: self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after Token-Sending", rid))
             for d, sel, w in zip(order, sels, words):
                 peer = self._peer_mem[d]
                 job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt),
@@ -1853,7 +1905,7 @@ class Buffer:
         ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
                                      f"{P.REGION_NAMES[rid]}: TokenCnt (waiting for the count messages)")
         if self.sync == "sw":
-            self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after flag verification")
+            self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after flag verification", rid)
         sig = fmt.signature()
         for s in range(R):
             if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
@@ -2328,7 +2380,8 @@ class Buffer:
         def ctrl_payload(d):
             return [nrows_l[d], sig, 0, bounds[d], E, N] + counts_l[d]
         job = SendJob(fmt, staging, checked, row_sums, flag,
-                      sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending"))
+                      sync_all=lambda: self._sync_all("low_latency_dispatch: SyncAll after Token-Sending",
+                                                      P.REGION_LL_DISPATCH))
         # torch and C paths: this rank's own rows skip the slots (the receive side copies them straight from
         # x, or from its fp8 copy); the kernels' decomposed receive reads every source from the slots. Not
         # bf16 rows with a recv hook: the caller may write x before the hook runs, and the rows must be those
@@ -2375,7 +2428,7 @@ class Buffer:
             ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
                                          "low_latency_dispatch: TokenCnt (waiting for the count messages)")
             if self.sync == "sw":
-                self._sync_all("low_latency_dispatch: SyncAll after flag verification")
+                self._sync_all("low_latency_dispatch: SyncAll after flag verification", P.REGION_LL_DISPATCH)
             for s in range(R):
                 if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
                     self._broken = "layout mismatch"
@@ -2745,7 +2798,8 @@ class Buffer:
         nctrl = 1
         sig = fmt.signature()
         job = SendJob(fmt, staging, checked, row_sums, flag,
-                      sync_all=lambda: self._sync_all("low_latency_combine: SyncAll after Token-Sending"))
+                      sync_all=lambda: self._sync_all("low_latency_combine: SyncAll after Token-Sending",
+                                                      P.REGION_LL_COMBINE))
         return_slot = handle.return_slot.tolist()
         for i in range(R):
             s = (me + i) % R
@@ -2772,7 +2826,7 @@ class Buffer:
             ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
                                          "low_latency_combine: waiting for the count messages")
             if self.sync == "sw":
-                self._sync_all("low_latency_combine: SyncAll after flag verification")
+                self._sync_all("low_latency_combine: SyncAll after flag verification", P.REGION_LL_COMBINE)
             for s in range(R):
                 if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
                     self._broken = "layout mismatch"
@@ -2848,7 +2902,7 @@ class Buffer:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
         self._begin_call()
         self._cancel_point = {"call": self._active_call, "rid": None, "epoch": None, "sent": []}
-        self._sync_all("clean_low_latency_buffer: SyncAll")
+        self._sync_all("clean_low_latency_buffer: SyncAll", P.REGION_BARRIER)
         self._call_complete("clean_low_latency_buffer")
 
 

@@ -124,7 +124,7 @@ REGION_NAMES = {
     REGION_COMBINE: "combine",
     REGION_LL_DISPATCH: "low_latency_dispatch",
     REGION_LL_COMBINE: "low_latency_combine",
-    REGION_BARRIER: "barrier",
+    REGION_BARRIER: "clean_low_latency_buffer",   # (no region of its own: the kind of its SyncAll)
 }
 
 #: int64 payload words per control block (each control block keeps a TFF head).
@@ -490,6 +490,13 @@ class Waiter:
                 refused = [r for r in missing if codes.get(r) == ABORT_REFUSED]
                 if refused and all(codes[r] == ABORT_GAVE_UP for r in aborted):
                     raise UBEPPeerAbortedError(phase, self.rank, list(missing), refused, refused=True)
+                # so is a rank that exited without a word while the ranks this wait needs gave up (waiting for
+                # it, as this one does not: it delivered here before it died, or sends this rank nothing)
+                if aborted and self.peer_alive is not None and all(codes[r] == ABORT_GAVE_UP for r in aborted):
+                    dead = [r for r in range(self._world(missing)) if r != self.rank and not codes.get(r)
+                            and not self.peer_alive(r)]
+                    if dead:
+                        raise UBEPPeerLostError(phase, self.rank, list(missing), dead)
                 if aborted:
                     raise UBEPPeerAbortedError(phase, self.rank, list(missing), aborted)
             if now >= deadline:
