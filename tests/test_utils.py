@@ -47,7 +47,7 @@ def test_a_full_cache_evicts_a_free_entry_or_allocates_outside():
     assert len(cache._entries[torch.int32]) == 2
 
 
-def test_config_repr_names_every_argument_and_rebuilds_an_equal_config():
+def test_config_repr_names_every_argument_and_rebuilds_the_same_config():
     """(former bug: the repr left out the RDMA chunk sizes and num_count_aivs, so a logged Config could not
     be told from another or rebuilt)"""
     c = Config(24, 8, 512, 7, 130, num_count_aivs=3)

@@ -51,7 +51,8 @@ from .utils import check_count
 
 KINDS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
 SCHEDULES = ("cann_ep", "ubep")
-CANN_SENDING = ("tokens", "slices")     # CANN EP's AIV of each dispatch copy (see ``simulate``)
+CANN_SENDING = ("tokens", "slices", "experts", "expert_blocks")   # CANN EP's AIV of each dispatch copy (see
+#                                                                   ``simulate``)
 
 
 @dataclass
@@ -160,9 +161,15 @@ def _unique_rows(x: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
 def _assign(c: _Copies, n: int, policy: str, topo: Topology) -> np.ndarray:
     """AIV of every copy. Policies: ``mapped``/``unmapped`` (UBEP mapper), ``tokens`` (token ``i`` of
     a die is owned by AIV ``i mod n``, which sends all its copies: DeepEP-style token-count balancing),
-    ``slices`` (contiguous count slices of the copies in their given order)."""
+    ``slices`` (contiguous count slices of the copies in their given order), ``experts`` (every copy to
+    destination key ``e`` goes to AIV ``e mod n``) and ``expert_blocks`` (the keys cut into ``n``
+    contiguous blocks, one per AIV)."""
     if policy == "tokens":
         return c.tok % n
+    if policy == "experts":
+        return c.key % n
+    if policy == "expert_blocks":
+        return c.key * n // c.num_keys
     S = len(c.sender_ranks)
     if policy == "mapped":
         # the mapper of every sending die (hop classes differ per die; the transposition does not)
@@ -455,8 +462,10 @@ def simulate(
         cann_sending: which AIV sends each dispatch copy in CANN EP (ignored for UBEP): ``"tokens"``
             (the calibrated default: token ``i`` of a die and all its copies go to AIV ``i mod n``) or
             ``"slices"`` (the die's B*K copies in token order, cut into contiguous equal slices, one per
-            AIV, as the public ``MoeDistributeDispatch`` kernel of CANN splits them; the calibration was
-            not redone for it: see docs/reproducing.md).
+            AIV, as the public ``MoeDistributeDispatch`` kernel of CANN splits them), ``"experts"``
+            (every copy to expert ``e`` from AIV ``e mod n``) or ``"expert_blocks"`` (the experts cut into
+            contiguous blocks, one per AIV): rules the calibration was not redone for (see
+            docs/reproducing.md).
     Returns:
         :class:`Report` of the slowest rank.
     """

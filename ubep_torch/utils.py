@@ -149,7 +149,7 @@ class Config:
         return 0
 
     def __repr__(self) -> str:
-        # (every constructor argument: the repr rebuilds an equal Config)
+        # (every constructor argument: evaluating the repr rebuilds a Config with the same arguments)
         names = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                  "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens", "num_count_aivs")
         return "Config(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
