@@ -98,6 +98,16 @@ def bad_case(ctx, sync, kind):
 
     meta = torch.device("meta")
     stats_of = {"recv": E // ctx.world_size, "wait": ctx.world_size}
+    def count_group_past_the_model():
+        # (former bug: accepted, then every call's report failed with a warning: a CM384 die has 48 AIVs)
+        from ubep_torch import Config
+        from ubep_torch.cost_model import CostModel
+        buf.set_cost_model(CostModel())
+        try:
+            buf.dispatch(x, topk_idx=topk, num_experts=E, config=Config(num_count_aivs=48))
+        finally:
+            buf.set_cost_model(None)
+
     cases = {
         "id too large": lambda: buf.dispatch(x, topk_idx=topk + E, num_experts=E),
         "id < -1": lambda: buf.dispatch(x, topk_idx=topk.clamp(max=0) - 2, num_experts=E),
@@ -201,6 +211,7 @@ def bad_case(ctx, sync, kind):
         "tuple source index edited": lambda: edited_tuple(3, lambda t: t.fill_(10 ** 6)),
         "ll layout edited": ll_layout_edited,
         "cost model str": lambda: buf.set_cost_model("not a model"),
+        "count group past the model": count_group_past_the_model,
         "on_report not callable": lambda: buf.set_cost_model(None, on_report=3),
     }
     fn = cases[kind]
@@ -349,7 +360,7 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
              "tuple rank mask edited", "tuple source index edited", "ll layout edited", "cost model str",
              "on_report not callable", "sparse ll weights", "sparse combine bias", "sparse bias in a pair",
              "sparse x", "sparse ll out", "sparse ll stats", "nested x", "nested ll weights", "ll zero_copy str",
-             "ll combine hook str",
+             "ll combine hook str", "count group past the model",
              "ll dispatch hook str", "worst True", "alignment True", "ll N True", "bias triple",
              "layout async str", "dispatch async str", "dispatch comm stream None", "combine async str"]
 
@@ -361,6 +372,7 @@ BAD_SAYS = {**{k: "must be True or False" for k in ("layout async str", "dispatc
             "ll experts per rank": "control message", "nested x": "nested tensor", "nested ll weights": "nested tensor",
             "experts per rank": "control message", "ll layout edited": "changed after",
             "ll clean too big": "too small for", "worst past int64": "num_worst_tokens",
+            "count group past the model": "a count group takes at most 47",
             **{k: "previous_event must be" for k in ("layout event str", "dispatch event str", "combine event str")},
             **{k: "layout torch.sparse_coo" for k in ("sparse ll weights", "sparse combine bias",
                                                        "sparse bias in a pair", "sparse x", "sparse ll out",
@@ -672,6 +684,34 @@ def test_errors_before_the_peers_are_posted_as_refusals():
     with pytest.raises(KeyboardInterrupt):
         functional.dispatch(fake, x, topk, torch.ones(3, 1), 2)
     assert posted == ["dispatch", "dispatch"]
+
+
+def count_group_past_the_cost_model(ctx):
+    """A Buffer whose count group its cost model cannot report (a CM384 die has 48 AIVs), set at
+    construction or with set_cost_model: ValueError on every rank."""
+    import dataclasses
+
+    from ubep_torch.cost_model import CostModel
+    from ubep_torch.topology import CM384
+    errors = []
+    try:
+        Buffer(ctx.group, 1 << 20, 0, num_count_aivs=60, cost_model=CostModel())
+    except ValueError as e:
+        errors.append(str(e))
+    with Buffer(ctx.group, 1 << 20, 0, num_count_aivs=48) as buf:
+        try:
+            buf.set_cost_model(CostModel())
+        except ValueError as e:
+            errors.append(str(e))
+        buf.set_cost_model(CostModel(params=dataclasses.replace(CM384, aivs_per_die=64)))   # (a die of 64 takes it)
+        assert buf.cost_model is not None
+    return errors
+
+
+def test_a_count_group_past_the_cost_models_die_is_refused(pool):
+    """(former bug: accepted, then every call's report failed with a warning)"""
+    for errors in pool.run(count_group_past_the_cost_model):
+        assert len(errors) == 2 and all("a count group takes at most 47" in e for e in errors), errors
 
 
 def test_argument_checks_without_a_process_group():

@@ -57,6 +57,15 @@ def test_one_launch_emulates_the_aivs(pool, sync):
             assert shape["n_count"] >= 1
 
 
+def test_a_calls_config_sets_its_count_group_only(pool):
+    """(former bug: a normal call's Config(num_count_aivs=5) stayed in the Triton engine, and the low-latency
+    calls after it launched 5 count programs while their reports modelled the model's own choice)"""
+    for r in pool.run(F.count_group_per_call):
+        assert r["normal with Config(5)"] == (5, 5), r
+        assert r["ll after"] == r["ll before"], r
+        assert r["mapping reported"] is True and r["mapping off reported"] is False, r
+
+
 def test_mixed_backends(pool):
     """(former bug: ranks mixing the kernels with another engine built a low-latency Buffer whose first call
     failed with a layout mismatch and broke it)"""

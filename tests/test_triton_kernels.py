@@ -265,13 +265,17 @@ def test_cal_cumsum_reorder_point_to_point(sync):
 
 
 def test_ll_receive_times_out_instead_of_hanging():
-    from ubep_torch.errors import UBEPTimeoutError
+    """(former gap: the error named rank -1 and "3s" for three polls, and advised raising timeout_s, which
+    this wait does not use)"""
+    from ubep_torch.errors import UBEPKernelWaitError, UBEPTimeoutError
     fmt = P.RowFormat("tff", (("x", 512),), 1)
     eng = TE.TritonEngine(max_spins=3)
     ctrl = torch.zeros(1, P.BLOCK_BYTES, dtype=torch.uint8)      # never written
     rows = torch.zeros(1, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
-    with pytest.raises(UBEPTimeoutError):
-        eng.ll_receive(fmt, [ctrl], [rows], 5, 2, torch.zeros(2, 4, 256, dtype=torch.bfloat16))
+    with pytest.raises(UBEPTimeoutError) as e:
+        eng.ll_receive(fmt, [ctrl], [rows], 5, 2, torch.zeros(2, 4, 256, dtype=torch.bfloat16), rank=1)
+    assert isinstance(e.value, UBEPKernelWaitError) and e.value.rank == 1 and e.value.missing_ranks == [0]
+    assert "rank 1 " in str(e.value) and "after 3 polls" in str(e.value) and "timeout_s" not in str(e.value)
 
 
 def _special_bf16(n: int, H: int, seed: int) -> torch.Tensor:
@@ -313,9 +317,18 @@ def test_combine_kernels_keep_special_values_bit_for_bit():
 @pytest.mark.parametrize("name,value", [("UBEP_TRITON_AIVS", "abc"), ("UBEP_TRITON_AIVS", "2.5"),
                                         ("UBEP_TRITON_AIVS", "1"), ("UBEP_TRITON_AIVS", "0"),
                                         ("UBEP_TRITON_AIVS", "100000"), ("UBEP_TRITON_COUNT_AIVS", "abc"),
-                                        ("UBEP_TRITON_COUNT_AIVS", "0"), ("UBEP_TRITON_COUNT_AIVS", "-3")])
+                                        ("UBEP_TRITON_COUNT_AIVS", "0"), ("UBEP_TRITON_COUNT_AIVS", "-3"),
+                                        ("UBEP_TRITON_MAPPING", "maybe"), ("UBEP_TRITON_MAPPING", "2")])
 def test_bad_engine_variables_are_named(monkeypatch, name, value):
-    """(former bugs: int()'s bare message, 0 taken as the default, counts below 1 clamped, 100000 AIVs taken)"""
+    """(former bugs: int()'s bare message, 0 taken as the default, counts below 1 clamped, 100000 AIVs taken;
+    any UBEP_TRITON_MAPPING but "0" left the mapping on)"""
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
         TE.TritonEngine()
+
+
+@pytest.mark.parametrize("value,mapping", [("0", False), ("false", False), ("Off", False), ("no", False),
+                                           ("1", True), ("TRUE", True), ("on", True), ("", True)])
+def test_the_mapping_switch_takes_the_usual_spellings(monkeypatch, value, mapping):
+    monkeypatch.setenv("UBEP_TRITON_MAPPING", value)
+    assert TE.TritonEngine().mapping is mapping

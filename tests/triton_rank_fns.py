@@ -311,3 +311,31 @@ def mixed_backends(ctx, T: int = 4, H: int = 256, E: int = 4) -> dict:
     except ValueError as e:
         ll = str(e)
     return {"normal_ok": normal_ok, "ll": ll}
+
+
+def count_group_per_call(ctx, T: int = 4, H: int = 256, E: int = 4, N: int = 8) -> dict:
+    """The count group of the Triton engine's launches and of the cost-model reports: a normal call's
+    ``Config(num_count_aivs=...)`` holds for that call only, and a report models the mapping the engine runs."""
+    from ubep_torch import Buffer, Config
+    from ubep_torch.cost_model import CostModel
+    R = ctx.world_size
+    buf = Buffer(ctx.group, 8 << 20, Buffer.get_low_latency_rdma_size_hint(N, H, R, E), low_latency_mode=True,
+                 backend="triton", cost_model=CostModel(), timeout_s=60.0)
+    topk, w = make_routing(2, ctx.rank, T, 2, E)
+    x = torch.randn(T, H).bfloat16()
+    out = {}
+
+    def ll(tag):
+        recv, _, handle, _, _ = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+        out[tag] = (buf.engine.last_launch["n_count"], buf.last_report["ubep"].n_count)
+        buf.low_latency_combine(recv, topk, w, handle)
+    ll("ll before")
+    buf.dispatch(x, topk_idx=topk, num_experts=E, config=Config(num_count_aivs=5))
+    out["normal with Config(5)"] = (buf.engine.last_launch["n_count"], buf.last_report["ubep"].n_count)
+    ll("ll after")
+    out["mapping reported"] = buf.last_report["ubep"].mapping
+    buf.engine.mapping = False          # (as UBEP_TRITON_MAPPING=0 makes it)
+    buf.dispatch(x, topk_idx=topk, num_experts=E)
+    out["mapping off reported"] = buf.last_report["ubep"].mapping
+    buf.destroy()
+    return out

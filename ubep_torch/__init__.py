@@ -11,6 +11,7 @@ from .errors import (
                      CancelledCallError,
                      UBEPBrokenError,
                      UBEPError,
+                     UBEPKernelWaitError,
                      UBEPPeerAbortedError,
                      UBEPPeerLostError,
                      UBEPTimeoutError,
@@ -24,6 +25,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Buffer", "Config", "EventHandle", "EventOverlap", "DispatchHandle", "LowLatencyHandle",
     "UBEPError", "UBEPTimeoutError", "UBEPPeerLostError", "UBEPPeerAbortedError", "UBEPBrokenError", "UBEPUsageError",
-    "CancelledCallError",
+    "UBEPKernelWaitError", "CancelledCallError",
     "functional", "nn", "per_token_cast_to_fp8", "per_token_cast_back", "calc_diff",
 ]

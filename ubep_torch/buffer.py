@@ -349,6 +349,15 @@ def _event(async_finish) -> EventOverlap:
     return EventOverlap(EventHandle() if async_finish else None)
 
 
+def _check_count_aivs(n: Optional[int], cost_model, what: str) -> None:
+    """A count group of ``n`` AIVs is one the cost model can report: fewer than its die's AIVs (the token
+    group needs one); else ValueError (every call's report would fail)."""
+    per_die = getattr(getattr(cost_model, "params", None), "aivs_per_die", None)
+    if n is not None and isinstance(per_die, int) and n >= per_die:
+        raise ValueError(f"{what}={n}: the cost model's die has {per_die} AIVs, so a count group takes at most "
+                         f"{per_die - 1} (the token group needs one)")
+
+
 def _other_barrier(word: int, call: int, kind: int) -> bool:
     """Is ``word`` a SyncAll word (see ``Buffer._sync_all``) of call ``call`` in another operation than
     ``kind``? (A word of no barrier is 0: its index is 0.)"""
@@ -798,6 +807,7 @@ class Buffer:
                             f"{type(cost_model).__name__}")
         if on_report is not None and not callable(on_report):
             raise TypeError(f"on_report must be callable, got {type(on_report).__name__}")
+        _check_count_aivs(getattr(self, "_num_count_aivs", None), cost_model, "num_count_aivs")
         self.cost_model = cost_model
         self.on_report = on_report
 
@@ -847,6 +857,7 @@ class Buffer:
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be a ubep_torch.Config, got {type(config).__name__}")
         given = config.num_count_aivs if config is not None and config.num_count_aivs else None
+        _check_count_aivs(given, self.cost_model, "Config(num_count_aivs)")
         self._call_count_aivs = given or self._num_count_aivs
         if hasattr(self.engine, "n_count"):
             self.engine.n_count = given or self._default_n_count
@@ -1364,11 +1375,12 @@ class Buffer:
         if topk_idx is None:
             return
         try:
-            # (the count group the Buffer or a normal call's Config names, else the model's own choice)
-            n = self._call_count_aivs if kind in ("dispatch", "combine") else self._num_count_aivs
-            n_count = {} if n is None else {"n_count": n}
+            # (the count group the Buffer or a normal call's Config names, else the model's own choice; the
+            # mapping the engine runs, where it has a choice: the Triton engine's UBEP_TRITON_MAPPING)
+            n, mapping = self._call_count_aivs, getattr(self.engine, "mapping", None)
+            kw = {k: v for k, v in (("n_count", n), ("mapping", mapping)) if v is not None}
             rep = self.cost_model.report(kind, self.rank, self.group_size, topk_idx, num_experts, hidden,
-                                         bytes_per_token, sync=self.sync, **n_count)
+                                         bytes_per_token, sync=self.sync, **kw)
             self.last_report = rep
             if self.on_report is not None:
                 self.on_report(kind, rep)
@@ -2295,6 +2307,7 @@ class Buffer:
             ``(recv_x [E_local, R*N, H] bf16 or (fp8, scales), recv_count [E_local] int32, handle, event, hook)``.
         """
         self._check_usable()
+        self._apply_config(None)     # (the Buffer's count group: a normal call's Config was for that call)
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook are exclusive")
         _check_flags(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
@@ -2564,7 +2577,7 @@ class Buffer:
             if in_kernel:
                 views = [region.rows(local, half, s, fmt, int(cnt[s].sum())) for s in range(R)]
                 sig_table = eng.ll_receive(fmt, [region.ctrl(local, half, s, nctrl) for s in range(R)], views, flag,
-                                           E_local, recv_x.view(E_local, R * N, H))
+                                           E_local, recv_x.view(E_local, R * N, H), rank=self.rank)
                 if not (torch.equal(sig_table[:, :E_local], begin) and torch.equal(sig_table[:, E_local:2 * E_local],
                                                                                    cnt)):
                     raise UBEPError("low_latency_dispatch: the CalCumSum kernel disagrees with the control messages")
@@ -2697,6 +2710,7 @@ class Buffer:
             ``(combined_x [T, H] bf16, event, hook)`` (hook None without ``return_recv_hook``).
         """
         self._check_usable()
+        self._apply_config(None)     # (the Buffer's count group: a normal call's Config was for that call)
         _check_flags(use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
                      return_recv_hook=return_recv_hook)
         if async_finish and return_recv_hook:

@@ -25,6 +25,25 @@ class UBEPTimeoutError(UBEPError, TimeoutError):
         )
 
 
+class UBEPKernelWaitError(UBEPTimeoutError):
+    """A bounded wait inside a kernel (the Triton engine's ``max_spins`` polls) ended before what it waited for
+    had arrived. The Buffer's own waits run first with their deadline, so this means the data it had seen
+    arrive was not all there, or the engine was given too few polls. ``timeout_s`` is None; ``polls`` says
+    how many."""
+
+    def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], polls: int,
+                 consequence: str = "This Buffer is now unusable: destroy it and create a new one."):
+        self.phase = phase
+        self.rank = rank
+        self.missing_ranks = list(missing_ranks)
+        self.timeout_s = None
+        self.polls = polls
+        who = f"rank {rank}" if rank >= 0 else "this rank"
+        UBEPError.__init__(
+            self, f"ubep_torch: {who} in phase '{phase}': a wait inside the kernel gave up after {polls} polls "
+                  f"(the engine's max_spins) waiting for rank(s) {self.missing_ranks}. {consequence}")
+
+
 class UBEPPeerLostError(UBEPError):
     """A peer's process exited (or the peer destroyed its Buffer) while this rank was waiting for it."""
 

@@ -46,7 +46,7 @@ import torch
 
 from . import protocol as P
 from .engine import SendJob, TorchEngine, payload_tensor
-from .errors import UBEPTimeoutError
+from .errors import UBEPKernelWaitError
 from .mapper import default_count_aivs
 from .topology import Topology
 
@@ -86,6 +86,19 @@ def _addr(t: torch.Tensor) -> int:
 _MAX_AIVS = 256
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    """Environment variable ``name`` as a switch: 1/true/yes/on or 0/false/no/off (any case), ``default``
+    when unset or empty; ValueError naming the variable otherwise."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1 or 0 (true/false, yes/no, on/off), got {os.environ[name]!r}")
+
+
 def _env_int(name: str, least: int) -> int | None:
     """The integer in environment variable ``name`` (None when unset or empty), in [least, _MAX_AIVS]; else
     ValueError naming the variable."""
@@ -123,7 +136,7 @@ class TritonEngine(TorchEngine):
             raise ValueError(f"n_aivs must be in [2, {_MAX_AIVS}] (a token and a count group), got {self.n_aivs}")
         self.n_count = n_count if n_count is not None else _env_int("UBEP_TRITON_COUNT_AIVS", 1)
         if mapping is None:
-            mapping = os.environ.get("UBEP_TRITON_MAPPING", "1") != "0"
+            mapping = _env_flag("UBEP_TRITON_MAPPING", True)
         self.mapping = bool(mapping)
         self.max_spins = int(max_spins)
         self._order_cache: dict = {}
@@ -215,8 +228,8 @@ class TritonEngine(TorchEngine):
         self.last_launch = {"grid": grid[0], "n_token": n_token, "n_count": n_count, "order": order,
                             "copies": V}
         if bool(status.any()):
-            raise UBEPTimeoutError("TokenCnt-Sending: count group waiting for the token group's done signals",
-                                   me, [me], float(self.max_spins))
+            raise UBEPKernelWaitError("TokenCnt-Sending: count group waiting for the token group's done signals",
+                                      me, [me], self.max_spins)
         if sync == "sw":
             job.sync_all()
             daf.write_ctrl_kernel[(self.n_aivs,)](
@@ -316,13 +329,13 @@ class TritonEngine(TorchEngine):
         kcombine.weighted_combine(fmt, rows, topk_idx, weights, out, pos)
 
     def ll_receive(self, fmt: P.RowFormat, ctrl_views: Sequence[torch.Tensor], row_views: Sequence[torch.Tensor],
-                   flag: int, n_exp: int, out: torch.Tensor, n_count: int = 1) -> torch.Tensor:
+                   flag: int, n_exp: int, out: torch.Tensor, n_count: int = 1, rank: int = -1) -> torch.Tensor:
         """Decomposed low-latency receive (CalCumSum + Token-Reordering, point-to-point signals).
 
         Returns the ``[R, 2E+1]`` int64 signal table: per source the packed begins, the counts and
         the flag word the CalCumSum AIV published.
         """
-        return kdispatch_ll_receive(fmt, ctrl_views, row_views, flag, n_exp, out, n_count, self.max_spins)
+        return kdispatch_ll_receive(fmt, ctrl_views, row_views, flag, n_exp, out, n_count, self.max_spins, rank)
 
 
 
@@ -381,7 +394,8 @@ def aiv_slices(cum_counts: torch.Tensor, n_aivs: int, mapping: bool = True) -> d
 
 
 def kdispatch_ll_receive(fmt: P.RowFormat, ctrl_views: Sequence[torch.Tensor], row_views: Sequence[torch.Tensor],
-                         flag: int, n_exp: int, out: torch.Tensor, n_count: int, max_spins: int) -> torch.Tensor:
+                         flag: int, n_exp: int, out: torch.Tensor, n_count: int, max_spins: int,
+                         rank: int = -1) -> torch.Tensor:
     """Launcher of ``kernels.dispatch.cal_cumsum_reorder_kernel`` (TFF and SP, one field)."""
     if fmt.sync not in ("tff", "sp"):
         raise ValueError("the decomposed low-latency receive kernel polls TFF flags or SP sentinels")
@@ -398,5 +412,5 @@ def kdispatch_ll_receive(fmt: P.RowFormat, ctrl_views: Sequence[torch.Tensor], r
         NB_BLOCK=_p2(fmt.blocks, 2))
     if bool(status.any()):
         missing = [int(i) - n_count for i in status.nonzero().flatten() if int(i) >= n_count]
-        raise UBEPTimeoutError("low_latency_dispatch: CalCumSum / Token-Reordering", -1, missing, float(max_spins))
+        raise UBEPKernelWaitError("low_latency_dispatch: CalCumSum / Token-Reordering", rank, missing, max_spins)
     return sig
