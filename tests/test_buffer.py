@@ -240,6 +240,18 @@ def test_a_rank_that_died_is_named_where_the_ranks_waited_for_gave_up_on_it():
     with pytest.raises(UBEPPeerAbortedError) as e:
         waiter({1: P.ABORT_GAVE_UP}, set()).wait("test phase", lambda: [1])
     assert e.value.aborted_ranks == [1]
+    # rank 2 gave up and exited between this rank's look at the abort words and at the processes: it is
+    # asked again, and not named as a rank that exited without a word
+    asked = []
+
+    def late_code(r):
+        asked.append(r)
+        return P.ABORT_GAVE_UP if r == 1 or (r == 2 and asked.count(2) > 1) else 0
+    w = P.Waiter(0, 5.0, lambda r: r != 2, late_code)
+    w.world_size = 3
+    with pytest.raises(UBEPPeerAbortedError) as e:
+        w.wait("test phase", lambda: [1])
+    assert e.value.aborted_ranks == [1] and asked.count(2) == 2
 
 
 @pytest.mark.parametrize("sync", ["sp", "tff"])

@@ -1022,12 +1022,14 @@ class Buffer:
 
         Barriers are counted per call (a recv hook's with its own call's): the i-th barrier of call c waits
         until every rank stored ``c << 24 | kind << 20 | i`` or more in the row of call c. So a barrier never
-        pairs with one of another call, whichever order ranks run recv hooks and calls in, and a call
-        cancelled on every rank (see ``_cancel_call``) leaves nothing out of step: no rank waits in its row
-        again. A rank whose word of call c names another operation is in another call than this one: an
-        operation mismatch, raised at once (``clean_low_latency_buffer`` on one rank and ``low_latency_dispatch``
-        on another would pair their barriers otherwise). ``clean_low_latency_buffer`` has no control message
-        for its peers to see, so its wait also looks for ranks that made a call it has not (``_calls_ahead``)."""
+        pairs with one of another call, whichever order ranks run recv hooks and calls in (every rank must
+        still reach the same barrier: with sync="sw" ranks run their hooks at the same point of their calls,
+        see the README), and a call cancelled on every rank (see ``_cancel_call``) leaves nothing out of
+        step: no rank waits in its row again. A rank whose word of call c names another operation is in
+        another call than this one: an operation mismatch, raised at once (``clean_low_latency_buffer`` on
+        one rank and ``low_latency_dispatch`` on another would pair their barriers otherwise).
+        ``clean_low_latency_buffer`` has no control message for its peers to see, so its wait also looks for
+        ranks that made a call it has not (``_calls_ahead``)."""
         call = self._active_call
         index = self._barriers.get(call, 0) + 1
         if index >= 1 << _BARRIER_KIND_SHIFT:

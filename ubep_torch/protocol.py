@@ -493,8 +493,9 @@ class Waiter:
                 # so is a rank that exited without a word while the ranks this wait needs gave up (waiting for
                 # it, as this one does not: it delivered here before it died, or sends this rank nothing)
                 if aborted and self.peer_alive is not None and all(codes[r] == ABORT_GAVE_UP for r in aborted):
+                    # (a rank found gone is asked again for its word: it may have given up and exited since)
                     dead = [r for r in range(self._world(missing)) if r != self.rank and not codes.get(r)
-                            and not self.peer_alive(r)]
+                            and not self.peer_alive(r) and not self.peer_aborted(r)]
                     if dead:
                         raise UBEPPeerLostError(phase, self.rank, list(missing), dead)
                 if aborted:
