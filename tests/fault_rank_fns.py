@@ -1053,6 +1053,12 @@ def bad_constructor_argument(ctx, case, tmp):
             kwargs["sync"] = "bogus"
         elif case == "size":
             nvl = "2M"
+        elif case == "engine":        # an error of another kind before the set-up (here: its engine)
+            import ubep_torch.buffer as B
+
+            def no_engine(*args):
+                raise OSError("bogus engine failure")
+            B.make_engine, saved_make_engine = no_engine, B.make_engine
         else:
             kwargs["shm_dir"] = tmp
     t0 = time.monotonic()
@@ -1061,6 +1067,8 @@ def bad_constructor_argument(ctx, case, tmp):
         out = ("ok", time.monotonic() - t0, "")
     except Exception as e:  # noqa: BLE001
         out = (type(e).__name__, time.monotonic() - t0, str(e))
+    if ctx.rank == 1 and case == "engine":
+        B.make_engine = saved_make_engine
     buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
     x = torch.randn(4, 64).bfloat16()
     recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=torch.tensor([[0, 2]] * 4), num_experts=4)

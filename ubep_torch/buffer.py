@@ -546,12 +546,13 @@ class Buffer:
                            allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, timeout_s, sync,
                            backend, cost_model, on_report, num_max_tokens_per_rank, hidden, shm_dir, num_count_aivs,
                            low_latency_buffers)
-            except (ValueError, TypeError) as e:
-                if not getattr(self, "_heap_set_up", False):    # (a bad argument of this rank's own)
+            except Exception as e:
+                # an error of this rank's own before the set-up (a bad argument, an engine that cannot be
+                # made): the peers, waiting in the set-up's first step, are told; later errors the set-up's
+                # own steps report to them
+                if not getattr(self, "_heap_set_up", False):
                     refuse_setup(group, e)
-                name_global_ranks(e, _group_global_ranks(group), also=(ValueError, RuntimeError))
-                raise
-            except (UBEPError, RuntimeError) as e:   # (the set-up's errors name ranks of the group)
+                # (the set-up's errors name ranks of the group)
                 name_global_ranks(e, _group_global_ranks(group), also=(ValueError, RuntimeError))
                 raise
 
