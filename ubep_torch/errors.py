@@ -33,15 +33,11 @@ class UBEPKernelWaitError(UBEPTimeoutError):
 
     def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], polls: int,
                  consequence: str = "This Buffer is now unusable: destroy it and create a new one."):
-        self.phase = phase
-        self.rank = rank
-        self.missing_ranks = list(missing_ranks)
-        self.timeout_s = None
-        self.polls = polls
+        super().__init__(phase, rank, missing_ranks, 0.0, consequence)
+        self.timeout_s, self.polls = None, polls
         who = f"rank {rank}" if rank >= 0 else "this rank"
-        UBEPError.__init__(
-            self, f"ubep_torch: {who} in phase '{phase}': a wait inside the kernel gave up after {polls} polls "
-                  f"(the engine's max_spins) waiting for rank(s) {self.missing_ranks}. {consequence}")
+        self.args = (f"ubep_torch: {who} in phase '{phase}': a wait inside the kernel gave up after {polls} polls "
+                     f"(the engine's max_spins) waiting for rank(s) {self.missing_ranks}. {consequence}",)
 
 
 class UBEPPeerLostError(UBEPError):
