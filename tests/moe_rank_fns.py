@@ -528,3 +528,29 @@ def rank_dp_sync_unused_branches(ctx) -> list:
     unn.data_parallel_sync(model, ctx.group)
     err = max(float((model[i].weight.grad - want[i]).abs().max()) for i in range(2))
     return [err, model[2].weight.grad is not None or (ctx.rank == 0 and model[3].weight.grad is not None)]
+
+
+def rank_dp_sync_mismatched_models(ctx) -> list:
+    """``data_parallel_sync`` of models that differ between ranks (a parameter's size, then its dtype) and of
+    sparse gradients: ValueError or TypeError on every rank, before any gradient is sent, and the group still
+    works. Returns each case's error type and a final all-reduce's result."""
+    import torch.distributed as dist
+    out = []
+    cases = {"size": lambda: torch.nn.Linear(4, 3 if ctx.rank == 0 else 5),
+             "dtype": lambda: torch.nn.Linear(4, 3).to(torch.float64 if ctx.rank == 0 else torch.float32),
+             "sparse": lambda: torch.nn.Embedding(10, 4, sparse=True)}
+    for name, make in cases.items():
+        model = make()
+        if name == "sparse":
+            model(torch.tensor([1, 2])).sum().backward()
+        else:
+            model(torch.ones(2, 4, dtype=model.weight.dtype)).sum().backward()
+        try:
+            unn.data_parallel_sync(model, ctx.group)
+            out.append((name, "ok"))
+        except (ValueError, TypeError) as e:
+            out.append((name, type(e).__name__, "differ" in str(e) or "sparse" in str(e)))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=ctx.group)
+    out.append(float(t))
+    return out

@@ -136,6 +136,15 @@ def test_bad_arguments_are_named():
         per_token_cast_back(q, sc[:, :1])
     with pytest.raises(ValueError, match=r"are 2 int32 words \(shape \(4, 0\).*got 4"):
         per_token_cast_back(q, torch.zeros(4, 1, dtype=torch.int32))
+    # (former bugs: a string round_scale was taken as True; an integer result dtype truncated the values)
+    with pytest.raises(TypeError, match="round_scale"):
+        per_token_cast_to_fp8(torch.randn(4, 256), round_scale="no")
+    for out in ((1, 2), [None, None], (q, sc, sc)):
+        with pytest.raises(TypeError, match="out must be a pair of tensors"):
+            low_latency_cast_to_fp8(torch.randn(4, 256), out=out)
+    for dtype in (torch.int32, "bf16", torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match="dtype must be a float dtype"):
+            per_token_cast_back(q, sc, dtype=dtype)
     # empty batches keep their shapes
     e_q, e_sc = per_token_cast_to_fp8(torch.randn(0, 256))
     assert e_q.shape == (0, 256) and e_sc.shape == (0, 2) and per_token_cast_back(e_q, e_sc).shape == (0, 256)

@@ -172,3 +172,31 @@ def test_data_parallel_sync_with_branches_some_ranks_did_not_use(pool):
     for err, unused_has_grad in pool.run(M.rank_dp_sync_unused_branches):
         assert err < 1e-5 and not unused_has_grad, (err, unused_has_grad)
 
+
+
+def test_data_parallel_sync_refuses_models_that_differ_between_ranks(pool):
+    """(former bug: parameters of other sizes or dtypes on one rank aborted the processes inside gloo's
+    all-reduce; sparse gradients raised torch's RuntimeError)"""
+    for r in pool.run(M.rank_dp_sync_mismatched_models):
+        assert r[:3] == [("size", "ValueError", True), ("dtype", "ValueError", True),
+                         ("sparse", "TypeError", True)], r
+        assert r[3] == 2.0, r
+
+
+def test_moe_and_data_parallel_sync_name_bad_arguments():
+    """(former bugs: an aux_loss_coef of the wrong type was taken and failed after the dispatch, on one rank
+    breaking every Buffer; a buffer that is not one, a module or group that is not one, gave AttributeError)"""
+    from ubep_torch import functional
+    for coef, error in (("x", TypeError), (None, TypeError), (True, TypeError), (torch.ones(2), TypeError),
+                        (float("nan"), ValueError)):
+        with pytest.raises(error, match="aux_loss_coef"):
+            unn.MoE(8, 16, 4, 2, aux_loss_coef=coef)
+    assert unn.MoE(8, 16, 4, 2, aux_loss_coef=0).aux_loss_coef == 0.0
+    with pytest.raises(TypeError, match="buffer must be a ubep_torch.Buffer"):
+        unn.MoE(8, 16, 4, 2, buffer=object())
+    with pytest.raises(TypeError, match="buffer must be a ubep_torch.Buffer"):
+        functional.dispatch(None, torch.ones(2, 8), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1), 4)
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        unn.data_parallel_sync(None)
+    with pytest.raises(TypeError, match="group must be None or a process group"):
+        unn.data_parallel_sync(torch.nn.Linear(2, 2), group="g")

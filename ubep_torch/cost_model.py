@@ -500,7 +500,11 @@ def simulate(
     if tk.size and (int(tk.min()) < -1 or int(tk.max()) >= E):
         raise ValueError(f"topk_idx values must be in [-1, {E}); got min {int(tk.min())}, max {int(tk.max())}")
     try:
-        src = np.arange(S, dtype=np.int64) if src_ranks is None else np.asarray(src_ranks, dtype=np.int64)
+        given = None if src_ranks is None else np.asarray(src_ranks)
+        # (integers only: 0.5 was truncated to rank 0)
+        if given is not None and given.size and given.dtype.kind not in "iu":
+            raise TypeError
+        src = np.arange(S, dtype=np.int64) if given is None else given.astype(np.int64)
     except (TypeError, ValueError, OverflowError):
         raise TypeError(f"src_ranks must be integer ranks, got {src_ranks!r}") from None
     if src.shape != (S,) or (S and (int(src.min()) < 0 or int(src.max()) >= R)) or len(set(src.tolist())) != S:

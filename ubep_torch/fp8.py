@@ -11,9 +11,11 @@ DeepEP rounds in two slightly different ways, and each is kept here bit for bit:
 """
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Tuple
 
+import numpy as np
 import torch
 
 from .protocol import fresh
@@ -58,6 +60,8 @@ def _cast(x: torch.Tensor, round_scale: bool, helper: bool, out) -> Tuple[torch.
     where the C module has it (no float32 temporaries, whose fresh pages cost more than the arithmetic),
     else with torch operators; the two give the same bits (tests/test_fp8.py)."""
     _need_fp8()
+    if not isinstance(round_scale, (bool, np.bool_, numbers.Integral)):    # (a string was taken as True)
+        raise TypeError(f"round_scale must be True or False, got {round_scale!r}")
     if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
         raise TypeError(f"x must be a bf16, fp16, float32 or float64 tensor, got "
                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -67,6 +71,8 @@ def _cast(x: torch.Tensor, round_scale: bool, helper: bool, out) -> Tuple[torch.
         q = torch.empty(x.shape, dtype=FP8, device=x.device)
         sc = torch.empty(lead + (H // GROUP,), dtype=torch.float32, device=x.device)
     else:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+            raise TypeError(f"out must be a pair of tensors (fp8 values, float32 scales), got {out!r}"[:200])
         q, sc = out
         if q.dtype != FP8 or q.shape != x.shape or not q.is_contiguous() or sc.dtype != torch.float32 \
                 or tuple(sc.shape) != lead + (H // GROUP,) or not sc.is_contiguous() \
@@ -167,6 +173,8 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.
         ``[..., H]`` tensor of ``dtype``: every value times its group's scale, computed in float32.
     """
     _need_fp8()
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise TypeError(f"dtype must be a float dtype of 16 bits or more (the result's), got {dtype!r}")
     if not isinstance(x_fp8, torch.Tensor) or x_fp8.dtype != FP8:
         raise TypeError(f"x_fp8 must be a float8_e4m3fn tensor, got "
                         f"{x_fp8.dtype if isinstance(x_fp8, torch.Tensor) else type(x_fp8).__name__}")

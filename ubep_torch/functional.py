@@ -110,13 +110,16 @@ def _refuses_bad_input(fn):
     rank will not make the call its peers may be waiting in: tell them (``Buffer._refuse``)."""
     @functools.wraps(fn)
     def wrapper(buffer, *args, **kwargs):
-        attempts = getattr(buffer, "_seq", None)    # (a call it made, or refused itself, counts one)
+        from .buffer import Buffer
+        if not isinstance(buffer, Buffer):
+            raise TypeError(f"ubep_torch.functional.{fn.__name__}: buffer must be a ubep_torch.Buffer, got "
+                            f"{type(buffer).__name__}")
+        attempts = buffer._seq    # (a call it made, or refused itself, counts one)
         try:
             return fn(buffer, *args, **kwargs)
         except BaseException as e:
-            refuse = getattr(buffer, "_refuse", None)
-            if refuse is not None and buffer._seq == attempts and refusal(e):
-                refuse(fn.__name__)
+            if buffer._seq == attempts and refusal(e):
+                buffer._refuse(fn.__name__)
             raise
     return wrapper
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import zlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -204,13 +205,21 @@ class MoE(nn.Module):
             check_count("ubep_torch.nn.MoE: shared_expert_hidden", shared_expert_hidden)   # (0: none)
         if not isinstance(normalize_topk, (bool, np.bool_, numbers.Integral)):     # (as Buffer's flags)
             raise TypeError(f"ubep_torch.nn.MoE: normalize_topk must be True or False, got {normalize_topk!r}")
+        if isinstance(aux_loss_coef, (bool, np.bool_)) or not isinstance(aux_loss_coef, numbers.Real):
+            raise TypeError(f"ubep_torch.nn.MoE: aux_loss_coef must be a real number, got {aux_loss_coef!r}")
+        if not math.isfinite(aux_loss_coef):
+            raise ValueError(f"ubep_torch.nn.MoE: aux_loss_coef must be finite, got {aux_loss_coef!r}")
+        from .buffer import Buffer
+        if buffer is not None and not isinstance(buffer, Buffer):
+            raise TypeError(f"ubep_torch.nn.MoE: buffer must be a ubep_torch.Buffer or None, got "
+                            f"{type(buffer).__name__}")
         world = 1 if buffer is None else int(buffer.group_size)
         if num_experts % world:
             raise ValueError(f"ubep_torch.nn.MoE: num_experts={num_experts} is not divisible by the "
                              f"{world} ranks of the Buffer's group")
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.buffer = buffer if world > 1 else None
-        self.layout, self.expert_alignment, self.aux_loss_coef = layout, expert_alignment, aux_loss_coef
+        self.layout, self.expert_alignment, self.aux_loss_coef = layout, expert_alignment, float(aux_loss_coef)
         self.num_local_experts = num_experts // world
         self.expert_offset = 0 if self.buffer is None else int(buffer.rank) * self.num_local_experts
         self.router = Router(hidden, num_experts, top_k, router, normalize_topk)
@@ -311,6 +320,13 @@ def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:
     ranks of both. (Ranks ``g * E + i`` with EP groups of E consecutive ranks: ``dp_group`` of rank r is
     ``[r % E, r % E + E, ...]``.)
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"ubep_torch.nn.data_parallel_sync: module must be a torch.nn.Module, got "
+                        f"{type(module).__name__}")
+    for name, g in (("group", group), ("dp_group", dp_group)):
+        if g is not None and not isinstance(g, dist.ProcessGroup):
+            raise TypeError(f"ubep_torch.nn.data_parallel_sync: {name} must be None or a process group, got "
+                            f"{type(g).__name__}")
     world = dist.get_world_size(group)
     if world > 1:
         experts = _expert_parameters(module)
@@ -327,12 +343,22 @@ def _agreed_grads(params: list, group) -> list:
     """The gradients of those of ``params`` that a rank of ``group`` has one for, the same list on every rank:
     a rank that did not use a parameter this step (a branch its batch did not take) gets zeros for it, so
     the all-reduce adds the same tensors everywhere. Parameters no rank has a gradient for keep none."""
-    counts = torch.tensor([len(params), -len(params)], dtype=torch.int64)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
-    if counts[0] != -counts[1]:
+    # (agreed before any gradient is sent: the parameters' number, shapes and dtypes, and no sparse gradient;
+    # a flat all-reduce of tensors of other sizes aborts the process inside gloo)
+    shapes = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
+    sparse = int(any(p.grad is not None and p.grad.layout != torch.strided for p in params))
+    agree = torch.tensor([len(params), -len(params), shapes, -shapes, sparse], dtype=torch.int64)
+    dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=group)
+    if agree[0] != -agree[1]:
         raise ValueError(f"ubep_torch.nn.data_parallel_sync: the ranks' modules have different numbers of "
-                         f"parameters to average ({-int(counts[1])} to {int(counts[0])}); every rank must hold the "
+                         f"parameters to average ({-int(agree[1])} to {int(agree[0])}); every rank must hold the "
                          f"same model")
+    if agree[2] != -agree[3]:
+        raise ValueError("ubep_torch.nn.data_parallel_sync: the ranks' parameters to average differ in shape or "
+                         "dtype; every rank must hold the same model")
+    if agree[4]:
+        raise TypeError("ubep_torch.nn.data_parallel_sync: sparse gradients (nn.Embedding(sparse=True), say) are "
+                        "not averaged here; use dense ones")
     if not params:
         return []
     used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
