@@ -110,18 +110,26 @@ def _refuses_bad_input(fn):
     rank will not make the call its peers may be waiting in: tell them (``Buffer._refuse``)."""
     @functools.wraps(fn)
     def wrapper(buffer, *args, **kwargs):
-        from .buffer import Buffer
-        if not isinstance(buffer, Buffer):
-            raise TypeError(f"ubep_torch.functional.{fn.__name__}: buffer must be a ubep_torch.Buffer, got "
-                            f"{type(buffer).__name__}")
-        attempts = buffer._seq    # (a call it made, or refused itself, counts one)
+        check_buffer(buffer, f"ubep_torch.functional.{fn.__name__}")
+        attempts = getattr(buffer, "_seq", None)    # (a call it made, or refused itself, counts one)
         try:
             return fn(buffer, *args, **kwargs)
         except BaseException as e:
-            if buffer._seq == attempts and refusal(e):
-                buffer._refuse(fn.__name__)
+            refuse = getattr(buffer, "_refuse", None)
+            if refuse is not None and buffer._seq == attempts and refusal(e):
+                refuse(fn.__name__)
             raise
     return wrapper
+
+
+def check_buffer(buffer, where: str) -> None:
+    """``buffer`` has a Buffer's ``rank`` and ``group_size`` (a ``ubep_torch.Buffer``, or an object with its
+    API: these functions only call it); else TypeError naming ``where``."""
+    try:
+        int(buffer.rank), int(buffer.group_size)
+    except (AttributeError, TypeError, ValueError):
+        raise TypeError(f"{where}: buffer must be a ubep_torch.Buffer (or an object with its API), got "
+                        f"{type(buffer).__name__}") from None
 
 
 def _rank_and_size(buffer) -> tuple[int, int]:

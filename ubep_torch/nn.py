@@ -209,10 +209,8 @@ class MoE(nn.Module):
             raise TypeError(f"ubep_torch.nn.MoE: aux_loss_coef must be a real number, got {aux_loss_coef!r}")
         if not math.isfinite(aux_loss_coef):
             raise ValueError(f"ubep_torch.nn.MoE: aux_loss_coef must be finite, got {aux_loss_coef!r}")
-        from .buffer import Buffer
-        if buffer is not None and not isinstance(buffer, Buffer):
-            raise TypeError(f"ubep_torch.nn.MoE: buffer must be a ubep_torch.Buffer or None, got "
-                            f"{type(buffer).__name__}")
+        if buffer is not None:
+            F.check_buffer(buffer, "ubep_torch.nn.MoE")
         world = 1 if buffer is None else int(buffer.group_size)
         if num_experts % world:
             raise ValueError(f"ubep_torch.nn.MoE: num_experts={num_experts} is not divisible by the "
