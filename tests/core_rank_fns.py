@@ -337,6 +337,9 @@ def dispatch_variants(ctx, sync, seed=1, backend="auto"):
     nx, _, _, ncounts, _, _ = buf.dispatch(x, is_token_in_rank=itr, num_tokens_per_rank=ntpr,
                                            num_tokens_per_expert=ntpe, expert_alignment=4)
     assert torch.equal(nx, recv_x) and ncounts == counts, (ncounts, counts)
+    # and with neither, they are unknown: an empty list (former bug: [0] * E_local, as if nothing had come)
+    nx, _, _, ncounts, _, _ = buf.dispatch(x, is_token_in_rank=itr, num_tokens_per_rank=ntpr)
+    assert torch.equal(nx, recv_x) and ncounts == [], ncounts
     # combine with bias and weights
     bias = torch.randn(T, H, generator=g)
     comb, cw, _ = buf.combine(recv_x, handle, topk_weights=recv_w, bias=(bias, None))

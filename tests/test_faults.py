@@ -502,6 +502,7 @@ def test_too_little_shared_memory_is_an_error_when_the_buffer_is_built(tmp_path)
     with RankPool(2, env=env) as pool:
         for name, msg, _ in pool.run(FR.build_on_full_tmpfs, "all", timeout_s=60):
             assert name == "RuntimeError" and "bytes of shared memory" in msg and "UBEP_SHM_DIR" in msg, msg
+            assert "shm_dir=" in msg, msg       # (the constructor's argument too, not only the variable)
         assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
         # rank 1 alone: rank 0 learns why in the set-up exchange instead of waiting for its deadline
         (name0, msg0, took0), (name1, msg1, _) = pool.run(FR.build_on_full_tmpfs, "one", timeout_s=60)

@@ -1556,7 +1556,8 @@ class Buffer:
             num_experts: E when ``num_tokens_per_expert`` is not given.
         Returns:
             ``(recv_x, recv_topk_idx [N, K] int64 local ids or -1, recv_topk_weights [N, K] (0 where -1),
-            num_recv_tokens_per_expert_list (list of E_local ints), handle, event)``; cached mode returns
+            num_recv_tokens_per_expert_list (list of E_local ints; empty with num_worst_tokens, or without
+            topk_idx and num_tokens_per_expert), handle, event)``; cached mode returns
             ``(recv_x, None, None, None, None, event)``.
         """
         self._check_usable()
@@ -1724,7 +1725,7 @@ class Buffer:
         if K:   # global expert ids -> this rank's local ids (-1 for -1, other ranks' experts and unused rows)
             recv_topk_idx, recv_topk_weights = self.engine.local_topk(
                 recv_meta, K, None if weights is None else weights.dtype, self.rank * E_local, E_local, num_recv)
-        if num_worst_tokens:
+        if num_worst_tokens or ntpe is None:   # (no routing and no per-expert counts: they are unknown)
             count_list: List[int] = []
         else:
             per_expert = list(recv["counts"][0])

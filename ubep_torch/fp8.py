@@ -223,6 +223,6 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
         raise TypeError("calc_diff takes two tensors")
     if x.shape != y.shape:
         raise ValueError(f"calc_diff: shapes differ, {tuple(x.shape)} and {tuple(y.shape)}")
-    a, b = x.double() + 1, y.double() + 1
+    a, b = x.detach().double() + 1, y.detach().double() + 1   # (detached: a float of a graph warns)
     den = (a * a + b * b).sum()
     return float(1 - 2 * (a * b).sum() / den)

@@ -136,7 +136,8 @@ class RankPool:
                 elapsed = time.monotonic() - start
                 why = {r: f"its process exited (code {code}) before answering: it crashed or was killed in the "
                           f"function, or, at start-up, could not import it (define it in a module or a script file, "
-                          f"not in an interactive session or a script read from stdin)" for r, code in dead.items()}
+                          f"not in an interactive session or a script read from stdin, and in a script start the pool "
+                          f"under `if __name__ == \"__main__\":`)" for r, code in dead.items()}
                 why.update({r: f"still running {elapsed:.1f} s into the call when rank(s) {sorted(dead)} died; "
                                f"stopped with the pool" if dead else f"no answer within {limit}s"
                             for r in missing if r not in dead})

@@ -332,7 +332,8 @@ class SymmetricHeap:
         return RuntimeError(
             f"ubep_torch needs {total} bytes of shared memory in {self.directory} "
             f"({self.world_size} ranks x {self.segment_bytes} bytes) but only {free} are "
-            f"free. Point UBEP_SHM_DIR at a larger tmpfs, enlarge /dev/shm (docker: --shm-size), or "
+            f"free. Point UBEP_SHM_DIR (or Buffer(shm_dir=...)) at a larger tmpfs, enlarge /dev/shm (docker: "
+            f"--shm-size), or "
             f"create the Buffer with smaller num_nvl_bytes/num_rdma_bytes.")
 
     def _create_segment(self, group_token: bytes, path: Optional[str] = None) -> tuple:
