@@ -323,6 +323,9 @@ _TK = make_routing(4, 8, 2, 8, seed=1)          # [4 ranks, 8 tokens, top-2] ove
      "world_size"),
     (lambda: simulate("dispatch", "ubep", _TK.to("meta"), 8, 100), ValueError, "meta"),
     (lambda: CostModel().report("dispatch", 0, 4, _TK[0, 0], 8, 128), ValueError, r"\[T, K\]"),
+    # (former bugs: KeyError, AttributeError)
+    (lambda: format_report({}), TypeError, "format_report takes a report"),
+    (lambda: format_report({"ubep": {}, "cann_ep": {}, "reduction": 0.5}), TypeError, "format_report takes"),
     # (former bug: fractional ranks were truncated, 0.5 to rank 0)
     (lambda: simulate("dispatch", "ubep", _TK[:2], 8, 100, world_size=4, src_ranks=[0.5, 1.5]), TypeError,
      "src_ranks"),

@@ -212,6 +212,9 @@ def bad_case(ctx, sync, kind):
         "ll layout edited": ll_layout_edited,
         "cost model str": lambda: buf.set_cost_model("not a model"),
         "count group past the model": count_group_past_the_model,
+        # (former bug: torch's allocation error of terabytes, or an allocation that succeeded lazily)
+        "alignment past memory": lambda: buf.dispatch(x, topk_idx=topk, num_experts=E, layout="expert_major",
+                                                      expert_alignment=1 << 40),
         "on_report not callable": lambda: buf.set_cost_model(None, on_report=3),
     }
     fn = cases[kind]
@@ -360,7 +363,7 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
              "tuple rank mask edited", "tuple source index edited", "ll layout edited", "cost model str",
              "on_report not callable", "sparse ll weights", "sparse combine bias", "sparse bias in a pair",
              "sparse x", "sparse ll out", "sparse ll stats", "nested x", "nested ll weights", "ll zero_copy str",
-             "ll combine hook str", "count group past the model",
+             "ll combine hook str", "count group past the model", "alignment past memory",
              "ll dispatch hook str", "worst True", "alignment True", "ll N True", "bias triple",
              "layout async str", "dispatch async str", "dispatch comm stream None", "combine async str"]
 
@@ -373,6 +376,7 @@ BAD_SAYS = {**{k: "must be True or False" for k in ("layout async str", "dispatc
             "experts per rank": "control message", "ll layout edited": "changed after",
             "ll clean too big": "too small for", "worst past int64": "num_worst_tokens",
             "count group past the model": "a count group takes at most 47",
+            "alignment past memory": "more than this machine's memory",
             **{k: "previous_event must be" for k in ("layout event str", "dispatch event str", "combine event str")},
             **{k: "layout torch.sparse_coo" for k in ("sparse ll weights", "sparse combine bias",
                                                        "sparse bias in a pair", "sparse x", "sparse ll out",

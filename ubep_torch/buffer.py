@@ -349,6 +349,14 @@ def _event(async_finish) -> EventOverlap:
     return EventOverlap(EventHandle() if async_finish else None)
 
 
+def _physical_memory() -> int:
+    """Bytes of this machine's memory (no limit where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
 def _check_count_aivs(n: Optional[int], cost_model, what: str) -> None:
     """A count group of ``n`` AIVs is one the cost model can report: fewer than its die's AIVs (the token
     group needs one); else ValueError (every call's report would fail)."""
@@ -1775,6 +1783,11 @@ class Buffer:
         """Token-Reordering into UBEP's expert-major layout (local gather after the exchange)."""
         E_local = h.num_experts // self.group_size
         idx = recv_topk_idx[:num_recv]
+        # bytes of one padded row in the outputs (rows, its index, expert id and weight): a padding past the
+        # machine's memory is refused before it is allocated
+        xs = out_x if isinstance(out_x, tuple) else (out_x,)
+        row_bytes = sum(t.shape[1] * t.element_size() for t in xs) + 24
+        limit, total = _physical_memory(), 0
         rows_list, expert_list, weight_list, counts = [], [], [], []
         for e in range(E_local):
             r, k = (idx == e).nonzero(as_tuple=True)
@@ -1789,6 +1802,11 @@ class Buffer:
                 r = r[first]
             n = r.numel()
             pad = -(-n // alignment) * alignment - n
+            total += n + pad
+            if total * row_bytes > limit:
+                raise ValueError(f"expert_alignment={alignment} pads the expert-major layout to {total} rows or more "
+                                 f"({total * row_bytes} bytes), more than this machine's memory ({limit} bytes); the "
+                                 f"call completed on every rank and the Buffer stays usable")
             rows_list.append(torch.cat([r, torch.full((pad,), -1, dtype=torch.int64)]))
             expert_list.append(torch.cat([torch.full((n,), e, dtype=torch.int64),
                                           torch.full((pad,), -1, dtype=torch.int64)]))

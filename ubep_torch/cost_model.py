@@ -37,6 +37,7 @@ appears (as ``cal_cumsum``; its own span is in ``Report.overlapped_us``). Every 
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -645,6 +646,10 @@ class CostModel:
 
 def format_report(rep: dict) -> str:
     """One readable paragraph for a ``{"ubep", "cann_ep", "reduction"}`` report."""
+    if not (isinstance(rep, dict) and isinstance(rep.get("ubep"), Report) and isinstance(rep.get("cann_ep"), Report)
+            and isinstance(rep.get("reduction"), numbers.Real)):
+        raise TypeError("format_report takes a report as compare(), run_case() or CostModel.report() return it: "
+                        "{'ubep': Report, 'cann_ep': Report, 'reduction': float, ...}")
     u, c = rep["ubep"], rep["cann_ep"]
 
     def ph(r: Report) -> str:
