@@ -22,11 +22,12 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+from ubep_torch.testing import join_group, rendezvous_store
 
 OPS = ("normal", "ll", "ll_hook")
 
@@ -116,12 +117,6 @@ class Outcome:
         return problems
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _make_inputs(rank: int, call: int, E: int, T: int, H: int, K: int):
     import torch
 
@@ -162,8 +157,7 @@ def _rank_main(rank: int, world: int, port: int, shm_dir: str, sc: Scenario, q) 
         kw.setdefault("time", time.time())
         q.put((rank, kw))
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
+    join_group(port, rank, world, timeout=datetime.timedelta(seconds=20))
     E, N, H = 2 * world, 8, 128
     victim = rank == sc.victim
     if sc.fault in ("setup_kill", "setup_stall_kill") and victim:
@@ -240,7 +234,8 @@ def run_scenario(world: int, sc: Scenario, shm_dir: str, exit_timeout_s: Optiona
     """Run one scenario in fresh processes and report what happened (see the module docstring)."""
     ctx = _context(sc.reap)
     q = ctx.Queue()
-    port = _free_port()
+    store = rendezvous_store()      # (held until the scenario's processes are done)
+    port = store.port
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, shm_dir, sc, q), daemon=True)
              for r in range(world)]
     out = Outcome(sc, world)

@@ -146,7 +146,8 @@ _SETUP_RANK = """
 import os, sys, time
 import torch.distributed as dist
 rank = int(sys.argv[1])
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2)
+from ubep_torch.testing import join_group
+join_group(int(sys.argv[2]), rank, 2)
 from ubep_torch import Buffer
 if rank == 1:
     time.sleep(8)
@@ -162,7 +163,9 @@ def test_ctrl_c_ends_a_setup_wait_at_once(tmp_path):
     import signal
     import time
     env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE), UBEP_SHM_DIR=str(tmp_path))
-    port = str(FR._free_port())
+    from ubep_torch.testing import rendezvous_store
+    store = rendezvous_store()     # (held until the ranks are done)
+    port = str(store.port)
     # (Ctrl-C's default action restored in the ranks: a shell running this suite in the background ignores
     # SIGINT, the ranks would inherit that, and Python then installs no KeyboardInterrupt handler)
     ranks = [subprocess.Popen([sys.executable, "-c", _SETUP_RANK, str(r), port], env=env, text=True,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Mapping
@@ -39,10 +38,19 @@ class RankFailure(RuntimeError):
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store():
+    """A ``TCPStore`` server on a port the system picks, held by the caller for its ranks to meet through
+    (``join_group``). Picking a free port and binding it later in a rank races other processes for it
+    (``EADDRINUSE`` now and then); the store keeps the port from the start."""
+    from torch.distributed import TCPStore
+    return TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+
+
+def join_group(port: int, rank: int, world_size: int, **kwargs) -> None:
+    """``init_process_group("gloo")`` of a rank through the ``rendezvous_store`` listening on ``port``."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", port, None, False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, **kwargs)
 
 
 def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str, str]) -> None:
@@ -51,8 +59,7 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str,
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
+    join_group(port, rank, world_size)
     ctx = RankContext(rank, world_size, dist.group.WORLD)
     while True:
         msg = inbox.get()
@@ -93,7 +100,8 @@ class RankPool:
         self._call = 0          # (every call's results carry its number: a late one of an earlier call is dropped)
         self._closed: Optional[str] = None      # why the pool can no longer run anything
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        self._store = rendezvous_store()     # (held while the pool lives: the ranks' group meets through it)
+        port = self._store.port
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         base_env = {"OMP_NUM_THREADS": "1"}
@@ -177,16 +185,17 @@ def run_torchrun(script: str, args: Optional[List[str]] = None, nproc: int = 2, 
     """Run ``script`` under ``torchrun`` on ``nproc`` local ranks and return the CompletedProcess.
 
     The launcher gets its own process group, so a timeout kills every rank it started (a killed torchrun
-    alone would leave its workers behind), a fixed loopback rendezvous port, and a temporary directory of
-    its own (``TMPDIR``), removed afterwards: torchrun leaves a ``torchelastic_*`` log directory there.
+    alone would leave its workers behind), a rendezvous port it binds itself (``--standalone``: a port picked
+    here and bound there later could be taken in between), and a temporary directory of its own
+    (``TMPDIR``), removed afterwards: torchrun leaves a ``torchelastic_*`` log directory there.
     """
     import signal
     import subprocess
     import sys
     import tempfile
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), script] + list(args or [])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           script] + list(args or [])
     with tempfile.TemporaryDirectory(prefix="ubep-torchrun-") as tmp:
         full_env = dict(os.environ, OMP_NUM_THREADS="1")
         full_env.update(env or {})
