@@ -47,7 +47,7 @@ from .errors import (
 )
 from .fp8 import FP8, low_latency_cast_to_fp8, pack_ue8m0
 from .ugas import SymmetricHeap, refuse_setup
-from .utils import Config, EventHandle, EventOverlap, TensorCache, check_count, check_host
+from .utils import Config, EventHandle, EventOverlap, TensorCache, check_count, check_flag, check_host
 
 _AUX_REGIONS = 8          # region ids that have an ack table
 _MAX_LL_BUFFERS = 8       # receive buffers (halves) a low-latency region may have, each with its acks
@@ -366,19 +366,19 @@ def _check_count_aivs(n: Optional[int], cost_model, what: str) -> None:
                          f"{per_die - 1} (the token group needs one)")
 
 
-def _other_barrier(word: int, call: int, kind: int) -> bool:
-    """Is ``word`` a SyncAll word (see ``Buffer._sync_all``) of call ``call`` in another operation than
-    ``kind``? (A word of no barrier is 0: its index is 0.)"""
-    return word >> 24 == call and word & ((1 << _BARRIER_KIND_SHIFT) - 1) > 0 and \
-        word >> _BARRIER_KIND_SHIFT & 0xF != kind
+def _other_barriers(words: Sequence[int], ranks, call: int, kind: int) -> dict:
+    """``{rank: operation}`` for the ranks among ``ranks`` whose SyncAll word (``words[rank]``, see
+    ``Buffer._sync_all``) is one of call ``call`` in another operation than ``kind``. (A word of no barrier
+    is 0: its index is 0.)"""
+    return {r: words[r] >> _BARRIER_KIND_SHIFT & 0xF for r in ranks
+            if words[r] >> 24 == call and words[r] & ((1 << _BARRIER_KIND_SHIFT) - 1) > 0
+            and words[r] >> _BARRIER_KIND_SHIFT & 0xF != kind}
 
 
 def _check_flags(**flags) -> None:
-    """Flags must be bools (or numpy bools or ints, as DeepEP's binding converts them): a string or None would
-    be taken as True or False by its truth value."""
+    """Every flag passes ``check_flag``."""
     for name, flag in flags.items():
-        if not isinstance(flag, (bool, np.bool_, numbers.Integral)):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
+        check_flag(name, flag)
 
 
 def _group_global_ranks(group) -> List[int]:
@@ -1009,8 +1009,7 @@ class Buffer:
         another operation than ``kind`` (see ``_sync_all``)."""
         call, R = self._active_call, self.group_size
         off = (_SYNC_ROW + call % _SYNC_SLOTS) * R
-        vals = self._aux_words[off:off + R].tolist()
-        return {s: vals[s] >> _BARRIER_KIND_SHIFT & 0xF for s in missing if _other_barrier(vals[s], call, kind)}
+        return _other_barriers(self._aux_words[off:off + R].tolist(), missing, call, kind)
 
     def _raise_mismatch(self, kind: int, other: dict, phase: str, missing: Sequence[int]) -> None:
         """The operation-mismatch error (breaking the Buffer): this rank's call is operation ``kind``, the
@@ -1062,7 +1061,7 @@ class Buffer:
         def poll():
             vals = words[off:off + R].tolist()
             missing = [r for r in range(R) if vals[r] < word]
-            other = {r: vals[r] >> _BARRIER_KIND_SHIFT & 0xF for r in range(R) if _other_barrier(vals[r], call, kind)}
+            other = _other_barriers(vals, range(R), call, kind)
             if not other and missing and look_ahead and next(polls) >= _POLLS_BEFORE_REGION_CHECK:
                 ahead = self._calls_ahead(missing)
                 # (as in ``_same_call``: a rank may have stored its word and moved on since ``vals`` was read)

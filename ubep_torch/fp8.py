@@ -11,14 +11,13 @@ DeepEP rounds in two slightly different ways, and each is kept here bit for bit:
 """
 from __future__ import annotations
 
-import numbers
 import os
 from typing import Tuple
 
-import numpy as np
 import torch
 
 from .protocol import fresh
+from .utils import check_flag
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0           # the largest finite float8_e4m3fn value
@@ -60,8 +59,7 @@ def _cast(x: torch.Tensor, round_scale: bool, helper: bool, out) -> Tuple[torch.
     where the C module has it (no float32 temporaries, whose fresh pages cost more than the arithmetic),
     else with torch operators; the two give the same bits (tests/test_fp8.py)."""
     _need_fp8()
-    if not isinstance(round_scale, (bool, np.bool_, numbers.Integral)):    # (a string was taken as True)
-        raise TypeError(f"round_scale must be True or False, got {round_scale!r}")
+    check_flag("round_scale", round_scale)     # (a string was taken as True)
     if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
         raise TypeError(f"x must be a bf16, fp16, float32 or float64 tensor, got "
                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")

@@ -28,7 +28,7 @@ from torch import nn
 
 from . import functional as F
 from .errors import refusal
-from .utils import check_count
+from .utils import check_count, check_flag
 
 __all__ = ["GroupedSwiGLU", "MoE", "Router", "SwiGLU", "data_parallel_sync", "is_expert_parameter"]
 
@@ -203,8 +203,7 @@ class MoE(nn.Module):
             check_count(f"ubep_torch.nn.MoE: {name}", value, least)
         if shared_expert_hidden is not None:
             check_count("ubep_torch.nn.MoE: shared_expert_hidden", shared_expert_hidden)   # (0: none)
-        if not isinstance(normalize_topk, (bool, np.bool_, numbers.Integral)):     # (as Buffer's flags)
-            raise TypeError(f"ubep_torch.nn.MoE: normalize_topk must be True or False, got {normalize_topk!r}")
+        check_flag("ubep_torch.nn.MoE: normalize_topk", normalize_topk)     # (as Buffer's flags)
         if isinstance(aux_loss_coef, (bool, np.bool_)) or not isinstance(aux_loss_coef, numbers.Real):
             raise TypeError(f"ubep_torch.nn.MoE: aux_loss_coef must be a real number, got {aux_loss_coef!r}")
         if not math.isfinite(aux_loss_coef):

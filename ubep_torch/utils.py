@@ -1,11 +1,13 @@
 """DeepEP-compatible helper types: ``Config`` and ``EventOverlap``, and argument checks."""
 from __future__ import annotations
 
+import numbers
 import operator
 import os
 import sys
 from typing import Any, Optional, Tuple
 
+import numpy as np
 import torch
 
 
@@ -15,6 +17,13 @@ def check_host(what: str, t) -> None:
     if isinstance(t, torch.Tensor) and not t.is_cpu:
         raise ValueError(f"ubep_torch: {what} is a {t.device.type} tensor; the shared-memory UGAS moves host "
                          f"memory, so pass CPU tensors")
+
+
+def check_flag(name: str, value) -> None:
+    """``value`` is a bool (or a numpy bool or an int, as DeepEP's binding converts flags): a string or None would
+    be taken as True or False by its truth value; TypeError naming ``name`` otherwise."""
+    if not isinstance(value, (bool, np.bool_, numbers.Integral)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def check_count(name: str, value, minimum: int = 0) -> int:
