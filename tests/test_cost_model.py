@@ -193,6 +193,8 @@ def test_cost_model_hook_reports_one_ranks_call() -> None:
     assert "UBEP" in text and "CANN EP" in text and f"{rep['ubep'].total_us:.1f}" in text
     comb = cm.report("combine", 0, 2, tk, 64, H)
     assert comb["cann_ep"].kind == "combine"
+    with pytest.raises(ValueError, match="sync"):      # (an empty sync name fell back to the model's own)
+        cm.report("dispatch", 3, 8, tk, 64, H, sync="")
     t0 = time.perf_counter()
     for _ in range(20):
         cm.report("dispatch", 3, 8, tk, 64, H, DISPATCH_BYTES)
@@ -256,7 +258,8 @@ def test_cli_sweep_json_is_only_json() -> None:
     assert bad.returncode == 2 and "no such directory" in bad.stderr
     # (former bugs: tracebacks for a sweep's seed out of range and for a file format matplotlib lacks)
     for args, what in ((("fig10", "--seed", "-5"), "--seed"), (("batch", "--seed", str(1 << 70)), "--seed"),
-                       (("fig10", "--plot", os.path.join(REPO, "x.xyz")), ".png")):
+                       (("fig10", "--plot", os.path.join(REPO, "x.xyz")), ".png"),
+                       (("fig10", "--plot", ""), "--plot")):    # (an empty name was ignored)
         bad = _cli("sweep", *args)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr and what in bad.stderr, bad.stderr
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -560,11 +561,13 @@ def test_rank_pool_reports_a_rank_process_that_died_at_once():
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with pytest.raises(ValueError, match="world_size"):
         RankPool(0)
+    with pytest.raises(TypeError, match="world_size"):
+        RankPool(2.0)
     with pytest.raises(TypeError, match="timeout_s"):
         RankPool(2, timeout_s="60")
     with pytest.raises(TypeError, match="env"):
         RankPool(2, env={"A": 1})
-    with RankPool(2, env=env, timeout_s=60) as pool:
+    with RankPool(np.int64(2), env=env, timeout_s=60) as pool:     # (a numpy integer was refused)
         assert pool.run(FR.exit_on_rank, -1, 0) == [0, 1]
         # (former bug: a bad timeout_s failed after the ranks had the call, whose results the next run took)
         for bad in ("x", -1, float("nan")):

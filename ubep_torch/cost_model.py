@@ -633,7 +633,7 @@ class CostModel:
             raise ValueError(f"topk_idx must be this rank's [T, K] routing, got shape {tk.shape}")
         topo = Topology.for_ranks(world_size, min(self.ranks_per_node, max(2, world_size + world_size % 2)))
         out = compare(kind, tk[None], num_experts, nbytes, world_size=world_size, src_ranks=[rank],
-                      topology=topo, params=self.params, sync=sync or self.sync,
+                      topology=topo, params=self.params, sync=self.sync if sync is None else sync,
                       mapping=self.mapping if mapping is None else mapping,
                       n_count=self.n_count if n_count is None else n_count)
         out["kind"] = kind

@@ -21,6 +21,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional
 
 from .protocol import check_deadline
+from .utils import check_count
 
 
 @dataclass
@@ -90,8 +91,7 @@ class RankPool:
     """``world_size`` persistent gloo ranks. Use as a context manager or call :meth:`close`."""
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, env: Optional[Dict[str, str]] = None):
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        world_size = check_count("world_size", world_size, 1)     # (a numpy integer too)
         if env is not None and not (isinstance(env, Mapping) and
                                     all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
             raise TypeError(f"env must map variable names to strings, got {env!r}")

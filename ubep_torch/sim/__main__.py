@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--json", action="store_true", help="print one JSON object (no tables)")
     args = parser.parse_args(argv)
     if args.cmd == "sweep":
+        if args.plot is not None and not args.plot.strip():
+            sw.error("--plot needs a file name (e.g. --plot breakdown.png)")
         if args.plot:
             if not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
                 sw.error(f"--plot {args.plot}: no such directory")
