@@ -154,6 +154,12 @@ def test_dc_is_slowest_at_small_units_and_sp_fastest() -> None:
     assert t["dc"] > t["tff"] > t["sp"]
     cann = simulate("combine", "cann_ep", tk, 16, 2048, topology=topo).total_us
     assert max(t.values()) < cann
+    # SP's re-arm of each consumed block is a parameter of its own (it was a constant in the schedule)
+    from ubep_torch.topology import CM384
+    costly = CM384.with_(sp_rearm_share=20.0)
+    for s in ("tff", "sp"):
+        t2 = simulate("combine", "ubep", tk, 16, 2048, topology=topo, sync=s, params=costly).total_us
+        assert (t2 > t[s]) if s == "sp" else (t2 == t[s]), (s, t2, t[s])
 
 
 def test_best_count_group_shrinks_with_batch_and_grows_with_ranks() -> None:

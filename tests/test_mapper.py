@@ -142,3 +142,13 @@ def test_default_count_aivs_follows_appendix9() -> None:
     assert by_experts == sorted(by_experts) and by_experts[-1] > by_experts[0]
     assert default_count_aivs(10_000, 1, 1, 48) == 24          # clamped to n // 2
     assert default_count_aivs(1, 8, 1024, 48) == 1             # at least one
+    # the integer beside the estimate that better meets min max(T_count, T_token): an estimate of 1.4
+    # (48 ranks, one expert each, batch 64 at the model's ratio) rounded to 1 AIV, whose count work
+    # then took 1.4x the sending; 2 AIVs take 0.7x of it
+    ratio = 1.4 * 8 * 64 / (48 * 48)
+    assert default_count_aivs(48, 8, 64, 48, ratio) == 2
+    assert default_count_aivs(48, 8, 64, 48, 1.0 * 8 * 64 / (48 * 48)) == 1     # exactly 1: 1
+    from ubep_torch.sim import run_case
+    picked = run_case("dispatch", 48, 64, 7168, 8, 48)["ubep"]
+    assert picked.n_count == 2, picked.n_count
+    assert picked.total_us <= run_case("dispatch", 48, 64, 7168, 8, 48, count_aivs=1)["ubep"].total_us

@@ -359,7 +359,7 @@ def _ubep(kind: str, c: _Copies, B: int, K: int, world: int, num_experts: int, b
         overlapped["count_group"] = t_off - p.launch_us
         free = np.concatenate([tok_done, np.repeat(t_off[:, None], n_cnt, 1)], axis=1)
     nb = _blocks(bytes_per_token, sync, p)
-    check = {"tff": 1.0, "sp": 1.5, "dc": 1.0, "sw": 1.0}[sync] * p.block_check_us
+    check = p.block_check_us * (1.0 + p.sp_rearm_share if sync == "sp" else 1.0)   # (SP re-arms the block)
     if kind == "low_latency_dispatch":
         work = sr.blocks_recv[ranks] * check
     elif dispatch:

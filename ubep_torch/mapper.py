@@ -26,6 +26,8 @@ experts live on the same die and node, often all one-hop or all two-hop.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -233,9 +235,19 @@ def default_count_aivs(
         n_aivs: ``n``, all AIVs of a die.
         beta_over_alpha: ratio of the per-expert count cost to the per-copy sending cost.
     Returns:
-        ``n_count`` rounded to nearest, clamped to ``[1, n // 2]``.
+        the integer next to the estimate, below or above it, that better meets the appendix's objective
+        ``min max(T_count, T_token)`` with its linear costs (``T_count ~ beta * N_exp / n_count``,
+        ``T_token ~ alpha * K_top * B_sz / (n - n_count)``), clamped to ``[1, n // 2]``. (Rounding the
+        estimate to nearest can starve the count group: 1.4 rounds to 1, whose count work then takes 1.4x
+        the sending, where 2 AIVs take 0.7x of it and slow the sending by 1/n.)
     """
     load = max(1, int(topk) * int(batch))
     n = int(n_aivs)
     est = beta_over_alpha * n * int(num_experts) / load
-    return int(min(max(1, round(est)), max(1, n // 2)))
+    top = max(1, n // 2)
+
+    def worst(nc: int) -> float:     # max(T_count, T_token) / alpha
+        return max(beta_over_alpha * int(num_experts) / nc, load / max(n - nc, 1))
+    lo = int(min(max(1, math.floor(est)), top))
+    hi = int(min(max(1, math.ceil(est)), top))
+    return lo if worst(lo) <= worst(hi) else hi

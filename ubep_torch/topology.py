@@ -128,7 +128,10 @@ class CM384Params:
         ``cumsum_us_per_entry``: CalCumSum work per (source rank, local expert) count entry.
         ``qs_step_us``: one quaternary-search step of the mapper (paper: 4-5 steps, < 1 µs).
         ``block_check_us``: receiver-side verification of one DataBlock (flag compare / DC marker sum /
-        SP re-arm), folded into the reorder read.
+        sentinel compare), folded into the reorder read.
+        ``sp_rearm_share``: what Sentinel Polling adds to that per block, as a share of it: the receiver
+        also stores the sentinel back into every block it consumed (paper section 3.4: SP "necessitates
+        active resetting of the receive buffer"), a store beside the check's load. Set, not fitted.
     """
 
     hop_latency_us: dict[int, float] = field(default_factory=lambda: {
@@ -162,6 +165,7 @@ class CM384Params:
     cumsum_us_per_entry: float = 0.04  # CalCumSum per (source, local expert) entry
     qs_step_us: float = 0.15           # CAL lines 30-31: 4-5 quaternary-search steps in under 1 us
     block_check_us: float = 0.004      # receiver check of one DataBlock (flag / marker / sentinel)
+    sp_rearm_share: float = 0.5        # SP's re-arm store of a consumed block, as a share of block_check_us
 
     def with_(self, **kw) -> CM384Params:
         """A copy with some fields replaced (for sweeps and what-if studies)."""
