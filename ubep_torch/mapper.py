@@ -27,7 +27,6 @@ experts live on the same die and node, often all one-hop or all two-hop.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
