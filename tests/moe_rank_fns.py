@@ -550,6 +550,18 @@ def rank_dp_sync_mismatched_models(ctx) -> list:
             out.append((name, "ok"))
         except (ValueError, TypeError) as e:
             out.append((name, type(e).__name__, "differ" in str(e) or "sparse" in str(e)))
+    # a bad module on one rank only: that rank raises its error, the others a ValueError naming it (they
+    # waited in the all-reduce for gloo's 30-minute timeout before)
+    good = torch.nn.Linear(4, 3)
+    good(torch.ones(2, 4)).sum().backward()
+    meta = torch.nn.Linear(4, 3, device="meta")
+    for name, bad in (("none", None), ("meta", meta)):
+        try:
+            unn.data_parallel_sync(bad if ctx.rank == 1 else good, ctx.group)
+            out.append((name, "ok"))
+        except (ValueError, TypeError) as e:
+            out.append((name, type(e).__name__, "rank(s) [1]" in str(e) if ctx.rank == 0 else "module" in str(e)
+                        or "host memory" in str(e)))
     t = torch.ones(1)
     dist.all_reduce(t, group=ctx.group)
     out.append(float(t))

@@ -175,12 +175,15 @@ def test_data_parallel_sync_with_branches_some_ranks_did_not_use(pool):
 
 
 def test_data_parallel_sync_refuses_models_that_differ_between_ranks(pool):
-    """(former bug: parameters of other sizes or dtypes on one rank aborted the processes inside gloo's
-    all-reduce; sparse gradients raised torch's RuntimeError)"""
-    for r in pool.run(M.rank_dp_sync_mismatched_models):
+    """(former bugs: parameters of other sizes or dtypes on one rank aborted the processes inside gloo's
+    all-reduce; sparse gradients raised torch's RuntimeError; a bad module on one rank left the others
+    waiting in the all-reduce)"""
+    for rank, r in enumerate(pool.run(M.rank_dp_sync_mismatched_models)):
         assert r[:3] == [("size", "ValueError", True), ("dtype", "ValueError", True),
                          ("sparse", "TypeError", True)], r
-        assert r[3] == 2.0, r
+        assert r[3:5] == ([("none", "ValueError", True), ("meta", "ValueError", True)] if rank == 0 else
+                          [("none", "TypeError", True), ("meta", "ValueError", True)]), r
+        assert r[5] == 2.0, r
 
 
 def test_moe_and_data_parallel_sync_name_bad_arguments():

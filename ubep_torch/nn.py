@@ -19,6 +19,7 @@ import math
 import numbers
 import zlib
 from collections.abc import Mapping, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
@@ -317,35 +318,62 @@ def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:
     ranks of both. (Ranks ``g * E + i`` with EP groups of E consecutive ranks: ``dp_group`` of rank r is
     ``[r % E, r % E + E, ...]``.)
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"ubep_torch.nn.data_parallel_sync: module must be a torch.nn.Module, got "
-                        f"{type(module).__name__}")
     for name, g in (("group", group), ("dp_group", dp_group)):
+        # (no group to tell the others through: a rank given another group cannot reach theirs)
         if g is not None and not isinstance(g, dist.ProcessGroup):
             raise TypeError(f"ubep_torch.nn.data_parallel_sync: {name} must be None or a process group, got "
                             f"{type(g).__name__}")
+    # a bad module on one rank is told to the others in the first agreement below, so they raise too
+    # instead of waiting in an all-reduce that rank never joins
+    bad: Optional[Exception] = None
+    if not isinstance(module, nn.Module):
+        bad = TypeError(f"ubep_torch.nn.data_parallel_sync: module must be a torch.nn.Module, got "
+                        f"{type(module).__name__}")
+    else:
+        off = next((n for n, p in module.named_parameters() if p.device.type != "cpu"
+                    or (p.grad is not None and p.grad.device.type != "cpu")), None)
+        if off is not None:
+            bad = ValueError(f"ubep_torch.nn.data_parallel_sync: parameter {off!r} (or its gradient) is not in host "
+                             f"memory; the gloo all-reduce averages CPU tensors")
+    if bad is not None and not dist.is_initialized():
+        raise bad
     world = dist.get_world_size(group)
+    replicas = 1 if dp_group is None else dist.get_world_size(dp_group)
+    if bad is not None and world == 1 and replicas == 1:
+        raise bad
     if world > 1:
-        experts = _expert_parameters(module)
-        _average(_agreed_grads([p for p in module.parameters() if id(p) not in experts], group), group, world)
+        experts = set() if bad is not None else _expert_parameters(module)
+        params = [] if bad is not None else [p for p in module.parameters() if id(p) not in experts]
+        _average(_agreed_grads(params, group, bad), group, world)
         for p in module.parameters():
             if p.grad is not None and id(p) in experts:
                 p.grad /= world
-    replicas = 1 if dp_group is None else dist.get_world_size(dp_group)
     if replicas > 1:
-        _average(_agreed_grads(list(module.parameters()), dp_group), dp_group, replicas)
+        _average(_agreed_grads([] if bad is not None else list(module.parameters()), dp_group, bad), dp_group,
+                 replicas)
 
 
-def _agreed_grads(params: list, group) -> list:
+def _agreed_grads(params: list, group, bad: Optional[Exception] = None) -> list:
     """The gradients of those of ``params`` that a rank of ``group`` has one for, the same list on every rank:
     a rank that did not use a parameter this step (a branch its batch did not take) gets zeros for it, so
-    the all-reduce adds the same tensors everywhere. Parameters no rank has a gradient for keep none."""
+    the all-reduce adds the same tensors everywhere. Parameters no rank has a gradient for keep none.
+    ``bad``: this rank's own argument error, raised here once the other ranks know of it (they raise a
+    ValueError naming this rank)."""
     # (agreed before any gradient is sent: the parameters' number, shapes and dtypes, and no sparse gradient;
     # a flat all-reduce of tensors of other sizes aborts the process inside gloo)
     shapes = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
     sparse = int(any(p.grad is not None and p.grad.layout != torch.strided for p in params))
-    agree = torch.tensor([len(params), -len(params), shapes, -shapes, sparse], dtype=torch.int64)
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    refused = [0] * size
+    refused[me] = int(bad is not None)
+    agree = torch.tensor([len(params), -len(params), shapes, -shapes, sparse] + refused, dtype=torch.int64)
     dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=group)
+    if bad is not None:
+        raise bad
+    if agree[5:].any():
+        ranks = [r for r in range(size) if agree[5 + r]]
+        raise ValueError(f"ubep_torch.nn.data_parallel_sync: rank(s) {ranks} of the group were given a bad "
+                         f"argument (they raised it); nothing was averaged")
     if agree[0] != -agree[1]:
         raise ValueError(f"ubep_torch.nn.data_parallel_sync: the ranks' modules have different numbers of "
                          f"parameters to average ({-int(agree[1])} to {int(agree[0])}); every rank must hold the "
