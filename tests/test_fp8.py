@@ -145,6 +145,28 @@ def test_bad_arguments_are_named():
     for dtype in (torch.int32, "bf16", torch.float8_e4m3fn):
         with pytest.raises(TypeError, match="dtype must be a float dtype"):
             per_token_cast_back(q, sc, dtype=dtype)
+    # (former bugs: torch's RuntimeError for meta, sparse and nested tensors and for scales on another
+    # device; calc_diff dropped the imaginary part of complex tensors)
+    from ubep_torch.fp8 import pack_ue8m0, unpack_ue8m0
+    x = torch.randn(4, 256)
+    nested = torch.nested.nested_tensor([torch.randn(2, 128), torch.randn(3, 128)])
+    for bad, error in ((x.to_sparse(), TypeError), (nested, TypeError), (x.to("meta"), ValueError)):
+        with pytest.raises(error, match="dense|meta"):
+            per_token_cast_to_fp8(bad)
+        with pytest.raises(error, match="dense|meta"):
+            calc_diff(bad, bad)
+    with pytest.raises(ValueError, match="meta"):
+        per_token_cast_back(q.to("meta"), sc)
+    with pytest.raises(ValueError, match="meta"):
+        per_token_cast_back(q, sc.to("meta"))
+    with pytest.raises(TypeError, match="dense"):
+        per_token_cast_back(q, sc.to_sparse())
+    with pytest.raises(TypeError, match="dense"):
+        pack_ue8m0(torch.ones(4, 4).to_sparse())
+    with pytest.raises(ValueError, match="meta"):
+        unpack_ue8m0(torch.ones(4, 1, dtype=torch.int32, device="meta"))
+    with pytest.raises(TypeError, match="complex"):
+        calc_diff(torch.ones(3, dtype=torch.complex64), torch.ones(3, dtype=torch.complex64) * 1j)
     # empty batches keep their shapes
     e_q, e_sc = per_token_cast_to_fp8(torch.randn(0, 256))
     assert e_q.shape == (0, 256) and e_sc.shape == (0, 2) and per_token_cast_back(e_q, e_sc).shape == (0, 256)

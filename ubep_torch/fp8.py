@@ -31,6 +31,15 @@ def _need_fp8() -> None:
         raise RuntimeError(f"this torch ({torch.__version__}) has no float8_e4m3fn dtype")
 
 
+def _check_dense(name: str, t: torch.Tensor) -> None:
+    """``t`` holds values in dense (strided) memory: a meta tensor has none (ValueError), a sparse or nested
+    one is not read here (TypeError)."""
+    if t.is_meta:
+        raise ValueError(f"{name} is a meta tensor (it has no values)")
+    if t.layout != torch.strided or t.is_nested:
+        raise TypeError(f"{name} must be a dense tensor, got a {'nested' if t.is_nested else str(t.layout)} one")
+
+
 def _check_hidden(name: str, t: torch.Tensor, per: int = GROUP) -> int:
     if t.dim() < 1 or t.shape[-1] == 0 or t.shape[-1] % per:
         raise ValueError(f"{name} must be [..., H] with H a positive multiple of {per}, got shape {tuple(t.shape)}")
@@ -63,6 +72,7 @@ def _cast(x: torch.Tensor, round_scale: bool, helper: bool, out) -> Tuple[torch.
     if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES:
         raise TypeError(f"x must be a bf16, fp16, float32 or float64 tensor, got "
                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    _check_dense("x", x)
     H = _check_hidden("x", x)
     lead = tuple(x.shape[:-1])
     if out is None:
@@ -137,6 +147,7 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
         raise TypeError(f"scales must be a float32 tensor, got "
                         f"{scales.dtype if isinstance(scales, torch.Tensor) else type(scales).__name__}")
+    _check_dense("scales", scales)
     if scales.dim() < 1 or scales.shape[-1] % 4:
         raise ValueError(f"scales must be [..., G] with G a multiple of 4 (four exponents per int32), got shape "
                          f"{tuple(scales.shape)}")
@@ -151,6 +162,7 @@ def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_ue8m0`: int32 ``[..., G/4]`` -> float32 scales ``[..., G]``."""
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32 or packed.dim() < 1:
         raise TypeError("packed UE8M0 scales must be an int32 tensor of at least one dimension")
+    _check_dense("packed", packed)
     exp = fresh(packed).view(torch.uint8).to(torch.int32)
     return (exp << 23).view(torch.float32)
 
@@ -176,9 +188,13 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.
     if not isinstance(x_fp8, torch.Tensor) or x_fp8.dtype != FP8:
         raise TypeError(f"x_fp8 must be a float8_e4m3fn tensor, got "
                         f"{x_fp8.dtype if isinstance(x_fp8, torch.Tensor) else type(x_fp8).__name__}")
+    _check_dense("x_fp8", x_fp8)
     H = _check_hidden("x_fp8", x_fp8)
     if not isinstance(scales, torch.Tensor):
         raise TypeError(f"scales must be a tensor, got {type(scales).__name__}")
+    _check_dense("scales", scales)
+    if scales.device != x_fp8.device:
+        raise ValueError(f"scales ({scales.device}) and x_fp8 ({x_fp8.device}) must be on the same device")
     n_groups = x_fp8.numel() // GROUP
     lead = tuple(x_fp8.shape[:-1])
     if scales.dtype == torch.int32:
@@ -219,6 +235,10 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise TypeError("calc_diff takes two tensors")
+    for name, t in (("x", x), ("y", y)):
+        _check_dense(f"calc_diff: {name}", t)
+        if t.is_complex():     # (the double() below would drop the imaginary part)
+            raise TypeError(f"calc_diff: {name} is complex ({t.dtype}); it compares real tensors")
     if x.shape != y.shape:
         raise ValueError(f"calc_diff: shapes differ, {tuple(x.shape)} and {tuple(y.shape)}")
     a, b = x.detach().double() + 1, y.detach().double() + 1   # (detached: a float of a graph warns)
