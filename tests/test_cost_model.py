@@ -22,7 +22,7 @@ import torch
 
 from ubep_torch.cost_model import CANN_SENDING, CostModel, compare, dispatch_bytes_per_token, format_report, simulate
 from ubep_torch.sim import fig10_case, make_routing, run_case
-from ubep_torch.topology import INTRA_NPU, ONE_HOP, SAME_DIE, TWO_HOP, Topology
+from ubep_torch.topology import CM384, INTRA_NPU, ONE_HOP, SAME_DIE, TWO_HOP, Topology
 
 H = 7168
 DISPATCH_BYTES = dispatch_bytes_per_token(H)      # int8 + fp32 scale per 128: 7392 B (~7.5 KB, 15 blocks)
@@ -155,7 +155,6 @@ def test_dc_is_slowest_at_small_units_and_sp_fastest() -> None:
     cann = simulate("combine", "cann_ep", tk, 16, 2048, topology=topo).total_us
     assert max(t.values()) < cann
     # SP's re-arm of each consumed block is a parameter of its own (it was a constant in the schedule)
-    from ubep_torch.topology import CM384
     costly = CM384.with_(sp_rearm_share=20.0)
     for s in ("tff", "sp"):
         t2 = simulate("combine", "ubep", tk, 16, 2048, topology=topo, sync=s, params=costly).total_us
@@ -315,6 +314,24 @@ _TK = make_routing(4, 8, 2, 8, seed=1)          # [4 ranks, 8 tokens, top-2] ove
     (lambda: CostModel().report("dispatch", 0, 0, _TK[0], 8, 128), ValueError, "world_size"),
     (lambda: run_case("dispatch", 4, 8, 1 << 40, 2, 8), ValueError, "hidden"),
     (lambda: run_case("dispatch", 4, 8, 128, 2, 8, seed=1 << 70), ValueError, "seed"),
+    # (former bugs: AttributeError, bools taken as 1, torch's RuntimeError, a hot count past the experts taken,
+    # an odd ranks_per_node failing at every report, a uint64 id of 2**64-1 read as an empty slot, parameters
+    # that divide by zero or give NaN, a topology of 0 or 2.5 NPUs)
+    (lambda: run_case("dispatch", 8, 8, 128, 2, 8, routing=[[1]]), TypeError, "routing"),
+    (lambda: run_case("dispatch", 8, 8, 128, 2, 8, seed=True), TypeError, "seed"),
+    (lambda: run_case("dispatch", 8, 8, 128, 2, 8, zipf=True), TypeError, "zipf"),
+    (lambda: make_routing(2, -1, 2, 4), ValueError, "batch"),
+    (lambda: make_routing(2, 4, 2, 4, hot_experts=9), ValueError, "hot_experts"),
+    (lambda: fig10_case(batch=-1), ValueError, "batch"),
+    (lambda: CostModel(ranks_per_node=3), ValueError, "ranks_per_node"),
+    (lambda: simulate("dispatch", "ubep", np.array([[2 ** 64 - 1, 0]], dtype=np.uint64), 8, 100, world_size=2),
+     ValueError, "expert id"),
+    (lambda: CM384.with_(block_bytes=0), ValueError, "block_bytes"),
+    (lambda: CM384.with_(hbm_gbs=float("nan")), ValueError, "hbm_gbs"),
+    (lambda: CM384.with_(launch_us=-1.0), ValueError, "launch_us"),
+    (lambda: CM384.with_(hop_latency_us={0: 1.0}), ValueError, "hop class"),
+    (lambda: Topology.for_ranks(4, 0), ValueError, "ranks_per_node"),
+    (lambda: Topology(2.5, 1, 1), TypeError, "dies_per_npu"),
     (lambda: run_case("dispatch", 8, 8, 128, 2, 8, routing=_TK), ValueError, "routing has shape"),
     # (former bugs: AttributeError, OverflowError, NotImplementedError, a float or bool count truncated, a huge
     # size allocated, a 1-d routing modelled as one token)

@@ -488,6 +488,9 @@ def simulate(
         raise TypeError(f"topk_idx must hold integer expert ids, got {tk.dtype}")
     if tk.ndim not in (2, 3):
         raise ValueError(f"topk_idx must be [ranks, batch, topk] (or [batch, topk]), got shape {tk.shape}")
+    if tk.dtype.kind == "u" and tk.size and int(tk.max()) > np.iinfo(np.int64).max:
+        # (the cast below would wrap it to a negative id, read as an empty slot)
+        raise ValueError(f"topk_idx holds expert id {int(tk.max())}, past any num_experts")
     tk = tk.astype(np.int64, copy=False)
     if tk.ndim == 2:
         tk = tk[None]
@@ -586,6 +589,7 @@ class CostModel:
         # (checked here, not at the first report: inside a Buffer a bad setting would warn on every call)
         _check_params(params)
         self.ranks_per_node = check_count("ranks_per_node", ranks_per_node, 1)
+        Topology.for_ranks(self.ranks_per_node, self.ranks_per_node)     # (dies of whole NPUs, else ValueError)
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
         if not isinstance(mapping, (bool, np.bool_)):

@@ -19,6 +19,8 @@ specific to one figure.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Union
 
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from .protocol import BLOCK_BYTES, FLAG_BYTES, TFF_PAYLOAD_BYTES
+from .utils import check_count
 
 SAME_DIE = 0
 INTRA_NPU = 1
@@ -51,6 +54,10 @@ class Topology:
     npus_per_node: int = 8
     nodes: int = 48
 
+    def __post_init__(self) -> None:
+        for name in ("dies_per_npu", "npus_per_node", "nodes"):
+            check_count(name, getattr(self, name), 1)
+
     @property
     def dies_per_node(self) -> int:
         return self.dies_per_npu * self.npus_per_node
@@ -62,6 +69,9 @@ class Topology:
     @classmethod
     def for_ranks(cls, world_size: int, ranks_per_node: int = 16, dies_per_npu: int = 2) -> Topology:
         """The smallest topology holding ``world_size`` dies with ``ranks_per_node`` dies per node."""
+        world_size = check_count("world_size", world_size, 1)
+        ranks_per_node = check_count("ranks_per_node", ranks_per_node, 1)
+        dies_per_npu = check_count("dies_per_npu", dies_per_npu, 1)
         if ranks_per_node % dies_per_npu:
             raise ValueError(f"ranks_per_node={ranks_per_node} must be a multiple of dies_per_npu={dies_per_npu}")
         nodes = max(1, -(-int(world_size) // int(ranks_per_node)))
@@ -167,6 +177,27 @@ class CM384Params:
     block_check_us: float = 0.004      # receiver check of one DataBlock (flag / marker / sentinel)
     sp_rearm_share: float = 0.5        # SP's re-arm store of a consumed block, as a share of block_check_us
 
+    def __post_init__(self) -> None:
+        """Every field a finite number that the model can divide by where it does (bandwidths, sizes, AIVs:
+        positive; latencies and costs: zero or more), and a latency and a bandwidth for every hop class."""
+        for name in ("hop_latency_us", "ub_link_gbs"):
+            table = getattr(self, name)
+            if not isinstance(table, dict) or sorted(table) != list(range(NUM_HOP_CLASSES)):
+                raise ValueError(f"CM384Params.{name} must map every hop class 0..{NUM_HOP_CLASSES - 1} to a number, "
+                                 f"got {table!r}")
+            for v in table.values():
+                _check_param(f"{name} entry", v, positive=name == "ub_link_gbs")
+        for name in ("aivs_per_die", "block_bytes", "flag_bytes", "tff_payload_bytes"):
+            check_count(f"CM384Params.{name}", getattr(self, name), 1)
+        if self.flag_bytes + self.tff_payload_bytes > self.block_bytes:
+            raise ValueError("CM384Params: flag_bytes + tff_payload_bytes exceed block_bytes")
+        for name in ("hbm_gbs", "aiv_issue_gbs", "store_depth"):
+            _check_param(name, getattr(self, name), positive=True)
+        for name in ("token_overhead_us", "vector_token_overhead_us", "syncall_us", "launch_us", "route_us_per_copy",
+                     "flag_issue_us", "poll_us", "count_us_per_expert", "cumsum_us_per_entry", "qs_step_us",
+                     "block_check_us", "sp_rearm_share"):
+            _check_param(name, getattr(self, name), positive=False)
+
     def with_(self, **kw) -> CM384Params:
         """A copy with some fields replaced (for sweeps and what-if studies)."""
         return replace(self, **kw)
@@ -175,6 +206,13 @@ class CM384Params:
     def aiv_copy_gbs(self) -> float:
         """Local HBM->HBM copy rate of one AIV when all AIVs copy at once (read + write share HBM)."""
         return self.hbm_gbs / (2.0 * self.aivs_per_die)
+
+
+def _check_param(name: str, value, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"CM384Params.{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"CM384Params.{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 CM384 = CM384Params()

@@ -6,6 +6,7 @@ prints what one dispatch would cost on a CloudMatrix384 under CANN EP and UBEP (
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -113,9 +114,33 @@ def hot_expert_routing(ranks: int, batch: int, topk: int, experts: int, n_hot: i
     return _sample(torch.log(w), ranks, batch, topk, seed)
 
 
+def _check_seed(seed) -> int:
+    seed = check_count("seed", seed)
+    if seed >= 1 << 63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    return seed
+
+
+def _check_exponent(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    return float(value)
+
+
 def make_routing(ranks: int, batch: int, topk: int, experts: int, hot_experts: int = 0,
                  zipf: float | None = None, hot_weight: float = 4.0, seed: int = 0) -> torch.Tensor:
     """Dispatch routing for every rank: hot experts, Zipf-skewed or uniform (in that order of precedence)."""
+    ranks, batch = check_count("ranks", ranks, 1), check_count("batch", batch)
+    topk, experts = check_count("topk", topk, 1), check_count("experts", experts, 1)
+    hot_experts, seed = check_count("hot_experts", hot_experts), _check_seed(seed)
+    if hot_experts > experts:
+        raise ValueError(f"hot_experts={hot_experts} exceeds the number of experts {experts}")
+    if zipf is not None:
+        zipf = _check_exponent("zipf", zipf)
+    if hot_experts and _check_exponent("hot_weight", hot_weight) == 0:
+        raise ValueError("hot_weight must be > 0 (a weight of 0 would never pick the hot experts)")
     if hot_experts:
         return hot_expert_routing(ranks, batch, topk, experts, hot_experts, hot_weight, seed)
     if zipf:
@@ -151,8 +176,8 @@ def run_case(kind: str, ranks: int, batch: int, hidden: int, topk: int, experts:
     hot_experts = check_count("hot_experts", hot_experts)
     if hot_experts > experts:
         raise ValueError(f"hot_experts={hot_experts} exceeds the number of experts {experts}")
-    if zipf is not None and not (math.isfinite(zipf) and zipf >= 0):
-        raise ValueError(f"zipf must be a finite exponent >= 0, got {zipf}")
+    if zipf is not None:
+        zipf = _check_exponent("zipf", zipf)
     if bytes_per_token is not None:
         bytes_per_token = check_count("bytes_per_token", bytes_per_token, 1)
     if experts < ranks:
@@ -161,8 +186,9 @@ def run_case(kind: str, ranks: int, batch: int, hidden: int, topk: int, experts:
         raise ValueError(f"experts={experts} must be a multiple of ranks={ranks} (every rank hosts as many)")
     if hidden > MAX_HIDDEN:
         raise ValueError(f"hidden={hidden}: the model covers hidden sizes up to {MAX_HIDDEN}")
-    if not isinstance(seed, int) or not 0 <= seed < 1 << 63:
-        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    seed = _check_seed(seed)
+    if routing is not None and not isinstance(routing, (torch.Tensor, np.ndarray)):
+        raise TypeError(f"routing must be a [ranks, batch, topk] tensor or array, got {type(routing).__name__}")
     if routing is not None and tuple(routing.shape) != (ranks, batch, topk):
         raise ValueError(f"routing has shape {tuple(routing.shape)}; ranks, batch and topk say "
                          f"{(ranks, batch, topk)}")
@@ -281,7 +307,7 @@ def fig10_case(seed: int = 0, batch: int = 64, hot_weight: float = 4.0,
 
     Returns the dispatch reports of CANN EP, UBEP without mapping and UBEP.
     """
-    tk = hot_expert_routing(64, batch, 8, 256, 8, hot_weight, seed)
+    tk = make_routing(64, check_count("batch", batch, 1), 8, 256, 8, hot_weight=hot_weight, seed=seed)
     topo = Topology.for_ranks(64, 16)
     nbytes = dispatch_bytes_per_token(7168)
     return {
