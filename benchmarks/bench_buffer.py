@@ -71,6 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ubep_torch import Buffer  # noqa: E402
 from ubep_torch import protocol as P  # noqa: E402
+from ubep_torch.buffer import _LL_MAX_TOPK as LL_MAX_TOPK  # noqa: E402
 from ubep_torch.buffer import normal_buffer_bytes  # noqa: E402
 from ubep_torch.native_engine import NativeEngine  # noqa: E402
 from ubep_torch.native_engine import available as native_available  # noqa: E402
@@ -387,6 +388,8 @@ def main() -> None:
         ap.error(f"--backends: unknown {', '.join(unknown)} (auto, native, torch, triton)")
     if a.experts // a.ranks > P.MAX_CTRL_COUNTS - a.ranks - 1:
         ap.error(f"--experts {a.experts}: at most {P.MAX_CTRL_COUNTS - a.ranks - 1} per rank with {a.ranks} ranks")
+    if a.topk > LL_MAX_TOPK:
+        ap.error(f"--topk {a.topk}: the low-latency rows it times take top-k up to {LL_MAX_TOPK}")
     if a.topk > a.experts or a.experts % a.ranks:
         ap.error(f"--topk {a.topk} must not exceed --experts {a.experts}, and --experts must be a multiple of "
                  f"--ranks {a.ranks}")

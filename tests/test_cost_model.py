@@ -200,6 +200,8 @@ def test_cost_model_hook_reports_one_ranks_call() -> None:
     assert comb["cann_ep"].kind == "combine"
     with pytest.raises(ValueError, match="sync"):      # (an empty sync name fell back to the model's own)
         cm.report("dispatch", 3, 8, tk, 64, H, sync="")
+    with pytest.raises(TypeError, match="n_count"):    # (taken for a combine, which has no count group)
+        cm.report("combine", 0, 2, tk, 64, H, n_count="x")
     t0 = time.perf_counter()
     for _ in range(20):
         cm.report("dispatch", 3, 8, tk, 64, H, DISPATCH_BYTES)

@@ -151,6 +151,7 @@ def test_sums_benchmark_prints_every_path():
     (["examples/train_moe.py", "--single", "--seq", "200000"], "--seq"),
     (["examples/infer_moe.py", "--single", "--timeout", "0"], "--timeout"),
     (["benchmarks/bench_buffer.py", "--backends", "nope"], "--backends"),
+    (["benchmarks/bench_buffer.py", "--topk", "17", "--experts", "32"], "--topk"),   # (failed on every rank)
     (["benchmarks/stress.py", "--parallel", "0"], "--parallel"),
     (["benchmarks/stress.py", "--timeout", "nan"], "--timeout"),
 ])
@@ -161,6 +162,16 @@ def test_bad_options_give_one_line_errors(cmd, what):
                           check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert what in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+def test_run_torchrun_checks_its_arguments():
+    """(former bugs: a string of args was split into characters, a negative timeout ran the script, env values
+    that are not strings raised os's TypeError, nproc=0 reached torchrun)"""
+    from ubep_torch.testing import run_torchrun
+    for kwargs, error in (({"args": "--flag"}, TypeError), ({"timeout_s": -1}, ValueError),
+                          ({"nproc": 0}, ValueError), ({"env": {"A": 1}}, TypeError), ({"args": [1]}, TypeError)):
+        with pytest.raises(error, match=next(iter(kwargs))):
+            run_torchrun("examples/demo.py", **kwargs)
 
 
 @pytest.mark.parametrize("extra", [[], ["--rmw-acquire"]])

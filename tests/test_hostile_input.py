@@ -197,6 +197,10 @@ def bad_case(ctx, sync, kind):
         "ll wait stats expanded": lambda: buf.low_latency_dispatch(
             x, topk, S.N_LL, E, dispatch_wait_recv_cost_stats=torch.zeros(1, dtype=torch.int64).expand(
                 stats_of["wait"])),
+        "ll stats overlap": lambda: (lambda shared: buf.low_latency_dispatch(    # (added up into the same words)
+            x, topk, S.N_LL, E, cumulative_local_expert_recv_stats=shared[:stats_of["recv"]],
+            dispatch_wait_recv_cost_stats=shared[:stats_of["wait"]]))(
+                torch.zeros(max(stats_of.values()), dtype=torch.int64)),
         "ll out expanded": lambda: ll_combine(out=torch.zeros(1, H).bfloat16().expand(T, H)),
         "ll out overlapping": lambda: ll_combine(out=torch.zeros(T * H).bfloat16().as_strided((T, H), (1, 1))),
         # sizes found only after the exchange before: now checked first
@@ -357,7 +361,7 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
              "counts as lists", "rank mask as list", "float rank counts", "expert counts as list", "ll out list",
              "meta weights", "meta fp8", "meta combine x", "meta combine bias", "meta layout ids", "meta ll x",
              "meta ll weights", "meta ll out", "ll recv stats expanded", "ll wait stats expanded", "ll out expanded",
-             "ll out overlapping", "worst huge", "worst past int64", "layout event str", "dispatch event str",
+             "ll out overlapping", "ll stats overlap", "worst huge", "worst past int64", "layout event str", "dispatch event str",
              "combine event str", "rdma counts str", "E huge", "ll experts per rank", "experts per rank",
              "ll clean args", "ll clean too big",
              "tuple rank mask edited", "tuple source index edited", "ll layout edited", "cost model str",
@@ -377,6 +381,7 @@ BAD_SAYS = {**{k: "must be True or False" for k in ("layout async str", "dispatc
             "ll clean too big": "too small for", "worst past int64": "num_worst_tokens",
             "count group past the model": "a count group takes at most 47",
             "alignment past memory": "more than this machine's memory",
+            "ll stats overlap": "overlap in memory",
             **{k: "previous_event must be" for k in ("layout event str", "dispatch event str", "combine event str")},
             **{k: "layout torch.sparse_coo" for k in ("sparse ll weights", "sparse combine bias",
                                                        "sparse bias in a pair", "sparse x", "sparse ll out",
@@ -740,8 +745,14 @@ def test_argument_checks_without_a_process_group():
     for flag in ("low_latency_mode", "explicitly_destroy", "allow_mnnvl", "allow_nvlink_for_low_latency_mode"):
         with pytest.raises(TypeError, match=f"{flag} must be True or False"):
             Buffer(None, **{flag: "no"})
-    with pytest.raises(ValueError, match="num_count_aivs must be a positive int"):
+    with pytest.raises(TypeError, match="num_count_aivs must be an integer"):
         Buffer(None, num_count_aivs=True)
+    with pytest.raises(ValueError, match="num_count_aivs must be at least 1"):
+        Buffer(None, num_count_aivs=0)
+    # (former bug: a numpy integer was refused, which Config(num_count_aivs=...) takes; here the group is next)
+    import numpy as np
+    with pytest.raises(ValueError, match="process group"):
+        Buffer(None, num_count_aivs=np.int64(8))
     for seconds in ("5", True):
         with pytest.raises(TypeError, match="timeout_s must be a number of seconds"):
             P.default_timeout(seconds)

@@ -572,9 +572,8 @@ class Buffer:
             raise ValueError(f"sync must be one of {P.SYNC_MODES}, got {sync!r}")
         _check_flags(low_latency_mode=low_latency_mode, explicitly_destroy=explicitly_destroy,
                      allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode, allow_mnnvl=allow_mnnvl)
-        if num_count_aivs is not None and (not isinstance(num_count_aivs, int) or isinstance(num_count_aivs, bool)
-                                           or num_count_aivs < 1):
-            raise ValueError(f"num_count_aivs must be a positive int, got {num_count_aivs!r}")
+        if num_count_aivs is not None:     # (a numpy integer too, as Config takes it)
+            num_count_aivs = check_count("num_count_aivs", num_count_aivs, 1)
         if group is None:
             if not dist.is_initialized():
                 raise ValueError("Buffer needs an initialized torch.distributed process group")
@@ -2369,6 +2368,10 @@ class Buffer:
         E_local = E // R
         _check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, E_local)
         _check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, R)
+        if cumulative_local_expert_recv_stats is not None and dispatch_wait_recv_cost_stats is not None and \
+                _overlap(cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats):
+            raise ValueError("cumulative_local_expert_recv_stats and dispatch_wait_recv_cost_stats overlap in memory; "
+                             "the call would add token counts and nanoseconds into the same words")
         x = x.contiguous()
         if use_fp8:
             # (into reused outputs: the rows of a call's fp8 copy of x are read until its recv hook ran)
@@ -2970,6 +2973,15 @@ def _writing(t: torch.Tensor):
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors are views of one storage."""
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte spans of two 1-d tensors intersect (each from its first to its last element)."""
+    def span(t):
+        n = t.numel()
+        return t.data_ptr(), t.data_ptr() + ((n - 1) * abs(t.stride(0)) + 1) * t.element_size() if n else 0
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _check_stats(name: str, stats, n: int) -> None:

@@ -632,6 +632,8 @@ class CostModel:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         nbytes = check_count("bytes_per_token", bytes_per_token, 1) if bytes_per_token is not None else \
             2 * check_count("hidden", hidden, 1)
+        if n_count is not None:      # (checked for every kind: a combine, which has no count group, took "x")
+            check_count("n_count", n_count, 1)
         tk = _routing_array(topk_idx)
         if tk.ndim != 2:
             raise ValueError(f"topk_idx must be this rank's [T, K] routing, got shape {tk.shape}")
