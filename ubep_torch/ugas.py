@@ -556,12 +556,17 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
         except RuntimeError as e:
             missing.append(r)
             if "timed out" not in str(e).lower():
-                lost.append(r)      # the connection broke: the peer's process is gone
+                lost.append(r)      # the connection broke: the peer's process is gone, or its wait timed out
     if missing:
         _IN_FLIGHT.append(in_flight)
         consequence = "No Buffer was created."
         if lost:
-            raise UBEPPeerLostError(phase, me, missing, lost, consequence)
+            # (gloo closes a connection whose wait timed out: a peer whose deadline ran out first, alive,
+            # looks the same from here as one whose process exited)
+            raise UBEPPeerLostError(phase, me, missing, lost, consequence,
+                                    cause="closed its connection to this rank (its process exited, or its own "
+                                          "wait in this set-up timed out first: then build the Buffer on a new "
+                                          "process group)")
         raise UBEPTimeoutError(phase, me, missing, timeout_s, consequence)
     undelivered, cause = [], None
     for r, w in sends.items():
