@@ -1944,7 +1944,9 @@ class Buffer:
                 self._broken = f"layout mismatch with rank {s}"
                 raise UBEPError(f"rank {s} sent {P.REGION_NAMES[rid]} rows of a different layout than rank {me} "
                                 f"expects (hidden size, dtype, top-k, the weights' dtype, fp8 or sync mode differ "
-                                f"between ranks)")
+                                f"between ranks; or the ranks are in different calls of the same operation, as "
+                                f"in backward passes of ubep_torch.functional where topk_weights require grad "
+                                f"on some ranks only)")
         self._check_call_words(ctrl_words, P.REGION_NAMES[rid])
         nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
         cap = region.capacity(fmt)

@@ -13,7 +13,8 @@ autograd rules that training needs (DeepEP users write them by hand):
 
 Every function here is collective: all ranks of the Buffer's group call it in the same order, and so
 every backward is collective too (the ranks run the same graph, so autograd visits the nodes in the
-same order on every rank).
+same order on every rank). What a backward sends depends on which inputs require grad (the gradient of
+``topk_weights`` takes calls of its own), so an input that requires grad on one rank must on every rank.
 
 Shapes: ``T`` tokens on this rank, ``H`` hidden, ``K`` top-k, ``E`` experts, ``R`` ranks,
 ``E_local = E / R``, ``N = num_max_dispatch_tokens_per_rank``.
