@@ -437,6 +437,29 @@ def rank_sync_after_reload(ctx, kind: str):
         not all(torch.equal(g, gathered_before[0]) for g in gathered_before)
 
 
+def rank_dp_bad_module_with_replicas(ctx, dp_ranks: str) -> tuple:
+    """``data_parallel_sync(module, ep_group, dp_group)`` with a bad module on rank 0 only (groups as in
+    ``rank_ep_inside_dp``): every rank raises (the other replicas' ranks waited in the dp_group agreement
+    before), and the world group still works after. Returns (error type, says which ranks, all-reduce)."""
+    me = ctx.rank
+    pairs = [[0, 1], [2, 3]] if dp_ranks == "strided" else [[0, 2], [1, 3]]
+    others = [[0, 2], [1, 3]] if dp_ranks == "strided" else [[0, 1], [2, 3]]
+    ep_groups = [dist.new_group(p) for p in pairs]
+    dp_groups = [dist.new_group(p) for p in others]
+    ep = next(g for g, p in zip(ep_groups, pairs) if me in p)
+    dp = next(g for g, p in zip(dp_groups, others) if me in p)
+    model = torch.nn.Linear(4, 3)
+    model(torch.ones(2, 4)).sum().backward()
+    try:
+        unn.data_parallel_sync(None if me == 0 else model, ep, dp)
+        out = ("ok", False)
+    except (TypeError, ValueError) as e:
+        out = (type(e).__name__, "module" in str(e) if me == 0 else "rank(s) [" in str(e))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return out + (float(t),)
+
+
 def rank_ep_inside_dp(ctx, dp_ranks: str):
     """Four ranks, two replicas of a model whose MoE layer is expert parallel over two ranks: expert-parallel
     groups [0, 1] and [2, 3] with data-parallel groups [0, 2] and [1, 3] (``dp_ranks="strided"``), or

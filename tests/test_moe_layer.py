@@ -152,7 +152,10 @@ def test_data_parallel_sync_of_expert_parallel_replicas(dp_ranks):
     of the mean loss over all four ranks."""
     with RankPool(4, env={"PYTHONPATH": ROOT}) as pool4:
         worst = pool4.run(M.rank_ep_inside_dp, dp_ranks, timeout_s=120)
+        # (former bug: a bad module on rank 0 left the other replica's ranks waiting in the dp_group agreement)
+        bad = pool4.run(M.rank_dp_bad_module_with_replicas, dp_ranks, timeout_s=60)
     assert max(worst) < 1e-12, worst
+    assert bad[0] == ("TypeError", True, 4.0) and all(b == ("ValueError", True, 4.0) for b in bad[1:]), bad
 
 
 @pytest.mark.parametrize("layout", ["rank_major", "expert_major"])

@@ -323,8 +323,9 @@ def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:
         if g is not None and not isinstance(g, dist.ProcessGroup):
             raise TypeError(f"ubep_torch.nn.data_parallel_sync: {name} must be None or a process group, got "
                             f"{type(g).__name__}")
-    # a bad module on one rank is told to the others in the first agreement below, so they raise too
-    # instead of waiting in an all-reduce that rank never joins
+    # A bad module on one rank is told to every other rank in the agreements below (over ``group``, then over
+    # ``dp_group``, which reaches the other replicas), all made before any gradient is sent, so every rank
+    # raises instead of waiting in an all-reduce that rank never joins.
     bad: Optional[Exception] = None
     if not isinstance(module, nn.Module):
         bad = TypeError(f"ubep_torch.nn.data_parallel_sync: module must be a torch.nn.Module, got "
@@ -339,51 +340,61 @@ def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:
         raise bad
     world = dist.get_world_size(group)
     replicas = 1 if dp_group is None else dist.get_world_size(dp_group)
-    if bad is not None and world == 1 and replicas == 1:
-        raise bad
+    experts = set() if bad is not None else _expert_parameters(module)
+    replicated = [] if bad is not None else [p for p in module.parameters() if id(p) not in experts]
+    everything = [] if bad is not None else list(module.parameters())
+    err = bad
     if world > 1:
-        experts = set() if bad is not None else _expert_parameters(module)
-        params = [] if bad is not None else [p for p in module.parameters() if id(p) not in experts]
-        _average(_agreed_grads(params, group, bad), group, world)
+        err = _agree(replicated, group, err, "group")
+    if replicas > 1:
+        err = _agree(everything, dp_group, err, "dp_group")
+    if err is not None:
+        raise err
+    if world > 1:
+        _average(_used_grads(replicated, group), group, world)
         for p in module.parameters():
             if p.grad is not None and id(p) in experts:
                 p.grad /= world
     if replicas > 1:
-        _average(_agreed_grads([] if bad is not None else list(module.parameters()), dp_group, bad), dp_group,
-                 replicas)
+        _average(_used_grads(everything, dp_group), dp_group, replicas)
 
 
-def _agreed_grads(params: list, group, bad: Optional[Exception] = None) -> list:
-    """The gradients of those of ``params`` that a rank of ``group`` has one for, the same list on every rank:
-    a rank that did not use a parameter this step (a branch its batch did not take) gets zeros for it, so
-    the all-reduce adds the same tensors everywhere. Parameters no rank has a gradient for keep none.
-    ``bad``: this rank's own argument error, raised here once the other ranks know of it (they raise a
-    ValueError naming this rank)."""
-    # (agreed before any gradient is sent: the parameters' number, shapes and dtypes, and no sparse gradient;
-    # a flat all-reduce of tensors of other sizes aborts the process inside gloo)
+def _agree(params: list, group, err: Optional[Exception], name: str) -> Optional[Exception]:
+    """One agreement of ``group`` before any gradient is sent: the parameters' number, shapes and dtypes, no
+    sparse gradient (a flat all-reduce of tensors of other sizes aborts the process inside gloo), and whether
+    a rank has an error already (``err``: its own bad argument, or one an earlier agreement found). Returns
+    ``err``, else the error this agreement finds (the same on every rank of the group), else None."""
     shapes = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
     sparse = int(any(p.grad is not None and p.grad.layout != torch.strided for p in params))
     size, me = dist.get_world_size(group), dist.get_rank(group)
-    refused = [0] * size
-    refused[me] = int(bad is not None)
-    agree = torch.tensor([len(params), -len(params), shapes, -shapes, sparse] + refused, dtype=torch.int64)
+    failed = [0] * size
+    failed[me] = int(err is not None)
+    agree = torch.tensor([len(params), -len(params), shapes, -shapes, sparse] + failed, dtype=torch.int64)
     dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=group)
-    if bad is not None:
-        raise bad
+    if err is not None:
+        return err
     if agree[5:].any():
         ranks = [r for r in range(size) if agree[5 + r]]
-        raise ValueError(f"ubep_torch.nn.data_parallel_sync: rank(s) {ranks} of the group were given a bad "
-                         f"argument (they raised it); nothing was averaged")
+        return ValueError(f"ubep_torch.nn.data_parallel_sync: rank(s) {ranks} of the {name} were given a bad "
+                          f"argument or found the ranks' models differ (they raised it); nothing was averaged")
     if agree[0] != -agree[1]:
-        raise ValueError(f"ubep_torch.nn.data_parallel_sync: the ranks' modules have different numbers of "
-                         f"parameters to average ({-int(agree[1])} to {int(agree[0])}); every rank must hold the "
-                         f"same model")
+        return ValueError(f"ubep_torch.nn.data_parallel_sync: the ranks' modules have different numbers of "
+                          f"parameters to average ({-int(agree[1])} to {int(agree[0])}); every rank must hold the "
+                          f"same model")
     if agree[2] != -agree[3]:
-        raise ValueError("ubep_torch.nn.data_parallel_sync: the ranks' parameters to average differ in shape or "
-                         "dtype; every rank must hold the same model")
+        return ValueError("ubep_torch.nn.data_parallel_sync: the ranks' parameters to average differ in shape or "
+                          "dtype; every rank must hold the same model")
     if agree[4]:
-        raise TypeError("ubep_torch.nn.data_parallel_sync: sparse gradients (nn.Embedding(sparse=True), say) are "
-                        "not averaged here; use dense ones")
+        return TypeError("ubep_torch.nn.data_parallel_sync: sparse gradients (nn.Embedding(sparse=True), say) are "
+                         "not averaged here; use dense ones")
+    return None
+
+
+def _used_grads(params: list, group) -> list:
+    """The gradients of those of ``params`` that a rank of ``group`` has one for, the same list on every rank
+    (the ranks agreed on ``params`` first, see ``_agree``): a rank that did not use a parameter this step (a
+    branch its batch did not take) gets zeros for it, so the all-reduce adds the same tensors everywhere.
+    Parameters no rank has a gradient for keep none."""
     if not params:
         return []
     used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
