@@ -435,7 +435,7 @@ def main() -> None:
         bw = recv_bytes / t[key] / 1e9
         print(f"  {name:<40}{t[key] * 1e3:>8.3f}{bw:>10.2f}{disp_bw / bw:>12.2f}")
     cross = [max(r[0]["cross"][i] for r in per_rank) * 1e3 for i in range(a.rounds)]
-    slow = "  <- rounds several times slower than the others met the slow cross-core level (README)" \
+    slow = "  <- rounds several times slower than the others met the slow cross-core level (docs/benchmarks.md)" \
         if max(cross) > 3 * min(cross) else ""
     print(f"  store to peer + load back, round by round (ms): {', '.join(f'{c:.3f}' for c in cross)}{slow}")
     print("\nnormal round trip with plain copies only: the same rows through shared memory and summed, with no "

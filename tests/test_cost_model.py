@@ -202,6 +202,8 @@ def test_cost_model_hook_reports_one_ranks_call() -> None:
         cm.report("dispatch", 3, 8, tk, 64, H, sync="")
     with pytest.raises(TypeError, match="n_count"):    # (taken for a combine, which has no count group)
         cm.report("combine", 0, 2, tk, 64, H, n_count="x")
+    # a one-element float tensor as the Zipf exponent, as before its check
+    assert run_case("dispatch", 8, 8, 128, 2, 8, zipf=torch.tensor(1.0))["reduction"] > 0
     t0 = time.perf_counter()
     for _ in range(20):
         cm.report("dispatch", 3, 8, tk, 64, H, DISPATCH_BYTES)
@@ -334,6 +336,9 @@ _TK = make_routing(4, 8, 2, 8, seed=1)          # [4 ranks, 8 tokens, top-2] ove
     (lambda: CM384.with_(hop_latency_us={0: 1.0}), ValueError, "hop class"),
     (lambda: Topology.for_ranks(4, 0), ValueError, "ranks_per_node"),
     (lambda: Topology(2.5, 1, 1), TypeError, "dies_per_npu"),
+    (lambda: make_routing(2, 4, 2, 4, hot_experts=2, hot_weight=1e300), ValueError, "hot_weight"),
+    (lambda: make_routing(2, 4, 2, 1 << 40), ValueError, "make_routing"),
+    (lambda: CM384.with_(aivs_per_die=1), ValueError, "aivs_per_die"),
     (lambda: run_case("dispatch", 8, 8, 128, 2, 8, routing=_TK), ValueError, "routing has shape"),
     # (former bugs: AttributeError, OverflowError, NotImplementedError, a float or bool count truncated, a huge
     # size allocated, a 1-d routing modelled as one token)

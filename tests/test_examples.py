@@ -164,7 +164,7 @@ def test_bad_options_give_one_line_errors(cmd, what):
     assert what in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 
-def test_run_torchrun_checks_its_arguments():
+def test_run_torchrun_checks_its_arguments(tmp_path):
     """(former bugs: a string of args was split into characters, a negative timeout ran the script, env values
     that are not strings raised os's TypeError, nproc=0 reached torchrun)"""
     from ubep_torch.testing import run_torchrun
@@ -172,6 +172,12 @@ def test_run_torchrun_checks_its_arguments():
                           ({"nproc": 0}, ValueError), ({"env": {"A": 1}}, TypeError), ({"args": [1]}, TypeError)):
         with pytest.raises(error, match=next(iter(kwargs))):
             run_torchrun("examples/demo.py", **kwargs)
+    # a path object and an iterator of arguments (refused, and read empty, by the first version of the checks)
+    import pathlib
+    script = tmp_path / "args.py"
+    script.write_text("import sys\nprint('ARGS', sys.argv[1:])\n")
+    proc = run_torchrun(pathlib.Path(script), iter(["--x", "1"]), nproc=1, timeout_s=120)
+    assert proc.returncode == 0 and "ARGS ['--x', '1']" in proc.stdout, (proc.stdout, proc.stderr)
 
 
 @pytest.mark.parametrize("extra", [[], ["--rmw-acquire"]])

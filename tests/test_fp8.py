@@ -168,6 +168,8 @@ def test_bad_arguments_are_named():
         pack_ue8m0(torch.ones(4, 4).to_sparse())
     with pytest.raises(ValueError, match="meta"):
         unpack_ue8m0(torch.ones(4, 1, dtype=torch.int32, device="meta"))
+    with pytest.raises(TypeError, match="dense"):
+        low_latency_cast_to_fp8(x, out=(q.new_empty(4, 256), nested))
     with pytest.raises(TypeError, match="complex"):
         calc_diff(torch.ones(3, dtype=torch.complex64), torch.ones(3, dtype=torch.complex64) * 1j)
     # empty batches keep their shapes

@@ -724,6 +724,18 @@ def test_a_count_group_past_the_cost_models_die_is_refused(pool):
         assert len(errors) == 2 and all("a count group takes at most 47" in e for e in errors), errors
 
 
+def test_statistics_tensors_overlap_element_by_element():
+    """(former bug: interleaved columns of one table, which share no element, were refused as overlapping)"""
+    from ubep_torch.buffer import _overlap
+    table = torch.zeros(8, 2, dtype=torch.int64)
+    assert not _overlap(table[:4, 0], table[:2, 1])
+    assert _overlap(table[:4, 0], table[2:6, 0]) and _overlap(table[:, 0], table[3:4, 0])
+    shared = torch.zeros(8, dtype=torch.int64)
+    assert _overlap(shared[:4], shared[:2]) and not _overlap(shared[:4], shared[4:])
+    assert _overlap(shared.view(torch.int32)[1:2], shared[:1])       # (other dtypes: byte by byte)
+    assert not _overlap(torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))
+
+
 def test_argument_checks_without_a_process_group():
     """Constructor arguments, size helpers and Config name the bad argument."""
     import types

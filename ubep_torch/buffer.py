@@ -2978,12 +2978,15 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the byte spans of two 1-d tensors intersect (each from its first to its last element)."""
-    def span(t):
-        n = t.numel()
-        return t.data_ptr(), t.data_ptr() + ((n - 1) * abs(t.stride(0)) + 1) * t.element_size() if n else 0
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+    """Whether two 1-d tensors share a byte (element by element: interleaved columns of one table share
+    none). Statistics tensors hold a few hundred elements at most."""
+    if not a.numel() or not b.numel() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def spans(t):
+        return {t.data_ptr() + i * t.stride(0) * t.element_size() + j
+                for i in range(t.numel()) for j in range(t.element_size())}
+    return not spans(a).isdisjoint(spans(b))
 
 
 def _check_stats(name: str, stats, n: int) -> None:

@@ -82,6 +82,8 @@ def _cast(x: torch.Tensor, round_scale: bool, helper: bool, out) -> Tuple[torch.
         if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
             raise TypeError(f"out must be a pair of tensors (fp8 values, float32 scales), got {out!r}"[:200])
         q, sc = out
+        _check_dense("out[0]", q)
+        _check_dense("out[1]", sc)
         if q.dtype != FP8 or q.shape != x.shape or not q.is_contiguous() or sc.dtype != torch.float32 \
                 or tuple(sc.shape) != lead + (H // GROUP,) or not sc.is_contiguous() \
                 or q.device != x.device or sc.device != x.device:

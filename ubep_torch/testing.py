@@ -194,17 +194,20 @@ def run_torchrun(script: str, args: Optional[List[str]] = None, nproc: int = 2, 
     import sys
     import tempfile
 
-    if not isinstance(script, str):
-        raise TypeError(f"script must be a path, got {type(script).__name__}")
-    if args is not None and (isinstance(args, (str, bytes)) or not all(isinstance(a, str) for a in args)):
+    if not isinstance(script, (str, os.PathLike)):
+        raise TypeError(f"script must be a path (str or os.PathLike), got {type(script).__name__}")
+    if isinstance(args, (str, bytes)):
+        raise TypeError(f"args must be a list of strings (one per argument), got {args!r}"[:200])
+    args = list(args or [])           # (an iterator is read once, here)
+    if not all(isinstance(a, str) for a in args):
         raise TypeError(f"args must be a list of strings (one per argument), got {args!r}"[:200])
     nproc = check_count("nproc", nproc, 1)
-    timeout_s = check_deadline("timeout_s", timeout_s)
+    timeout_s = None if timeout_s is None else check_deadline("timeout_s", timeout_s)   # (None: no limit)
     if env is not None and not (isinstance(env, Mapping) and
                                 all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
         raise TypeError(f"env must map variable names to strings, got {env!r}"[:200])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           script] + list(args or [])
+           os.fspath(script)] + args
     with tempfile.TemporaryDirectory(prefix="ubep-torchrun-") as tmp:
         full_env = dict(os.environ, OMP_NUM_THREADS="1")
         full_env.update(env or {})

@@ -187,8 +187,9 @@ class CM384Params:
                                  f"got {table!r}")
             for v in table.values():
                 _check_param(f"{name} entry", v, positive=name == "ub_link_gbs")
-        for name in ("aivs_per_die", "block_bytes", "flag_bytes", "tff_payload_bytes"):
+        for name in ("block_bytes", "flag_bytes", "tff_payload_bytes"):
             check_count(f"CM384Params.{name}", getattr(self, name), 1)
+        check_count("CM384Params.aivs_per_die", self.aivs_per_die, 2)    # (UBEP: a count and a token group)
         if self.flag_bytes + self.tff_payload_bytes > self.block_bytes:
             raise ValueError("CM384Params: flag_bytes + tff_payload_bytes exceed block_bytes")
         for name in ("hbm_gbs", "aiv_issue_gbs", "store_depth"):

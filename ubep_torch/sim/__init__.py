@@ -122,10 +122,14 @@ def _check_seed(seed) -> int:
 
 
 def _check_exponent(name: str, value) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point:
+        value = value.item()        # (a one-element float tensor, as math.isfinite took it)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    if value > float(np.finfo(np.float32).max):     # (the draws are float32)
+        raise ValueError(f"{name}={value} is past float32's range")
     return float(value)
 
 
@@ -137,6 +141,9 @@ def make_routing(ranks: int, batch: int, topk: int, experts: int, hot_experts: i
     hot_experts, seed = check_count("hot_experts", hot_experts), _check_seed(seed)
     if hot_experts > experts:
         raise ValueError(f"hot_experts={hot_experts} exceeds the number of experts {experts}")
+    if experts > MAX_EXPERTS or ranks > MAX_RANKS or ranks * batch * topk > MAX_COPIES:
+        raise ValueError(f"make_routing({ranks}, {batch}, {topk}, {experts}): the model covers up to {MAX_RANKS} "
+                         f"ranks, {MAX_EXPERTS} experts and {MAX_COPIES} token copies")
     if zipf is not None:
         zipf = _check_exponent("zipf", zipf)
     if hot_experts and _check_exponent("hot_weight", hot_weight) == 0:
