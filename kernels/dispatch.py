@@ -133,8 +133,9 @@ def token_reorder_kernel(rows_addr_ptr, out_ptr, out_stride, nblocks, field_bloc
 def cal_cumsum_reorder_kernel(
     ctrl_addr_ptr, rows_addr_ptr, offsets_ptr, out_ptr, status_ptr,
     n_src, n_exp, nblocks, flag, out_stride_e, out_stride_r, max_spins, n_count, nbytes, field_block0,
-    esc_base, meta_words, ctrl_count_word,
+    esc_base, meta_words, ctrl_first_count, n_ctrl,
     SYNC: tl.constexpr, E_BLOCK: tl.constexpr, BYTE_BLOCK: tl.constexpr, NB_BLOCK: tl.constexpr,
+    CTRL_WORDS: tl.constexpr,
 ):
     """Decomposed low-latency receive: CalCumSum by the count AIVs, Token-Reordering by the others.
 
@@ -145,6 +146,10 @@ def cal_cumsum_reorder_kernel(
     source ``s`` (a lower-numbered program) and the arrival of ``s``'s rows, then copies row ``i``
     of expert ``e`` to ``out[e, begin + i]``. The prefix over sources needs every source's counts,
     so each count AIV reads all of them; it only *publishes* its own sources.
+
+    A control message is ``n_ctrl`` DataBlocks, each with its own flag and ``CTRL_WORDS`` payload words
+    after its head: it has arrived once every block's flag is this call's, and payload word ``p`` (count
+    ``e`` is word ``ctrl_first_count + e``) lies in block ``p // CTRL_WORDS``.
     """
     pid = tl.program_id(0)
     e = tl.arange(0, E_BLOCK)
@@ -157,8 +162,12 @@ def cal_cumsum_reorder_kernel(
         while (arrived < n_src) & (spins < max_spins):
             arrived = tl.full([], 0, tl.int32)
             for s in range(n_src):
-                w0 = daf.load_acquire(daf.as_i64_ptr(tl.load(ctrl_addr_ptr + s)), None)
-                arrived += (w0 == flag).to(tl.int32)
+                cw = daf.as_i64_ptr(tl.load(ctrl_addr_ptr + s))
+                blocks_in = tl.full([], 0, tl.int32)
+                for b in range(n_ctrl):
+                    w0 = daf.load_acquire(cw + b * daf.BLOCK_WORDS, None)
+                    blocks_in += (w0 == flag).to(tl.int32)
+                arrived += (blocks_in == n_ctrl).to(tl.int32)
             spins += 1
         if arrived < n_src:
             tl.store(status_ptr + pid, 1)
@@ -166,7 +175,9 @@ def cal_cumsum_reorder_kernel(
             begin = tl.full([E_BLOCK], 0, tl.int64)
             for s in range(n_src):
                 cw = daf.as_i64_ptr(tl.load(ctrl_addr_ptr + s))
-                cnt = tl.load(cw + ctrl_count_word + e, mask=em, other=0)
+                pw = ctrl_first_count + e          # (payload words of the message, block by block)
+                cnt = tl.load(cw + (pw // CTRL_WORDS) * daf.BLOCK_WORDS + daf.HEAD_WORDS + pw % CTRL_WORDS,
+                              mask=em, other=0)
                 if s % n_count == pid:
                     tl.store(offsets_ptr + s * sig_words + e, begin, mask=em)
                     tl.store(offsets_ptr + s * sig_words + n_exp + e, cnt, mask=em)

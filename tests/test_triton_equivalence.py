@@ -40,6 +40,13 @@ def test_low_latency(pool, sync, use_fp8):
     F.assert_all_same(pool.run(F.ll_equivalence, sync, use_fp8=use_fp8))
 
 
+@pytest.mark.parametrize("sync", ("tff", "sp"))
+def test_low_latency_with_counts_past_one_control_block(pool, sync):
+    """110 experts on 2 ranks: 55 local experts' counts run into the control message's second block
+    (former bug: the receive kernel read them as one run of words and spun on rows that never come)."""
+    F.assert_all_same(pool.run(F.ll_equivalence, sync, T=4, H=128, K=3, E=110, timeout_s=120))
+
+
 def test_sp_sentinel_collision(pool):
     """Rows whose first words equal the sentinel arrive (no hang) and intact (same as torch)."""
     res = pool.run(F.sp_collision)

@@ -221,7 +221,8 @@ def test_weighted_combine_equals_torch_formula():
 
 
 # ----------------------------------------------------------------------------- decomposed LL receive
-def ll_receive_case(sync: str, R: int = 3, El: int = 4, N: int = 4, H: int = 256, seed: int = 7):
+def ll_receive_case(sync: str, R: int = 3, El: int = 4, N: int = 4, H: int = 256, seed: int = 7,
+                    nctrl: int = 0):
     """Arrived low-latency dispatch data of R sources (control blocks and rows, written by the torch path)
     and what the receive must produce: ``(fmt, flag, ctrls, rows, cnt, begin, recv_x)``."""
     g = torch.Generator().manual_seed(seed)
@@ -233,7 +234,7 @@ def ll_receive_case(sync: str, R: int = 3, El: int = 4, N: int = 4, H: int = 256
         n = int(cnt[s].sum())
         x = torch.randn(n, H, generator=g).bfloat16()
         xs.append(x)
-        ctrl = torch.zeros(1, P.BLOCK_BYTES, dtype=torch.uint8)
+        ctrl = torch.zeros(nctrl or P.ctrl_blocks(El), P.BLOCK_BYTES, dtype=torch.uint8)
         TorchEngine().write_ctrl(ctrl, torch.cat([torch.tensor([n, 0, 0, 0, 0, 0]), cnt[s]]), flag)
         st, ck, _ = TorchEngine().pack_rows(fmt, [P.as_bytes(x)], torch.zeros(n, 1, dtype=torch.int32),
                                             torch.arange(n), s)
@@ -252,16 +253,29 @@ def ll_receive_case(sync: str, R: int = 3, El: int = 4, N: int = 4, H: int = 256
     return fmt, flag, ctrls, rowsv, cnt, begin, ref
 
 
-@pytest.mark.parametrize("sync", ("tff", "sp"))
-def test_cal_cumsum_reorder_point_to_point(sync):
-    """CalCumSum AIVs publish offsets with a release store; reorder AIVs poll them and copy rows."""
-    fmt, flag, ctrls, rowsv, cnt, begin, ref = ll_receive_case(sync)
-    El = cnt.shape[1]
+@pytest.mark.parametrize("sync,El", (("tff", 4), ("sp", 4), ("tff", 60)))
+def test_cal_cumsum_reorder_point_to_point(sync, El):
+    """CalCumSum AIVs publish offsets with a release store; reorder AIVs poll them and copy rows. With 60
+    local experts the counts run into the control message's second block (former bug: they were read as one
+    run of words, the 55th from that block's head, and the kernel spun on rows that never come)."""
+    fmt, flag, ctrls, rowsv, cnt, begin, ref = ll_receive_case(sync, El=El, N=2, H=128)
+    assert ctrls[0].shape[0] == (2 if El == 60 else 1)
     out = torch.zeros_like(ref)
-    sig = TE.TritonEngine().ll_receive(fmt, ctrls, rowsv, flag, El, out, n_count=2)
+    sig = TE.TritonEngine(max_spins=64).ll_receive(fmt, ctrls, rowsv, flag, El, out, n_count=2)
     assert torch.equal(sig[:, :El], begin) and torch.equal(sig[:, El:2 * El], cnt)
     assert bool((sig[:, 2 * El] == flag).all())
     assert torch.equal(out, ref)
+
+
+def test_cal_cumsum_waits_for_every_control_block():
+    """A control message of two blocks has arrived once both flags are this call's, not the first alone."""
+    from ubep_torch.errors import UBEPKernelWaitError
+    fmt, flag, ctrls, rowsv, cnt, begin, ref = ll_receive_case("tff", El=4, N=2, H=128, nctrl=2)
+    eng = TE.TritonEngine(max_spins=3)
+    assert torch.equal(eng.ll_receive(fmt, ctrls, rowsv, flag, 4, torch.zeros_like(ref), n_count=2)[:, 4:8], cnt)
+    ctrls[1].view(torch.int64).view(-1)[64] = 0          # source 1's second block not there yet
+    with pytest.raises(UBEPKernelWaitError):
+        eng.ll_receive(fmt, ctrls, rowsv, flag, 4, torch.zeros_like(ref), n_count=2)
 
 
 def test_ll_receive_times_out_instead_of_hanging():

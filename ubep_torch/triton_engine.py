@@ -1,7 +1,9 @@
 """``TritonEngine``: the data path of ``TorchEngine`` run by the Triton kernels of ``kernels/``.
 
-Selected with ``Buffer(group, ..., backend="triton")``. Memory contents and outputs are bit-identical
-to ``TorchEngine`` (``tests/test_triton_equivalence.py``).
+Selected with ``Buffer(group, ..., backend="triton")``. Outputs are bit-identical to ``TorchEngine``
+(``tests/test_triton_equivalence.py``), and so are memory contents in normal mode; low-latency rows go one
+per (token, expert) here, one per (token, rank) there, so a low-latency Buffer uses one of them on every
+rank.
 
 What runs as a kernel
 ---------------------
@@ -408,8 +410,8 @@ def kdispatch_ll_receive(fmt: P.RowFormat, ctrl_views: Sequence[torch.Tensor], r
     kdispatch.cal_cumsum_reorder_kernel[(n_count + R,)](
         ctrl_addr, rows_addr, sig, o, status, R, n_exp, fmt.blocks, flag, o.stride(0), o.stride(1), max_spins,
         n_count, fmt.fields[0][1], fmt.field_offset_blocks(0), 0, fmt.meta_words,
-        P.HEAD_WORDS + P.CTRL_COUNTS, SYNC=_SYNC[fmt.sync], E_BLOCK=_p2(n_exp, 2), BYTE_BLOCK=512,
-        NB_BLOCK=_p2(fmt.blocks, 2))
+        P.CTRL_COUNTS, ctrl_views[0].shape[0] if R else 1, SYNC=_SYNC[fmt.sync], E_BLOCK=_p2(n_exp, 2),
+        BYTE_BLOCK=512, NB_BLOCK=_p2(fmt.blocks, 2), CTRL_WORDS=P.CTRL_WORDS_PER_BLOCK)
     if bool(status.any()):
         missing = [int(i) - n_count for i in status.nonzero().flatten() if int(i) >= n_count]
         raise UBEPKernelWaitError("low_latency_dispatch: CalCumSum / Token-Reordering", rank, missing, max_spins)
