@@ -437,17 +437,23 @@ def rank_sync_after_reload(ctx, kind: str):
         not all(torch.equal(g, gathered_before[0]) for g in gathered_before)
 
 
+def _ep_and_dp_groups(me: int, dp_ranks: str) -> tuple:
+    """This rank's expert-parallel and data-parallel groups of four ranks (see ``rank_ep_inside_dp``); every
+    rank creates every group, in the same order."""
+    pairs = [[0, 1], [2, 3]] if dp_ranks == "strided" else [[0, 2], [1, 3]]
+    others = [[0, 2], [1, 3]] if dp_ranks == "strided" else [[0, 1], [2, 3]]
+    ep_groups = [dist.new_group(p) for p in pairs]
+    dp_groups = [dist.new_group(p) for p in others]
+    return (next(g for g, p in zip(ep_groups, pairs) if me in p),
+            next(g for g, p in zip(dp_groups, others) if me in p))
+
+
 def rank_dp_bad_module_with_replicas(ctx, dp_ranks: str) -> tuple:
     """``data_parallel_sync(module, ep_group, dp_group)`` with a bad module on rank 0 only (groups as in
     ``rank_ep_inside_dp``): every rank raises (the other replicas' ranks waited in the dp_group agreement
     before), and the world group still works after. Returns (error type, says which ranks, all-reduce)."""
     me = ctx.rank
-    pairs = [[0, 1], [2, 3]] if dp_ranks == "strided" else [[0, 2], [1, 3]]
-    others = [[0, 2], [1, 3]] if dp_ranks == "strided" else [[0, 1], [2, 3]]
-    ep_groups = [dist.new_group(p) for p in pairs]
-    dp_groups = [dist.new_group(p) for p in others]
-    ep = next(g for g, p in zip(ep_groups, pairs) if me in p)
-    dp = next(g for g, p in zip(dp_groups, others) if me in p)
+    ep, dp = _ep_and_dp_groups(me, dp_ranks)
     model = torch.nn.Linear(4, 3)
     model(torch.ones(2, 4)).sum().backward()
     try:
@@ -469,12 +475,7 @@ def rank_ep_inside_dp(ctx, dp_ranks: str):
     difference."""
     from ubep_torch.buffer import Buffer
     me = ctx.rank
-    pairs = [[0, 1], [2, 3]] if dp_ranks == "strided" else [[0, 2], [1, 3]]
-    others = [[0, 2], [1, 3]] if dp_ranks == "strided" else [[0, 1], [2, 3]]
-    ep_groups = [dist.new_group(p) for p in pairs]
-    dp_groups = [dist.new_group(p) for p in others]
-    ep = next(g for g, p in zip(ep_groups, pairs) if me in p)
-    dp = next(g for g, p in zip(dp_groups, others) if me in p)
+    ep, dp = _ep_and_dp_groups(me, dp_ranks)
     buf = Buffer(ep, num_nvl_bytes=1 << 22)
     cfg = moe_config("softmax", True)
     torch.manual_seed(0)
