@@ -451,7 +451,8 @@ def _ep_and_dp_groups(me: int, dp_ranks: str) -> tuple:
 def rank_dp_bad_module_with_replicas(ctx, dp_ranks: str) -> tuple:
     """``data_parallel_sync(module, ep_group, dp_group)`` with a bad module on rank 0 only (groups as in
     ``rank_ep_inside_dp``): every rank raises (the other replicas' ranks waited in the dp_group agreement
-    before), and the world group still works after. Returns (error type, says which ranks, all-reduce)."""
+    before), and the world group still works after; then models whose expert parameters differ on rank 3
+    only. Returns (error type, names rank 0, second case's error type, all-reduce)."""
     me = ctx.rank
     ep, dp = _ep_and_dp_groups(me, dp_ranks)
     model = torch.nn.Linear(4, 3)
@@ -460,7 +461,17 @@ def rank_dp_bad_module_with_replicas(ctx, dp_ranks: str) -> tuple:
         unn.data_parallel_sync(None if me == 0 else model, ep, dp)
         out = ("ok", False)
     except (TypeError, ValueError) as e:
-        out = (type(e).__name__, "module" in str(e) if me == 0 else "rank(s) [" in str(e))
+        out = (type(e).__name__, "module" in str(e) if me == 0 else "rank(s) [0]" in str(e))
+    # an expert parameter of another size on rank 3 only: found by its dp_group agreement alone (the ranks
+    # of the other dp_group went on to average their expert-parallel group's gradients, and waited)
+    odd = torch.nn.Linear(4, 5 if me == 3 else 3)
+    odd.weight.expert_parallel = odd.bias.expert_parallel = True
+    odd(torch.ones(2, 4)).sum().backward()
+    try:
+        unn.data_parallel_sync(odd, ep, dp)
+        out += ("ok",)
+    except (TypeError, ValueError) as e:
+        out += (type(e).__name__,)
     t = torch.ones(1)
     dist.all_reduce(t)
     return out + (float(t),)

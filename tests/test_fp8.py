@@ -266,9 +266,17 @@ def test_nan_rows_cast_back_alike_at_every_cpu_capability():
 
 def test_out_buffers_and_negated_views():
     x = torch.randn(4, 256)
-    with pytest.raises(ValueError, match="on x's device"):
+    with pytest.raises(ValueError, match="meta tensor"):
         low_latency_cast_to_fp8(x, out=(torch.empty(4, 256, dtype=torch.float8_e4m3fn, device="meta"),
                                         torch.empty(4, 2, device="meta")))
+    # (former bug: outputs over each other or over x were taken, and the C pass wrote over what it still read)
+    raw = torch.empty(4 * 256 + 4 * 2 * 4, dtype=torch.uint8)
+    q_over = raw[:1024].view(torch.float8_e4m3fn).view(4, 256)
+    for out in ((q_over, raw[:32].view(torch.float32).view(4, 2)),
+                (torch.empty(4, 256, dtype=torch.float8_e4m3fn), x[3, :8].view(4, 2)),
+                (x.view(torch.uint8).view(-1)[-1024:].view(torch.float8_e4m3fn).view(4, 256), torch.empty(4, 2))):
+        with pytest.raises(ValueError, match="overlap"):
+            low_latency_cast_to_fp8(x, out=out)
     with pytest.raises(ValueError, match="contiguous"):
         low_latency_cast_to_fp8(x, out=(torch.empty(4, 256, dtype=torch.float8_e4m3fn), torch.empty(4, 3)))
     q, sc = torch.empty(4, 256, dtype=torch.float8_e4m3fn), torch.empty(4, 2)

@@ -40,6 +40,19 @@ def _check_dense(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a dense tensor, got a {'nested' if t.is_nested else str(t.layout)} one")
 
 
+def _share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte spans of two tensors (each from its first to its last element) intersect in one
+    storage."""
+    if not a.numel() or not b.numel() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def _check_hidden(name: str, t: torch.Tensor, per: int = GROUP) -> int:
     if t.dim() < 1 or t.shape[-1] == 0 or t.shape[-1] % per:
         raise ValueError(f"{name} must be [..., H] with H a positive multiple of {per}, got shape {tuple(t.shape)}")
@@ -89,6 +102,9 @@ def _cast(x: torch.Tensor, round_scale: bool, helper: bool, out) -> Tuple[torch.
                 or q.device != x.device or sc.device != x.device:
             raise ValueError("out must be contiguous tensors on x's device (float8_e4m3fn like x, float32 "
                              "[..., H/128])")
+        if _share_bytes(q, sc) or _share_bytes(q, x) or _share_bytes(sc, x):
+            raise ValueError("out's two tensors must not overlap each other or x (the cast reads x while it writes "
+                             "them)")
     native = _native_module() if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
     if native is not None:
         src = x.resolve_neg().contiguous()      # (the C loop reads memory: a negated view must be resolved)

@@ -344,10 +344,14 @@ def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:
     replicated = [] if bad is not None else [p for p in module.parameters() if id(p) not in experts]
     everything = [] if bad is not None else list(module.parameters())
     err = bad
+    if bad is not None:
+        bad.culprits = [dist.get_rank()]
     if world > 1:
         err = _agree(replicated, group, err, "group")
     if replicas > 1:
         err = _agree(everything, dp_group, err, "dp_group")
+        if world > 1:     # (what only the dp_group agreement found, back to the ranks of this group)
+            err = _agree(replicated, group, err, "group")
     if err is not None:
         raise err
     if world > 1:
@@ -362,32 +366,40 @@ def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:
 def _agree(params: list, group, err: Optional[Exception], name: str) -> Optional[Exception]:
     """One agreement of ``group`` before any gradient is sent: the parameters' number, shapes and dtypes, no
     sparse gradient (a flat all-reduce of tensors of other sizes aborts the process inside gloo), and whether
-    a rank has an error already (``err``: its own bad argument, or one an earlier agreement found). Returns
-    ``err``, else the error this agreement finds (the same on every rank of the group), else None."""
+    a rank has an error already (``err``: its own bad argument, or one an earlier agreement found; its
+    ``culprits`` are the global ranks it blames). Returns ``err``, else the error this agreement finds (the
+    same on every rank of the group), else None."""
     shapes = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
     sparse = int(any(p.grad is not None and p.grad.layout != torch.strided for p in params))
-    size, me = dist.get_world_size(group), dist.get_rank(group)
-    failed = [0] * size
-    failed[me] = int(err is not None)
-    agree = torch.tensor([len(params), -len(params), shapes, -shapes, sparse] + failed, dtype=torch.int64)
+    world = dist.get_world_size()
+    blamed = [0] * world                   # (global ranks: the culprits of errors found before)
+    for r in getattr(err, "culprits", [dist.get_rank()] if err is not None else []):
+        blamed[r] = 1
+    agree = torch.tensor([len(params), -len(params), shapes, -shapes, sparse, int(err is not None)] + blamed,
+                         dtype=torch.int64)
     dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=group)
     if err is not None:
         return err
-    if agree[5:].any():
-        ranks = [r for r in range(size) if agree[5 + r]]
-        return ValueError(f"ubep_torch.nn.data_parallel_sync: rank(s) {ranks} of the {name} were given a bad "
-                          f"argument or found the ranks' models differ (they raised it); nothing was averaged")
-    if agree[0] != -agree[1]:
-        return ValueError(f"ubep_torch.nn.data_parallel_sync: the ranks' modules have different numbers of "
-                          f"parameters to average ({-int(agree[1])} to {int(agree[0])}); every rank must hold the "
-                          f"same model")
-    if agree[2] != -agree[3]:
-        return ValueError("ubep_torch.nn.data_parallel_sync: the ranks' parameters to average differ in shape or "
-                          "dtype; every rank must hold the same model")
-    if agree[4]:
-        return TypeError("ubep_torch.nn.data_parallel_sync: sparse gradients (nn.Embedding(sparse=True), say) are "
-                         "not averaged here; use dense ones")
-    return None
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    found = None
+    if agree[5]:
+        ranks = [r for r in range(world) if agree[6 + r]]
+        found = ValueError(f"ubep_torch.nn.data_parallel_sync: rank(s) {ranks} were given a bad argument or hold "
+                           f"a model that differs from the other ranks' (they raised it); nothing was averaged")
+        found.culprits = ranks
+    elif agree[0] != -agree[1]:
+        found = ValueError(f"ubep_torch.nn.data_parallel_sync: the modules of the ranks of the {name} {members} "
+                           f"have different numbers of parameters to average ({-int(agree[1])} to "
+                           f"{int(agree[0])}); every rank must hold the same model")
+    elif agree[2] != -agree[3]:
+        found = ValueError(f"ubep_torch.nn.data_parallel_sync: the parameters to average of the ranks of the {name} "
+                           f"{members} differ in shape or dtype; every rank must hold the same model")
+    elif agree[4]:
+        found = TypeError(f"ubep_torch.nn.data_parallel_sync: sparse gradients (nn.Embedding(sparse=True), say) on "
+                          f"a rank of the {name} {members} are not averaged here; use dense ones")
+    if found is not None and not hasattr(found, "culprits"):
+        found.culprits = members
+    return found
 
 
 def _used_grads(params: list, group) -> list:

@@ -126,6 +126,10 @@ def _check_exponent(name: str, value) -> float:
         value = value.item()        # (a one-element float tensor, as math.isfinite took it)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    try:
+        float(value)
+    except OverflowError:       # (an int or fraction past any float)
+        raise ValueError(f"{name} is past float32's range") from None
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
     if value > float(np.finfo(np.float32).max):     # (the draws are float32)
