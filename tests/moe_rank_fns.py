@@ -597,6 +597,13 @@ def rank_dp_sync_mismatched_models(ctx) -> list:
         except (ValueError, TypeError) as e:
             out.append((name, type(e).__name__, "rank(s) [1]" in str(e) if ctx.rank == 0 else "module" in str(e)
                         or "host memory" in str(e)))
+    # a dp_group on one rank only (here the world group again): the ranks would make different numbers of
+    # agreements (gloo aborted the processes on mismatched sizes)
+    try:
+        unn.data_parallel_sync(good, ctx.group, ctx.group if ctx.rank == 0 else None)
+        out.append(("dp", "ok"))
+    except ValueError as e:
+        out.append(("dp", "ValueError", "dp_groups of different sizes" in str(e)))
     t = torch.ones(1)
     dist.all_reduce(t, group=ctx.group)
     out.append(float(t))

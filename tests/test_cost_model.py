@@ -338,6 +338,7 @@ _TK = make_routing(4, 8, 2, 8, seed=1)          # [4 ranks, 8 tokens, top-2] ove
     (lambda: Topology(2.5, 1, 1), TypeError, "dies_per_npu"),
     (lambda: make_routing(2, 4, 2, 4, hot_experts=2, hot_weight=1e300), ValueError, "hot_weight"),
     (lambda: make_routing(2, 4, 2, 4, zipf=10 ** 400), ValueError, "zipf"),
+    (lambda: make_routing(2, 4, 2, 4, zipf=-10 ** 400), ValueError, ">= 0"),
     (lambda: make_routing(2, 4, 2, 1 << 40), ValueError, "make_routing"),
     (lambda: CM384.with_(aivs_per_die=1), ValueError, "aivs_per_die"),
     (lambda: run_case("dispatch", 8, 8, 128, 2, 8, routing=_TK), ValueError, "routing has shape"),

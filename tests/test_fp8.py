@@ -277,6 +277,14 @@ def test_out_buffers_and_negated_views():
                 (x.view(torch.uint8).view(-1)[-1024:].view(torch.float8_e4m3fn).view(4, 256), torch.empty(4, 2))):
         with pytest.raises(ValueError, match="overlap"):
             low_latency_cast_to_fp8(x, out=out)
+    # two storages over the same memory (numpy views): their bytes are compared, not their storages
+    import numpy as np
+    mem = np.zeros(4 * 256 * 4 + 2048, dtype=np.uint8)
+    x_np = torch.from_numpy(mem[:4096]).view(torch.float32).view(4, 256)
+    x_np.copy_(x)
+    q_np = torch.from_numpy(mem[1024:2048]).view(torch.float8_e4m3fn).view(4, 256)
+    with pytest.raises(ValueError, match="overlap"):
+        low_latency_cast_to_fp8(x_np, out=(q_np, torch.empty(4, 2)))
     with pytest.raises(ValueError, match="contiguous"):
         low_latency_cast_to_fp8(x, out=(torch.empty(4, 256, dtype=torch.float8_e4m3fn), torch.empty(4, 3)))
     q, sc = torch.empty(4, 256, dtype=torch.float8_e4m3fn), torch.empty(4, 2)

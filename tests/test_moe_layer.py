@@ -187,7 +187,8 @@ def test_data_parallel_sync_refuses_models_that_differ_between_ranks(pool):
                          ("sparse", "TypeError", True)], r
         assert r[3:5] == ([("none", "ValueError", True), ("meta", "ValueError", True)] if rank == 0 else
                           [("none", "TypeError", True), ("meta", "ValueError", True)]), r
-        assert r[5] == 2.0, r
+        assert r[5] == ("dp", "ValueError", True), r
+        assert r[6] == 2.0, r
 
 
 def test_moe_and_data_parallel_sync_name_bad_arguments():

@@ -41,9 +41,10 @@ def _check_dense(name: str, t: torch.Tensor) -> None:
 
 
 def _share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the byte spans of two tensors (each from its first to its last element) intersect in one
-    storage."""
-    if not a.numel() or not b.numel() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    """Whether the byte spans of two tensors (each from its first to its last element) intersect: in one
+    storage, or in two that share memory (numpy views turned into tensors). A conservative test: a tensor
+    laid out in the gaps of a strided other counts as overlapping it."""
+    if not a.numel() or not b.numel():
         return False
 
     def span(t):

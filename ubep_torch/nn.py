@@ -316,13 +316,21 @@ def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:
     ``dp_group`` holds the ranks with this rank's place in the other replicas (the same experts). Every
     gradient is then averaged over ``dp_group`` as well, so they are those of the mean loss over all the
     ranks of both. (Ranks ``g * E + i`` with EP groups of E consecutive ranks: ``dp_group`` of rank r is
-    ``[r % E, r % E + E, ...]``.)
+    ``[r % E, r % E + E, ...]``.) Every rank of a group passes a ``dp_group`` or none: the ranks of a group
+    that disagree raise a ``ValueError``, while the ranks of other groups wait in their ``dp_group``'s
+    agreement for the process group's timeout.
+
+    Before any gradient is sent the ranks agree, over ``group``, then ``dp_group``, then ``group`` again,
+    on the parameters' number, shapes and dtypes and on no sparse gradient; a rank given a bad ``module``
+    raises its own error there and every other rank a ``ValueError`` naming it by its global rank.
     """
     for name, g in (("group", group), ("dp_group", dp_group)):
         # (no group to tell the others through: a rank given another group cannot reach theirs)
         if g is not None and not isinstance(g, dist.ProcessGroup):
+            outside = " (torch's NON_GROUP_MEMBER: this rank is not in that group)" \
+                if isinstance(g, int) and g == dist.GroupMember.NON_GROUP_MEMBER else ""
             raise TypeError(f"ubep_torch.nn.data_parallel_sync: {name} must be None or a process group, got "
-                            f"{type(g).__name__}")
+                            f"{type(g).__name__}{outside}")
     # A bad module on one rank is told to every other rank in the agreements below (over ``group``, then over
     # ``dp_group``, which reaches the other replicas), all made before any gradient is sent, so every rank
     # raises instead of waiting in an all-reduce that rank never joins.
@@ -346,12 +354,16 @@ def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:
     err = bad
     if bad is not None:
         bad.culprits = [dist.get_rank()]
+    # (``replicas`` is agreed too: ranks of one group that disagree on having a dp_group would make a different
+    # number of agreements)
     if world > 1:
-        err = _agree(replicated, group, err, "group")
+        err = _agree(replicated, group, err, "group", replicas)
+        if getattr(err, "dp_mismatch", False):    # (the ranks would make different numbers of agreements next)
+            raise err
     if replicas > 1:
-        err = _agree(everything, dp_group, err, "dp_group")
+        err = _agree(everything, dp_group, err, "dp_group", replicas)
         if world > 1:     # (what only the dp_group agreement found, back to the ranks of this group)
-            err = _agree(replicated, group, err, "group")
+            err = _agree(replicated, group, err, "group", replicas)
     if err is not None:
         raise err
     if world > 1:
@@ -363,20 +375,20 @@ def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:
         _average(_used_grads(everything, dp_group), dp_group, replicas)
 
 
-def _agree(params: list, group, err: Optional[Exception], name: str) -> Optional[Exception]:
+def _agree(params: list, group, err: Optional[Exception], name: str, replicas: int) -> Optional[Exception]:
     """One agreement of ``group`` before any gradient is sent: the parameters' number, shapes and dtypes, no
     sparse gradient (a flat all-reduce of tensors of other sizes aborts the process inside gloo), and whether
     a rank has an error already (``err``: its own bad argument, or one an earlier agreement found; its
-    ``culprits`` are the global ranks it blames). Returns ``err``, else the error this agreement finds (the
-    same on every rank of the group), else None."""
+    ``culprits`` are the global ranks it blames), and the size of the ranks' ``dp_group`` (``replicas``).
+    Returns ``err``, else the error this agreement finds (the same on every rank of the group), else None."""
     shapes = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
     sparse = int(any(p.grad is not None and p.grad.layout != torch.strided for p in params))
     world = dist.get_world_size()
     blamed = [0] * world                   # (global ranks: the culprits of errors found before)
     for r in getattr(err, "culprits", [dist.get_rank()] if err is not None else []):
         blamed[r] = 1
-    agree = torch.tensor([len(params), -len(params), shapes, -shapes, sparse, int(err is not None)] + blamed,
-                         dtype=torch.int64)
+    agree = torch.tensor([len(params), -len(params), shapes, -shapes, sparse, int(err is not None)] + blamed
+                         + [replicas, -replicas], dtype=torch.int64)
     dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=group)
     if err is not None:
         return err
@@ -387,6 +399,11 @@ def _agree(params: list, group, err: Optional[Exception], name: str) -> Optional
         found = ValueError(f"ubep_torch.nn.data_parallel_sync: rank(s) {ranks} were given a bad argument or hold "
                            f"a model that differs from the other ranks' (they raised it); nothing was averaged")
         found.culprits = ranks
+    elif agree[-2] != -agree[-1]:
+        found = ValueError(f"ubep_torch.nn.data_parallel_sync: the ranks of the {name} {members} pass dp_groups of "
+                           f"different sizes ({-int(agree[-1])} to {int(agree[-2])}; 1 for none); every rank of a "
+                           f"group must pass one, or none")
+        found.dp_mismatch = True
     elif agree[0] != -agree[1]:
         found = ValueError(f"ubep_torch.nn.data_parallel_sync: the modules of the ranks of the {name} {members} "
                            f"have different numbers of parameters to average ({-int(agree[1])} to "

@@ -126,6 +126,8 @@ def _check_exponent(name: str, value) -> float:
         value = value.item()        # (a one-element float tensor, as math.isfinite took it)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
     try:
         float(value)
     except OverflowError:       # (an int or fraction past any float)
