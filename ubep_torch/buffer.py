@@ -47,7 +47,7 @@ from .errors import (
 )
 from .fp8 import FP8, low_latency_cast_to_fp8, pack_ue8m0
 from .ugas import SymmetricHeap, refuse_setup
-from .utils import Config, EventHandle, EventOverlap, TensorCache, check_count, check_flag, check_host
+from .utils import Config, EventHandle, EventOverlap, TensorCache, check_count, check_flag, check_host, share_memory
 
 _AUX_REGIONS = 8          # region ids that have an ack table
 _MAX_LL_BUFFERS = 8       # receive buffers (halves) a low-latency region may have, each with its acks
@@ -2371,7 +2371,7 @@ class Buffer:
         _check_stats("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, E_local)
         _check_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, R)
         if cumulative_local_expert_recv_stats is not None and dispatch_wait_recv_cost_stats is not None and \
-                _overlap(cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats):
+                share_memory(cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, elementwise=True):
             raise ValueError("cumulative_local_expert_recv_stats and dispatch_wait_recv_cost_stats overlap in memory; "
                              "the call would add token counts and nanoseconds into the same words")
         x = x.contiguous()
@@ -2975,18 +2975,6 @@ def _writing(t: torch.Tensor):
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors are views of one storage."""
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two 1-d tensors share a byte (element by element: interleaved columns of one table share
-    none). Statistics tensors hold a few hundred elements at most."""
-    if not a.numel() or not b.numel() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-
-    def spans(t):
-        return {t.data_ptr() + i * t.stride(0) * t.element_size() + j
-                for i in range(t.numel()) for j in range(t.element_size())}
-    return not spans(a).isdisjoint(spans(b))
 
 
 def _check_stats(name: str, stats, n: int) -> None:

@@ -17,7 +17,7 @@ from typing import Tuple
 import torch
 
 from .protocol import fresh
-from .utils import check_flag
+from .utils import check_flag, share_memory
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0           # the largest finite float8_e4m3fn value
@@ -38,20 +38,6 @@ def _check_dense(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} is a meta tensor (it has no values)")
     if t.layout != torch.strided or t.is_nested:
         raise TypeError(f"{name} must be a dense tensor, got a {'nested' if t.is_nested else str(t.layout)} one")
-
-
-def _share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the byte spans of two tensors (each from its first to its last element) intersect: in one
-    storage, or in two that share memory (numpy views turned into tensors). A conservative test: a tensor
-    laid out in the gaps of a strided other counts as overlapping it."""
-    if not a.numel() or not b.numel():
-        return False
-
-    def span(t):
-        last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
 
 
 def _check_hidden(name: str, t: torch.Tensor, per: int = GROUP) -> int:
@@ -103,7 +89,7 @@ def _cast(x: torch.Tensor, round_scale: bool, helper: bool, out) -> Tuple[torch.
                 or q.device != x.device or sc.device != x.device:
             raise ValueError("out must be contiguous tensors on x's device (float8_e4m3fn like x, float32 "
                              "[..., H/128])")
-        if _share_bytes(q, sc) or _share_bytes(q, x) or _share_bytes(sc, x):
+        if share_memory(q, sc) or share_memory(q, x) or share_memory(sc, x):    # (by byte spans)
             raise ValueError("out's two tensors must not overlap each other or x (the cast reads x while it writes "
                              "them)")
     native = _native_module() if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None

@@ -16,12 +16,10 @@ Shapes: ``T`` tokens, ``H`` hidden, ``F`` expert FFN hidden, ``E`` experts, ``K`
 from __future__ import annotations
 
 import math
-import numbers
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as tF
@@ -29,7 +27,7 @@ from torch import nn
 
 from . import functional as F
 from .errors import refusal
-from .utils import check_count, check_flag
+from .utils import check_count, check_flag, check_real
 
 __all__ = ["GroupedSwiGLU", "MoE", "Router", "SwiGLU", "data_parallel_sync", "is_expert_parameter"]
 
@@ -205,10 +203,7 @@ class MoE(nn.Module):
         if shared_expert_hidden is not None:
             check_count("ubep_torch.nn.MoE: shared_expert_hidden", shared_expert_hidden)   # (0: none)
         check_flag("ubep_torch.nn.MoE: normalize_topk", normalize_topk)     # (as Buffer's flags)
-        if isinstance(aux_loss_coef, (bool, np.bool_)) or not isinstance(aux_loss_coef, numbers.Real):
-            raise TypeError(f"ubep_torch.nn.MoE: aux_loss_coef must be a real number, got {aux_loss_coef!r}")
-        if not math.isfinite(aux_loss_coef):
-            raise ValueError(f"ubep_torch.nn.MoE: aux_loss_coef must be finite, got {aux_loss_coef!r}")
+        check_real("ubep_torch.nn.MoE: aux_loss_coef", aux_loss_coef)
         if buffer is not None:
             F.check_buffer(buffer, "ubep_torch.nn.MoE")
         world = 1 if buffer is None else int(buffer.group_size)

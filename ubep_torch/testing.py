@@ -39,6 +39,13 @@ class RankFailure(RuntimeError):
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
 
 
+def _check_env(env) -> None:
+    """``env`` is None or maps variable names to strings; else TypeError."""
+    if env is not None and not (isinstance(env, Mapping) and
+                                all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise TypeError(f"env must map variable names to strings, got {env!r}"[:200])
+
+
 def rendezvous_store():
     """A ``TCPStore`` server on a port the system picks, held by the caller for its ranks to meet through
     (``join_group``). Picking a free port and binding it later in a rank races other processes for it
@@ -92,9 +99,7 @@ class RankPool:
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, env: Optional[Dict[str, str]] = None):
         world_size = check_count("world_size", world_size, 1)     # (a numpy integer too)
-        if env is not None and not (isinstance(env, Mapping) and
-                                    all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-            raise TypeError(f"env must map variable names to strings, got {env!r}")
+        _check_env(env)
         self.world_size = world_size
         self.timeout_s = check_deadline("timeout_s", timeout_s)
         self._call = 0          # (every call's results carry its number: a late one of an earlier call is dropped)
@@ -203,9 +208,7 @@ def run_torchrun(script: str, args: Optional[List[str]] = None, nproc: int = 2, 
         raise TypeError(f"args must be a list of strings (one per argument), got {args!r}"[:200])
     nproc = check_count("nproc", nproc, 1)
     timeout_s = None if timeout_s is None else check_deadline("timeout_s", timeout_s)   # (None: no limit)
-    if env is not None and not (isinstance(env, Mapping) and
-                                all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
-        raise TypeError(f"env must map variable names to strings, got {env!r}"[:200])
+    _check_env(env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.fspath(script)] + args
     with tempfile.TemporaryDirectory(prefix="ubep-torchrun-") as tmp:

@@ -19,8 +19,6 @@ specific to one figure.
 """
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass, field, replace
 from typing import Union
 
@@ -28,7 +26,7 @@ import numpy as np
 import torch
 
 from .protocol import BLOCK_BYTES, FLAG_BYTES, TFF_PAYLOAD_BYTES
-from .utils import check_count
+from .utils import check_count, check_real
 
 SAME_DIE = 0
 INTRA_NPU = 1
@@ -210,10 +208,7 @@ class CM384Params:
 
 
 def _check_param(name: str, value, positive: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"CM384Params.{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"CM384Params.{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+    check_real(f"CM384Params.{name}", value, minimum=0, positive=positive)
 
 
 CM384 = CM384Params()

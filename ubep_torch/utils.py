@@ -1,6 +1,7 @@
 """DeepEP-compatible helper types: ``Config`` and ``EventOverlap``, and argument checks."""
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 import os
@@ -24,6 +25,45 @@ def check_flag(name: str, value) -> None:
     be taken as True or False by its truth value; TypeError naming ``name`` otherwise."""
     if not isinstance(value, (bool, np.bool_, numbers.Integral)):
         raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def check_real(name: str, value, minimum: Optional[float] = None, positive: bool = False) -> float:
+    """``value`` as a float: a real number (a Python or numpy one, not a bool), finite, at least ``minimum``
+    (above 0 with ``positive``); TypeError or ValueError naming ``name`` otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}"[:200])
+    floor = 0 if positive else minimum
+    if floor is not None and value < floor:     # (before the conversion: a huge negative int gets this message)
+        raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} {floor:g}, got {value!r}"[:200])
+    try:
+        v = float(value)
+    except OverflowError:       # (an int or fraction past any float)
+        raise ValueError(f"{name} must be finite, got a number past any float") from None
+    if not math.isfinite(v) or (positive and v == 0):
+        bound = " > 0" if positive else f" >= {floor:g}" if floor is not None else ""
+        raise ValueError(f"{name} must be a finite number{bound}, got {value!r}")
+    return v
+
+
+def share_memory(a: torch.Tensor, b: torch.Tensor, elementwise: bool = False) -> bool:
+    """Whether two tensors share a byte of memory, compared by address (two storages can map the same
+    memory: numpy views turned into tensors). By default a conservative test, their byte spans from first to
+    last element; with ``elementwise`` (1-d tensors of a few hundred elements), byte by byte, so interleaved
+    columns of one table do not count."""
+    if not a.numel() or not b.numel():
+        return False
+
+    def span(t):
+        last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    if not (a0 < b1 and b0 < a1) or not elementwise:
+        return a0 < b1 and b0 < a1
+
+    def element_bytes(t):
+        return {t.data_ptr() + i * t.stride(0) * t.element_size() + j
+                for i in range(t.numel()) for j in range(t.element_size())}
+    return not element_bytes(a).isdisjoint(element_bytes(b))
 
 
 def check_count(name: str, value, minimum: int = 0) -> int:

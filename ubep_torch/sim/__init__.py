@@ -5,8 +5,6 @@ prints what one dispatch would cost on a CloudMatrix384 under CANN EP and UBEP (
 """
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +23,7 @@ from ..cost_model import (
 )
 from ..mapper import default_count_aivs
 from ..topology import CM384, CM384Params, Topology
-from ..utils import check_count
+from ..utils import check_count, check_real
 
 #: bounds of what ``run_case`` models (a CloudMatrix384 has 768 dies, 384 NPUs of two; the paper goes to 256
 #: experts; beyond 768 dies the topology adds nodes of the same kind)
@@ -124,19 +122,10 @@ def _check_seed(seed) -> int:
 def _check_exponent(name: str, value) -> float:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point:
         value = value.item()        # (a one-element float tensor, as math.isfinite took it)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-    try:
-        float(value)
-    except OverflowError:       # (an int or fraction past any float)
-        raise ValueError(f"{name} is past float32's range") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    value = check_real(name, value, minimum=0)
     if value > float(np.finfo(np.float32).max):     # (the draws are float32)
         raise ValueError(f"{name}={value} is past float32's range")
-    return float(value)
+    return value
 
 
 def make_routing(ranks: int, batch: int, topk: int, experts: int, hot_experts: int = 0,
