@@ -72,15 +72,19 @@ def smoke(ctx, sync, T=10, H=256, K=4, E=8, seed=0, dtype=torch.bfloat16, backen
     assert torch.equal(recv_x, ref_x), ("recv_x mismatch", tuple(recv_x.shape), tuple(ref_x.shape))
     assert torch.equal(recv_idx, ref_i), "recv_topk_idx mismatch"
     assert torch.equal(recv_w, ref_ww), "recv_topk_weights mismatch"
-    # DeepEP's handle entries with one channel: tokens sent to each rank, start of each source's rows
+    # DeepEP's handle entries with one channel: tokens sent to each rank; the channel's start within each
+    # source's rows, 0 (DeepEP's receiver records it before adding the source's start)
     sent = torch.tensor([int(itr[:, d].sum()) for d in range(R)], dtype=torch.int32)
     from_src = torch.tensor([sum(1 for t in range(all_x[s].shape[0])
                                  if any(0 <= int(i) - r * El < El for i in all_topk[s][t] if int(i) >= 0))
                              for s in range(R)], dtype=torch.int32)
     assert torch.equal(handle[0][:, r], torch.cumsum(from_src, 0).to(torch.int32)), "rank_prefix_matrix"
     assert torch.equal(handle[1], sent.view(R, 1)), ("channel_prefix_matrix", handle[1].view(-1).tolist())
-    assert torch.equal(handle[2], (torch.cumsum(from_src, 0) - from_src).to(torch.int32).view(R, 1)), \
+    assert torch.equal(handle[2], torch.zeros(R, 1, dtype=torch.int32)), \
         ("recv_channel_prefix_matrix", handle[2].view(-1).tolist())
+    # DeepEP's row of source s's first token: its start from rank_prefix_matrix plus the channel's offset
+    starts = [(int(handle[0][s - 1][r]) if s else 0) + int(handle[2][s][0]) for s in range(R)]
+    assert starts == (torch.cumsum(from_src, 0) - from_src).tolist(), ("source starts", starts)
     comb, cw, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
     nranks = itr.sum(1, keepdim=True)
     ref_comb = (x.float() * nranks).to(dtype)

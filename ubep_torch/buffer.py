@@ -213,7 +213,9 @@ class _Region:
 class DispatchHandle(tuple):
     """Normal-mode handle. Tuple positions follow DeepEP's intranode handle, with one channel:
     ``(rank_prefix_matrix [R, R] int32, channel_prefix_matrix [R, 1] int32 (tokens this rank sent to
-    each rank), recv_channel_prefix_matrix [R, 1] int32 (where each source's rows begin in recv_x),
+    each rank), recv_channel_prefix_matrix [R, 1] int32 (where the channel's rows begin within each source's
+    rows of recv_x, as DeepEP's receiver records it: 0 with one channel; rank_prefix_matrix gives where
+    each source's rows begin),
     recv_src_idx [N_recv] int32 (as DeepEP, [num_worst_tokens] with ``num_worst_tokens``: -1 past the
     received rows), is_token_in_rank [T, R] bool, send_head [T, R] int32)``; an expert-major
     handle has a seventh entry, ``row_index`` [rows] int64: the rank-major row of each expert-major row (-1
@@ -1747,10 +1749,11 @@ class Buffer:
             prefix.append(run)
         # rank_prefix_matrix and the two channel matrices (below) made from one list (numpy slices of a few
         # ints, then tensors sharing their memory, cost a fraction of tensor slicing)
-        matrices = np.array([c for row in prefix for c in row] + ntpr + off_l[:R], dtype=np.int32)
+        matrices = np.array([c for row in prefix for c in row] + ntpr + [0] * R, dtype=np.int32)
         rank_prefix = torch.from_numpy(matrices[:R * R].reshape(R, R))
         send_head = derived["send_head"].clone()
-        # one channel per rank pair: tokens sent to each rank, and where each source's rows begin in recv_x
+        # one channel per rank pair: tokens sent to each rank, and where the channel begins within each
+        # source's rows (DeepEP's receiver stores that offset before it adds the source's start: 0 here)
         channel_prefix = torch.from_numpy(matrices[R * R:R * R + R].reshape(R, 1))
         recv_channel_prefix = torch.from_numpy(matrices[R * R + R:].reshape(R, 1))
         h = DispatchHandle(
