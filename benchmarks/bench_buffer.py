@@ -78,7 +78,7 @@ from ubep_torch.native_engine import available as native_available  # noqa: E402
 from ubep_torch.native_engine import store_policy as native_store_policy  # noqa: E402
 from ubep_torch.testing import RankPool  # noqa: E402
 from ubep_torch.ugas import SymmetricHeap  # noqa: E402
-from ubep_torch.utils import int_at_least  # noqa: E402
+from ubep_torch.utils import int_at_least, physical_memory  # noqa: E402
 
 SMALL_HIDDEN = 128    # hidden size of the per-call work line: rows of 256 B in bf16
 
@@ -393,6 +393,15 @@ def main() -> None:
     if a.topk > a.experts or a.experts % a.ranks:
         ap.error(f"--topk {a.topk} must not exceed --experts {a.experts}, and --experts must be a multiple of "
                  f"--ranks {a.ranks}")
+    # every rank's shared memory (its Buffer) and its low-latency recv_x ([E_local, R * N, H] bf16), the largest
+    # parts of what the run allocates: refused here rather than as a rank's allocation error
+    row = 2 * a.hidden
+    nvl = normal_buffer_bytes(a.nvl_tokens or a.tokens, row, a.ranks)
+    need = a.ranks * (nvl + Buffer.get_low_latency_rdma_size_hint(a.tokens, a.hidden, a.ranks, a.experts)
+                      + a.experts * a.tokens * row)
+    if need > physical_memory():
+        ap.error(f"--ranks {a.ranks} --tokens {a.tokens} --hidden {a.hidden} need about {need} bytes, more than "
+                 f"this machine's memory ({physical_memory()} bytes)")
     here = os.path.dirname(os.path.abspath(__file__))
     with RankPool(a.ranks, env={"PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])}) as pool:
         per_rank = pool.run(bench_rank, a.tokens, a.hidden, a.topk, a.experts, a.iters, a.rounds, a.sync, backends,

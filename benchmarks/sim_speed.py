@@ -4,6 +4,7 @@ Run: ``python benchmarks/sim_speed.py``. The routing is generated once per size,
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 from ubep_torch.cost_model import compare, dispatch_bytes_per_token
@@ -12,6 +13,7 @@ from ubep_torch.topology import Topology
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     print(f"{'ranks':>6s} {'copies':>8s} {'dispatch ms':>12s} {'combine ms':>11s} {'reduction':>10s}")
     for ranks in (16, 32, 64, 128, 256, 384):
         experts = max(256, ranks)

@@ -250,7 +250,8 @@ def test_cli_combine_preset_and_errors() -> None:
                                         (("--ranks", "100000", "--experts", "100000"), "ranks"),
                                         (("--topk", "x"), "--topk"), (("--seed", "-5"), "--seed"),
                                         (("--zipf", "1", "--hot-experts", "2"), "--zipf"),
-                                        (("--experts", "24"), "multiple of ranks")])
+                                        (("--experts", "24"), "multiple of ranks"),
+                                        (("--bytes-per-token", "1" + "0" * 400), "--bytes-per-token")])
 def test_cli_bad_values_give_one_usage_error(extra, what) -> None:
     p = _cli("dispatch", "--ranks", "16", "--batch", "8", "--hidden", "1024", "--topk", "2", "--experts", "64",
              *extra)
@@ -357,6 +358,10 @@ _TK = make_routing(4, 8, 2, 8, seed=1)          # [4 ranks, 8 tokens, top-2] ove
     (lambda: simulate("dispatch", "ubep", _TK[:1], 8, 100, world_size=1 << 30, src_ranks=[0]), ValueError,
      "world_size"),
     (lambda: simulate("dispatch", "ubep", _TK.to("meta"), 8, 100), ValueError, "meta"),
+    # (former bug: OverflowError for payloads past any float)
+    (lambda: simulate("dispatch", "ubep", _TK, 8, 10 ** 400), ValueError, "bytes_per_token"),
+    (lambda: CostModel().report("dispatch", 0, 4, _TK[0], 8, 10 ** 400), ValueError, "hidden"),
+    (lambda: run_case("dispatch", 4, 8, 128, 2, 8, bytes_per_token=10 ** 400), ValueError, "bytes_per_token"),
     (lambda: CostModel().report("dispatch", 0, 4, _TK[0, 0], 8, 128), ValueError, r"\[T, K\]"),
     # (former bugs: KeyError, AttributeError)
     (lambda: format_report({}), TypeError, "format_report takes a report"),

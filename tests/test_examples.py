@@ -152,6 +152,8 @@ def test_sums_benchmark_prints_every_path():
     (["examples/infer_moe.py", "--single", "--timeout", "0"], "--timeout"),
     (["benchmarks/bench_buffer.py", "--backends", "nope"], "--backends"),
     (["benchmarks/bench_buffer.py", "--topk", "17", "--experts", "32"], "--topk"),   # (failed on every rank)
+    (["benchmarks/bench_buffer.py", "--tokens", "1" + "0" * 15], "memory"),   # (a rank's allocation error)
+    (["benchmarks/sim_speed.py", "--ranks", "8"], "unrecognized"),              # (ran the whole benchmark)
     (["benchmarks/stress.py", "--parallel", "0"], "--parallel"),
     (["benchmarks/stress.py", "--timeout", "nan"], "--timeout"),
 ])

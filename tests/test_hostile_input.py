@@ -773,6 +773,11 @@ def test_argument_checks_without_a_process_group():
         with pytest.raises(TypeError, match="timeout_s must be a number of seconds"):
             P.default_timeout(seconds)
     assert P.default_timeout(5) == 5.0 or os.environ.get("UBEP_TIMEOUT_S")
+    # (former bugs: OverflowError for an int past any float, RuntimeError for a meta tensor)
+    for seconds in (10 ** 400, torch.tensor(1.0, device="meta")):
+        with pytest.raises(ValueError, match="timeout_s must be a .*number of seconds"):
+            P.default_timeout(seconds)
+    assert P.check_deadline("timeout_s", torch.tensor(2.0)) == 2.0
     with pytest.raises(ValueError, match="num_sms"):
         Config(num_sms=0)
     with pytest.raises(ValueError, match="num_ranks"):
@@ -796,7 +801,10 @@ def test_argument_checks_without_a_process_group():
     # an fp8 x that passed the check and failed inside)
     for bad, error in ((dict(hidden=0), ValueError), (dict(ffn_hidden=-2), ValueError),
                        (dict(shared_expert_hidden=-1), ValueError), (dict(top_k=1.5), TypeError),
-                       (dict(normalize_topk="no"), TypeError)):
+                       (dict(normalize_topk="no"), TypeError),
+                       # (former bugs: torch's storage-size RuntimeError)
+                       (dict(hidden=2 ** 62), ValueError), (dict(num_experts=2 ** 62), ValueError),
+                       (dict(ffn_hidden=2 ** 62), ValueError)):
         with pytest.raises(error, match="ubep_torch.nn.MoE"):
             nn.MoE(**{**dict(hidden=8, ffn_hidden=16, num_experts=2, top_k=1), **bad})
     moe = nn.MoE(hidden=8, ffn_hidden=16, num_experts=2, top_k=1)
@@ -809,3 +817,8 @@ def test_argument_checks_without_a_process_group():
     with pytest.raises(TypeError, match="float tensor"):
         moe(torch.zeros(4, 8, dtype=torch.int64))
     assert moe(torch.randn(2, 3, 8)).shape == (2, 3, 8)
+    # (former bugs: torch's NotImplementedError on the dense path, AttributeError)
+    with pytest.raises(ValueError, match="meta tensor"):
+        moe(torch.randn(4, 8, device="meta"))
+    with pytest.raises(TypeError, match="state dict"):
+        moe.load_dense_state_dict(None)

@@ -47,7 +47,17 @@ from .errors import (
 )
 from .fp8 import FP8, low_latency_cast_to_fp8, pack_ue8m0
 from .ugas import SymmetricHeap, refuse_setup
-from .utils import Config, EventHandle, EventOverlap, TensorCache, check_count, check_flag, check_host, share_memory
+from .utils import (
+    Config,
+    EventHandle,
+    EventOverlap,
+    TensorCache,
+    check_count,
+    check_flag,
+    check_host,
+    physical_memory,
+    share_memory,
+)
 
 _AUX_REGIONS = 8          # region ids that have an ack table
 _MAX_LL_BUFFERS = 8       # receive buffers (halves) a low-latency region may have, each with its acks
@@ -349,14 +359,6 @@ def _event(async_finish) -> EventOverlap:
     """A call's event, as DeepEP returns it: holding an ``EventHandle`` where the call was asked to finish
     asynchronously, else None (here every call has completed when it returns either way)."""
     return EventOverlap(EventHandle() if async_finish else None)
-
-
-def _physical_memory() -> int:
-    """Bytes of this machine's memory (no limit where the system does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62
 
 
 def _check_count_aivs(n: Optional[int], cost_model, what: str) -> None:
@@ -1788,7 +1790,7 @@ class Buffer:
         # machine's memory is refused before it is allocated
         xs = out_x if isinstance(out_x, tuple) else (out_x,)
         row_bytes = sum(t.shape[1] * t.element_size() for t in xs) + 24
-        limit, total = _physical_memory(), 0
+        limit, total = physical_memory(), 0
         rows_list, expert_list, weight_list, counts = [], [], [], []
         for e in range(E_local):
             r, k = (idx == e).nonzero(as_tuple=True)

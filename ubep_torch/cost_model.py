@@ -403,11 +403,13 @@ def count_cost_ratio(params: CM384Params, bytes_per_token: int, world_size: int,
 MAX_WORLD_SIZE = 4096
 MAX_NUM_EXPERTS = 65536
 MAX_AIVS = 1024
+MAX_BYTES_PER_TOKEN = 1 << 30    # (1 GiB per token copy; a bf16 row of the simulator's largest hidden is 2 MiB)
 
 
 def _at_most(name: str, value: int, highest: int) -> int:
     if value > highest:
-        raise ValueError(f"{name}={value}: the model covers at most {highest}")
+        shown = value if value < 1 << 64 else f"{str(value)[:12]}... ({len(str(value))} digits)"
+        raise ValueError(f"{name}={shown}: the model covers at most {highest}")
     return value
 
 
@@ -498,7 +500,8 @@ def simulate(
     R = _at_most("world_size", check_count("world_size", world_size if world_size is not None else S, 1),
                  MAX_WORLD_SIZE)
     E = _at_most("num_experts", check_count("num_experts", num_experts, 1), MAX_NUM_EXPERTS)
-    bytes_per_token = check_count("bytes_per_token", bytes_per_token, 1)
+    bytes_per_token = _at_most("bytes_per_token", check_count("bytes_per_token", bytes_per_token, 1),
+                               MAX_BYTES_PER_TOKEN)
     if E % R:
         raise ValueError(f"num_experts={E} must be a multiple of world_size={R}")
     if tk.size and (int(tk.min()) < -1 or int(tk.max()) >= E):
@@ -632,6 +635,7 @@ class CostModel:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         nbytes = check_count("bytes_per_token", bytes_per_token, 1) if bytes_per_token is not None else \
             2 * check_count("hidden", hidden, 1)
+        _at_most("bytes_per_token" if bytes_per_token is not None else "2 x hidden", nbytes, MAX_BYTES_PER_TOKEN)
         if n_count is not None:      # (checked for every kind: a combine, which has no count group, took "x")
             check_count("n_count", n_count, 1)
         tk = _routing_array(topk_idx)

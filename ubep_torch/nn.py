@@ -27,7 +27,7 @@ from torch import nn
 
 from . import functional as F
 from .errors import refusal
-from .utils import check_count, check_flag, check_real
+from .utils import check_count, check_flag, check_real, physical_memory
 
 __all__ = ["GroupedSwiGLU", "MoE", "Router", "SwiGLU", "data_parallel_sync", "is_expert_parameter"]
 
@@ -210,6 +210,14 @@ class MoE(nn.Module):
         if num_experts % world:
             raise ValueError(f"ubep_torch.nn.MoE: num_experts={num_experts} is not divisible by the "
                              f"{world} ranks of the Buffer's group")
+        # the parameters (router, this rank's experts, shared expert) in float32: refused before allocating
+        # when they exceed the machine's memory, instead of torch's overflow or allocation error
+        elements = num_experts * hidden + 3 * hidden * ffn_hidden * (num_experts // world) + \
+            3 * hidden * (shared_expert_hidden or 0)
+        if 4 * elements > physical_memory():
+            raise ValueError(f"ubep_torch.nn.MoE: hidden={hidden}, ffn_hidden={ffn_hidden}, num_experts={num_experts}"
+                             f" and shared_expert_hidden={shared_expert_hidden} make {4 * elements} bytes of "
+                             f"parameters, more than this machine's memory ({physical_memory()} bytes)"[:400])
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.buffer = buffer if world > 1 else None
         self.layout, self.expert_alignment, self.aux_loss_coef = layout, expert_alignment, float(aux_loss_coef)
@@ -236,6 +244,8 @@ class MoE(nn.Module):
             if x.layout != torch.strided or x.is_nested:
                 raise TypeError(f"ubep_torch.nn.MoE: x must be a dense tensor, got "
                                 f"{'a nested tensor' if x.is_nested else x.layout}")
+            if x.device.type == "meta":
+                raise ValueError("ubep_torch.nn.MoE: x is a meta tensor (it has no values)")
             if x.dim() < 1 or x.shape[-1] != self.hidden:
                 raise ValueError(f"ubep_torch.nn.MoE: x must be [..., {self.hidden}], got {tuple(x.shape)}")
             shape = x.shape
@@ -291,6 +301,9 @@ class MoE(nn.Module):
     # ------------------------------------------------------------------ parameters
     def load_dense_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load the state of a dense :class:`MoE` with all ``E`` experts, keeping this rank's experts."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"ubep_torch.nn.MoE.load_dense_state_dict: state must be a state dict (a mapping of "
+                            f"names to tensors), got {type(state).__name__}")
         lo, hi = self.expert_offset, self.expert_offset + self.num_local_experts
         own = {}
         for name, value in state.items():

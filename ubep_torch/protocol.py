@@ -364,8 +364,10 @@ def _seconds(source: str, raw, highest: float, zero: bool = False) -> float:
     ValueError naming ``source``."""
     try:
         value = float(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"{source} must be a number of seconds, got {raw!r}") from None
+    except OverflowError:       # (an int past any float)
+        raise ValueError(f"{source} must be a finite number of seconds, got a number past any float") from None
+    except (TypeError, ValueError, RuntimeError):   # (RuntimeError: a tensor without values, on the meta device)
+        raise ValueError(f"{source} must be a number of seconds, got {raw!r}"[:300]) from None
     if not math.isfinite(value) or value < 0 or (value == 0 and not zero) or value > highest:
         raise ValueError(f"{source} must be a finite number of seconds {'>=' if zero else '>'} 0 and at most "
                          f"{highest:g}, got {raw!r}")

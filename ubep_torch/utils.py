@@ -45,6 +45,14 @@ def check_real(name: str, value, minimum: Optional[float] = None, positive: bool
     return v
 
 
+def physical_memory() -> int:
+    """Bytes of this machine's memory (no limit where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
 def share_memory(a: torch.Tensor, b: torch.Tensor, elementwise: bool = False) -> bool:
     """Whether two tensors share a byte of memory, compared by address (two storages can map the same
     memory: numpy views turned into tensors). By default a conservative test, their byte spans from first to
@@ -100,10 +108,11 @@ def int_at_least(minimum: int, maximum: Optional[int] = None):
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        shown = text if len(text) <= 24 else f"{text[:12]}... ({len(text)} characters)"
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {shown}")
         if maximum is not None and value > maximum:
-            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {shown}")
         return value
     parse.__name__ = f"integer >= {minimum}"
     return parse

@@ -21,7 +21,7 @@ import math
 import os
 import sys
 
-from ..cost_model import dispatch_bytes_per_token
+from ..cost_model import MAX_BYTES_PER_TOKEN, dispatch_bytes_per_token
 from ..utils import int_at_least
 from . import (
     PRESETS,
@@ -84,7 +84,7 @@ def _add_case_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-mapping", action="store_true", help="UBEP without topology-aware mapping")
     p.add_argument("--count-aivs", type=int_at_least(1), default=None,
                    help="UBEP count-group AIVs (default: Appendix 9)")
-    p.add_argument("--bytes-per-token", type=int_at_least(1), default=None,
+    p.add_argument("--bytes-per-token", type=int_at_least(1, MAX_BYTES_PER_TOKEN), default=None,
                    help="payload per token copy (default: int8+scales for dispatch, bf16 for combine)")
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
