@@ -290,6 +290,60 @@ def rank_low_latency_grads(ctx, kind: str, dtype_name: str):
         return rel(out, ref), rel(xr.grad, xd.grad), rel(wr.grad, wd.grad)
 
 
+def rank_inplace_on_outputs(ctx, kind: str) -> dict:
+    """In-place ops on what the differentiable calls return, as on any torch result (they were views of the
+    Buffer's reused output memory, which autograd refused to modify in place): each case's gradient of x
+    against the same math written out of place."""
+    buf = make_buffer(ctx, kind)
+    r, world = ctx.rank, ctx.world_size
+    e_total, k, t, h, n = 2 * world, 2, 5, 8, 8
+    idx, w = routing(31 + r, t, k, e_total)
+    w = w.float()
+    x0 = torch.randn(t, h, generator=torch.Generator().manual_seed(3 + r))
+    res = {}
+
+    def grad_of(fn):
+        x = x0.clone().requires_grad_()
+        fn(x).sum().backward()
+        return x.grad
+
+    def normal(x, inplace):
+        recv_x, _, _, handle = F.dispatch(buf, x, idx, w, e_total)
+        recv_x = recv_x.mul_(2.0) if inplace else recv_x * 2.0
+        out = F.combine(buf, recv_x, handle)
+        if inplace:
+            out += x
+            return out
+        return out + x
+
+    def low_latency(x, inplace):
+        recv_x, _, handle = F.low_latency_dispatch(buf, x.bfloat16(), idx, n, e_total)   # (bf16 rows)
+        recv_x = recv_x.mul_(3.0) if inplace else recv_x * 3.0
+        out = F.low_latency_combine(buf, recv_x, idx, w, handle)
+        if inplace:
+            out.mul_(2.0)
+            return out
+        return out * 2.0
+
+    torch.manual_seed(0)
+    layer = unn.MoE(h, 12, e_total, k, buffer=buf)      # no shared expert: its output is combine's
+
+    def moe(x, inplace):
+        y = layer(x)
+        if inplace:
+            y += x                                       # an in-place residual
+            return y
+        return y + x
+
+    for name, fn in (("normal", normal), ("low_latency", low_latency), ("moe", moe)):
+        try:
+            got = grad_of(lambda x, fn=fn: fn(x, True))
+            res[name] = torch.allclose(got, grad_of(lambda x, fn=fn: fn(x, False)), rtol=1e-5, atol=1e-6)
+        except RuntimeError as e:
+            res[name] = f"{type(e).__name__}: {str(e)[:160]}"
+    return res
+
+
 # ----------------------------------------------------------------------------- MoE layer checks
 def moe_config(router: str, shared: bool):
     return {"hidden": 16, "ffn_hidden": 24, "num_experts": 4, "top_k": 2, "router": router,

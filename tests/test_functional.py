@@ -50,6 +50,13 @@ def test_gradcheck_float64(pool, kind, layout):
         assert fwd_err < 1e-12, f"rank {rank}: EP output differs from the dense reference by {fwd_err}"
 
 
+def test_results_can_be_modified_in_place(pool):
+    # (former bug: RuntimeError "Output 0 of _Combine is a view and is being modified inplace", the results
+    # being views of the Buffer's reused output memory)
+    for rank, res in enumerate(pool.run(M.rank_inplace_on_outputs, KINDS[-1])):
+        assert res == {"normal": True, "low_latency": True, "moe": True}, (rank, res)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])

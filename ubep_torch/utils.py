@@ -259,7 +259,7 @@ class TensorCache:
         pool = self._entries.setdefault(dtype, [])      # kept in ascending size: the first free fit is the best
         for i in range(len(pool)):
             if pool[i].numel() >= n and self._free(pool, i):
-                return pool[i].as_strided(shape, strides)   # (one view op: a slice then a view take two)
+                return self._on(pool[i], shape, strides)
         if len(pool) >= self.max_entries:
             victims = [i for i in range(len(pool)) if self._free(pool, i)]
             if not victims:
@@ -271,7 +271,14 @@ class TensorCache:
         while i < len(pool) and pool[i].numel() <= fresh.numel():
             i += 1
         pool.insert(i, fresh)
-        return fresh.as_strided(shape, strides)
+        return self._on(fresh, shape, strides)
+
+    @staticmethod
+    def _on(flat: "torch.Tensor", shape: tuple, strides: list) -> "torch.Tensor":
+        """A tensor of ``shape`` at the start of ``flat``'s storage that is not a view of it: it shares the
+        memory, but autograd treats it as a tensor of its own, so results returned from a custom
+        ``autograd.Function`` (``ubep_torch.functional``) can be modified in place like any other."""
+        return torch.empty(0, dtype=flat.dtype).set_(flat.untyped_storage(), 0, shape, strides)
 
     def zeros(self, shape, dtype: "torch.dtype") -> "torch.Tensor":
         return self.empty(shape, dtype).zero_()
