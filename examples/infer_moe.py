@@ -126,7 +126,12 @@ def run(args) -> dict:
     if distributed:
         T.check_experts_per_rank("examples/infer_moe.py", args.experts, world)
     targs = argparse.Namespace(**vars(args))
-    targs.seq = max(args.seq, len(args.prompt) + args.tokens + 1)
+    need = len(args.prompt) + args.tokens + 1       # positions the prompt and the generated tokens take
+    if args.ckpt and need > args.seq:               # (the checkpoint's position table has its training length)
+        raise SystemExit(f"infer_moe.py: the prompt ({len(args.prompt)} characters) and --tokens {args.tokens} need "
+                         f"{need} positions, but --ckpt {args.ckpt} was trained with --seq {args.seq}: use at most "
+                         f"--tokens {max(args.seq - len(args.prompt) - 1, 0)} or a shorter --prompt")
+    targs.seq = max(args.seq, need)
     n_max = (args.batch + 1) // 2          # tokens per micro-batch and rank
     reports = StepReports()
     buffer = None
@@ -179,6 +184,12 @@ def run(args) -> dict:
                     agree += int((ref.argmax(-1) == nxt).sum())
                     total += nxt.numel()
                 seqs = torch.cat([seqs, nxt[:, None]], dim=1)
+    if args.check and distributed:      # every rank's comparison, not rank 0's alone
+        sums = torch.tensor([agree, total], dtype=torch.int64)
+        worst = torch.tensor([max_diff], dtype=torch.float64)
+        dist.all_reduce(sums)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        (agree, total), max_diff = sums.tolist(), float(worst)
     measured = step_times[1:] or step_times        # the first step pays one-time allocation
     tpot_ms = 1e3 * sum(measured) / len(measured)
     result = {"tpot_ms": tpot_ms, "max_logit_diff": max_diff, "agree": agree, "total": total,
@@ -202,7 +213,8 @@ def run(args) -> dict:
         elif buffer is not None:
             print("modeled CM384 latency: ubep_torch.cost_model not available")
         if args.check:
-            print(f"check against the dense float32 model: max |logit diff| {max_diff:.4f}, greedy tokens "
+            over = f" (all {world} ranks)" if world > 1 else ""
+            print(f"check against the dense float32 model{over}: max |logit diff| {max_diff:.4f}, greedy tokens "
                   f"agree {agree}/{total}")
     if buffer is not None:
         buffer.destroy()

@@ -70,6 +70,17 @@ def test_infer_low_latency_agrees_with_dense(tmp_path):
     # bf16 transport of the MoE exchange: logits stay close to the float32 dense model.
     assert diff < 0.25, out
     assert int(agree) >= 0.9 * int(total), out
+    # every rank's tokens are counted (former bug: rank 0's alone)
+    tokens, batch = (int(v) for v in out.split("decoded ")[1].split(" sequences")[0].split(" tokens x "))
+    assert int(total) == tokens * batch * 2, out
+    # more positions than the checkpoint's model has: one line (former bug: load_state_dict's size mismatch)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    long = subprocess.run([sys.executable, os.path.join(EXAMPLES, "infer_moe.py"), "--single", "--ckpt", str(ck),
+                           "--tokens", "500"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert long.returncode != 0 and "Traceback" not in long.stderr, long.stderr
+    assert "trained with --seq" in long.stderr.strip().splitlines()[-1], long.stderr
 
 
 def test_infer_single_process():
