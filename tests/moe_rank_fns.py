@@ -537,7 +537,7 @@ def rank_ep_inside_dp(ctx, dp_ranks: str):
     expert-parallel groups [0, 2] and [1, 3] with data-parallel groups [0, 1] and [2, 3] (``"adjacent"``).
     After ``data_parallel_sync(layer, ep_group, dp_group)`` every gradient must be the dense model's
     gradient of the mean loss over all four ranks (each rank's experts: their slice). Returns the largest
-    difference."""
+    difference, and whether the calls with other groups were refused."""
     from ubep_torch.buffer import Buffer
     me = ctx.rank
     ep, dp = _ep_and_dp_groups(me, dp_ranks)
@@ -551,6 +551,15 @@ def rank_ep_inside_dp(ctx, dp_ranks: str):
           for r in range(4)]
     out = layer(xs[me])
     ((out ** 2).sum() + layer.aux_loss).backward()
+    # a group other than the layer's Buffer's is refused on every rank, gradients untouched (former bug: the
+    # expert gradients came out wrong without an error)
+    refused = []
+    for wrong in ((), (dp,)):
+        try:
+            unn.data_parallel_sync(layer, *wrong)
+            refused.append("no error")
+        except ValueError as e:
+            refused.append("Buffer's group" in str(e))
     unn.data_parallel_sync(layer, ep, dp)
     for x in xs:       # the mean over the ranks of each rank's loss, on its own batch
         y = dense(x)
@@ -559,7 +568,32 @@ def rank_ep_inside_dp(ctx, dp_ranks: str):
     want = {n: p.grad[lo:hi] if n.startswith("experts.") else p.grad for n, p in dense.named_parameters()}
     worst = max(float((p.grad - want[n]).abs().max()) for n, p in layer.named_parameters())
     buf.destroy()
-    return worst
+    return worst, refused
+
+
+def rank_deepcopy_of_expert_parallel_model(ctx) -> tuple:
+    """``copy.deepcopy`` of a model with an expert-parallel MoE (an EMA or evaluation copy) shares the Buffer and
+    copies the parameters (former bug: TypeError "cannot pickle 'mmap.mmap' object"); pickling the Buffer
+    itself is a TypeError that says why. Returns (shares the Buffer, own parameters, same output, pickle
+    error says why)."""
+    import copy
+    import pickle
+
+    from ubep_torch.buffer import Buffer
+    buf = make_buffer(ctx, "ubep")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), unn.MoE(16, 24, 4, 2, buffer=buf)).double()
+    ema = copy.deepcopy(model)
+    x = torch.randn(5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(ctx.rank))
+    with torch.no_grad():
+        same = torch.equal(model(x), ema(x))
+    own = all(a is not b and torch.equal(a, b) for a, b in zip(model.parameters(), ema.parameters()))
+    try:
+        pickle.dumps(buf)
+        why = False
+    except TypeError as e:
+        why = "cannot be pickled" in str(e)
+    return ema[1].buffer is buf and isinstance(buf, Buffer), own, same, why
 
 
 def rank_moe_bad_batch(ctx, layout: str, steps: int = 3, how: str = "hidden"):

@@ -154,9 +154,15 @@ def test_data_parallel_sync_of_expert_parallel_replicas(dp_ranks):
         worst = pool4.run(M.rank_ep_inside_dp, dp_ranks, timeout_s=120)
         # (former bug: a bad module on rank 0 left the other replica's ranks waiting in the dp_group agreement)
         bad = pool4.run(M.rank_dp_bad_module_with_replicas, dp_ranks, timeout_s=60)
-    assert max(worst) < 1e-12, worst
+    assert max(w for w, _ in worst) < 1e-12, worst
+    assert all(refused == [True, True] for _, refused in worst), worst
     assert bad[0] == ("TypeError", True, "ValueError", 4.0), bad
     assert all(b == ("ValueError", True, "ValueError", 4.0) for b in bad[1:]), bad
+
+
+@pytest.mark.skipif("ubep" not in KINDS, reason="needs ubep_torch.Buffer")
+def test_deepcopy_of_an_expert_parallel_model_shares_the_buffer(pool):
+    assert pool.run(M.rank_deepcopy_of_expert_parallel_model) == [(True, True, True, True)] * 2
 
 
 @pytest.mark.parametrize("layout", ["rank_major", "expert_major"])

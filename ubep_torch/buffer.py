@@ -748,6 +748,20 @@ class Buffer:
         then propagates)."""
         self.destroy()
 
+    def __copy__(self) -> "Buffer":
+        """The Buffer itself: it stands for this rank's memory and its peers', which a copy cannot have twice
+        (``copy.deepcopy`` of a model with expert-parallel layers, for an EMA or evaluation copy, shares it, as
+        copies share a process group)."""
+        return self
+
+    def __deepcopy__(self, memo) -> "Buffer":
+        return self
+
+    def __reduce__(self):
+        raise TypeError(f"a ubep_torch.Buffer cannot be pickled or sent to another process (it maps this "
+                        f"process's shared memory); save the model's state_dict, and build a Buffer in each "
+                        f"process: {self!r}")
+
     def __repr__(self) -> str:
         try:
             state = "destroyed" if self._destroyed else f"broken ({self._broken})" if self._broken else \

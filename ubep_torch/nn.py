@@ -352,6 +352,8 @@ def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:
         if off is not None:
             bad = ValueError(f"ubep_torch.nn.data_parallel_sync: parameter {off!r} (or its gradient) is not in host "
                              f"memory; the gloo all-reduce averages CPU tensors")
+        elif dist.is_initialized():
+            bad = _buffer_group_mismatch(module, group)
     if bad is not None and not dist.is_initialized():
         raise bad
     world = dist.get_world_size(group)
@@ -381,6 +383,20 @@ def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:
                 p.grad /= world
     if replicas > 1:
         _average(_used_grads(everything, dp_group), dp_group, replicas)
+
+
+def _buffer_group_mismatch(module: nn.Module, group) -> Optional[Exception]:
+    """A ValueError when an expert-parallel :class:`MoE` of ``module`` exchanges over other ranks than
+    ``group``: its experts' gradients hold the sum over its Buffer's ranks, so dividing by another group's size
+    (or averaging the rest over it) gives wrong gradients without any error."""
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    for name, m in module.named_modules():
+        ranks = getattr(m.buffer, "_global_ranks", None) if isinstance(m, MoE) and m.expert_parallel else None
+        if ranks and list(ranks) != list(members):
+            return ValueError(f"ubep_torch.nn.data_parallel_sync: the MoE layer {name or 'module'!r} exchanges "
+                              f"tokens over ranks {list(ranks)} (its Buffer's group) but group has ranks {members}; "
+                              f"pass its Buffer's group as group (and the other replicas' ranks as dp_group)")
+    return None
 
 
 def _agree(params: list, group, err: Optional[Exception], name: str, replicas: int) -> Optional[Exception]:
