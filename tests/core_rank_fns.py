@@ -97,6 +97,39 @@ def smoke(ctx, sync, T=10, H=256, K=4, E=8, seed=0, dtype=torch.bfloat16, backen
     return counts, ubep_torch.__version__
 
 
+def token_in_rank_decides(ctx, sync, backend="auto", T=7, H=64, K=2, E=8):
+    """As in DeepEP, ``is_token_in_rank`` decides where rows go and ``topk_idx`` what they carry: every token
+    to every rank (a superset of its experts' ranks: rows with -1 ids there), then token 0 kept back from
+    every rank but rank 0. Rows, ids, weights and the unweighted combine against plain-torch references.
+    (Former behaviour: ValueError "is_token_in_rank does not match topk_idx".)"""
+    buf = get_buffer(ctx, sync, backend=backend)
+    R, r = ctx.world_size, ctx.rank
+    El = E // R
+    topk, w = make_routing(5, r, T, K, E)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(31 + r)).bfloat16()
+    all_x, all_topk, all_w = gather(x), gather(topk), gather(w)
+    superset = torch.ones(T, R, dtype=torch.bool)
+    subset = superset.clone()
+    subset[0, 1:] = False
+    for itr in (superset, subset):
+        _, _, ntpe, _, _ = buf.get_dispatch_layout(topk, E)
+        recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=itr.sum(0), is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk,
+            topk_weights=w)
+        keep = [t for t in range(T) if itr[t, r]]        # every rank passes the same is_token_in_rank
+        ref_x = torch.cat([all_x[s][keep] for s in range(R)])
+        ids = torch.cat([all_topk[s][keep] for s in range(R)])
+        local = (ids >= r * El) & (ids < (r + 1) * El)
+        ref_idx = torch.where(local, ids - r * El, -1)
+        ref_w = torch.where(local, torch.cat([all_w[s][keep] for s in range(R)]), 0.0)
+        assert torch.equal(recv_x, ref_x), "recv_x"
+        assert torch.equal(recv_idx, ref_idx) and torch.equal(recv_w, ref_w), "recv_topk_idx/weights"
+        assert torch.equal(handle[4], itr), "the handle keeps the is_token_in_rank given"
+        combined, _, _ = buf.combine(recv_x, handle)
+        assert torch.equal(combined, (x.float() * itr.sum(1, keepdim=True)).bfloat16()), "combine"
+    return True
+
+
 def debug(ctx):
     buf = get_buffer(ctx, "tff")
     r = ctx.rank

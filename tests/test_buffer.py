@@ -57,6 +57,11 @@ def test_dispatch_variants(pool2, sync):
 
 
 @pytest.mark.parametrize("sync", SYNCS)
+def test_is_token_in_rank_decides_where_rows_go(pool2, sync):
+    assert pool2.run(F.token_in_rank_decides, sync) == [True, True]
+
+
+@pytest.mark.parametrize("sync", SYNCS)
 def test_low_latency_roundtrip(pool2, sync):
     pool2.run(F.ll_roundtrip, sync)
     pool2.run(F.ll_roundtrip, sync, use_fp8=True, hook=True, zero_copy=True, seed=4)

@@ -1566,7 +1566,10 @@ class Buffer:
             x: [T, H] bf16/fp16/fp32/fp64, or ``(fp8_e4m3 [T, H], scales [T, H/128] float32)``.
             handle: a handle from an earlier dispatch: cached mode, reuses its layout, returns only recv_x.
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from ``get_dispatch_layout``
-                (``is_token_in_rank`` decides which ranks receive each token; the others are checked).
+                (``is_token_in_rank`` decides which ranks receive each token, as in DeepEP: given with
+                ``topk_idx`` it may name other ranks than the experts' (a token arrives with -1 ids on a rank
+                that hosts none of its experts); ``num_tokens_per_rank`` must match it and
+                ``num_tokens_per_expert`` ``topk_idx``).
             topk_idx: [T, K] int64 expert ids (-1 = none); topk_weights: [T, K] float32 (or float64).
             expert_alignment: each returned per-expert count is rounded up to a multiple of this.
             num_worst_tokens: > 0 sizes the outputs to that many rows (unused rows: topk ids -1, x zero)
@@ -1618,7 +1621,7 @@ class Buffer:
             elif topk_idx is not None:
                 raise ValueError("dispatch needs num_tokens_per_expert (from get_dispatch_layout) or "
                                  "num_experts= to interpret topk_idx")
-        weights = ntpe = None
+        weights = ntpe = ntpr_cached = None
         if topk_idx is not None:
             E = self._check_num_experts(num_experts)
             (ntpr_cached, _, ntpe, itr), topk_idx = self._layout(topk_idx, E)
@@ -1637,12 +1640,16 @@ class Buffer:
                 if tuple(is_token_in_rank.shape) != (T, R) or is_token_in_rank.dtype != torch.bool:
                     raise ValueError(f"is_token_in_rank must be a [{T}, {R}] bool tensor")
                 if not _equal_values(is_token_in_rank, itr):
-                    raise ValueError("is_token_in_rank does not match topk_idx (use get_dispatch_layout)")
+                    # as in DeepEP, is_token_in_rank decides where rows go and topk_idx only what they
+                    # carry: a token sent to a rank that hosts none of its experts arrives with -1 ids there
+                    # (a copy: the handle keeps it, and the caller may change theirs)
+                    itr = ntpr_cached = None
+                    is_token_in_rank = is_token_in_rank.cpu().clone()
             if num_tokens_per_expert is not None and (
                     tuple(num_tokens_per_expert.shape) != (E,) or
                     not _equal_values(num_tokens_per_expert, ntpe)):
                 raise ValueError("num_tokens_per_expert does not match topk_idx (use get_dispatch_layout)")
-            is_token_in_rank = itr
+            is_token_in_rank = itr if itr is not None else is_token_in_rank
         else:
             if layout == "expert_major":
                 raise ValueError("layout='expert_major' needs topk_idx")
@@ -1660,7 +1667,7 @@ class Buffer:
         if num_tokens_per_rank is not None:
             if tuple(num_tokens_per_rank.shape) != (R,):
                 raise ValueError(f"num_tokens_per_rank must have shape ({R},)")
-            expect = ntpr_cached if topk_idx is not None else is_token_in_rank.sum(0)
+            expect = ntpr_cached if ntpr_cached is not None else is_token_in_rank.sum(0)
             if not _equal_values(num_tokens_per_rank, expect):
                 raise ValueError("num_tokens_per_rank does not match is_token_in_rank/topk_idx")
 
