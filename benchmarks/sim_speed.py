@@ -13,7 +13,8 @@ from ubep_torch.topology import Topology
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    argparse.ArgumentParser(description="Wall time of one modelled dispatch and combine from 16 to 384 ranks "
+                                        "(no options).").parse_args()
     print(f"{'ranks':>6s} {'copies':>8s} {'dispatch ms':>12s} {'combine ms':>11s} {'reduction':>10s}")
     for ranks in (16, 32, 64, 128, 256, 384):
         experts = max(256, ranks)

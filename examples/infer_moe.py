@@ -126,12 +126,15 @@ def run(args) -> dict:
     if distributed:
         T.check_experts_per_rank("examples/infer_moe.py", args.experts, world)
     targs = argparse.Namespace(**vars(args))
-    need = len(args.prompt) + args.tokens + 1       # positions the prompt and the generated tokens take
+    # positions fed: the prompt's and every generated token's but the last, 0 .. len(prompt) + tokens - 2
+    need = len(args.prompt) + args.tokens - 1
     if args.ckpt and need > args.seq:               # (the checkpoint's position table has its training length)
+        fit = args.seq - len(args.prompt) + 1
         raise SystemExit(f"infer_moe.py: the prompt ({len(args.prompt)} characters) and --tokens {args.tokens} need "
-                         f"{need} positions, but --ckpt {args.ckpt} was trained with --seq {args.seq}: use at most "
-                         f"--tokens {max(args.seq - len(args.prompt) - 1, 0)} or a shorter --prompt")
-    targs.seq = max(args.seq, need)
+                         f"{need} positions, but --ckpt {args.ckpt} was trained with --seq {args.seq}: "
+                         + (f"use at most --tokens {fit}" if fit >= 1 else
+                            f"use a prompt of at most {args.seq} characters"))
+    targs.seq = args.seq if args.ckpt else max(args.seq, need + 2)
     n_max = (args.batch + 1) // 2          # tokens per micro-batch and rank
     reports = StepReports()
     buffer = None

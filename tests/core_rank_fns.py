@@ -127,6 +127,23 @@ def token_in_rank_decides(ctx, sync, backend="auto", T=7, H=64, K=2, E=8):
         assert torch.equal(handle[4], itr), "the handle keeps the is_token_in_rank given"
         combined, _, _ = buf.combine(recv_x, handle)
         assert torch.equal(combined, (x.float() * itr.sum(1, keepdim=True)).bfloat16()), "combine"
+    # the cost model's report follows the rows that moved (former bug: topk_idx's ranks, whatever is_token_in_rank
+    # said): every token to expert 0 (rank 0), then to every rank
+    from ubep_torch.cost_model import CostModel
+    buf.set_cost_model(CostModel())
+    try:
+        one = torch.zeros(T, 1, dtype=torch.int64)
+        ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(one, E)
+        reported = []
+        for mask in (itr, superset):
+            _, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=mask.sum(0), is_token_in_rank=mask,
+                                                 num_tokens_per_expert=ntpe, topk_idx=one)
+            reported.append(buf.last_report["ubep"].bytes)
+            buf.combine(torch.zeros(int(mask[:, r].sum()) * R, H).bfloat16(), handle)
+            reported.append(buf.last_report["ubep"].bytes)
+        assert reported[2] == R * reported[0] and reported[3] == R * reported[1], reported
+    finally:
+        buf.set_cost_model(None)
     return True
 
 

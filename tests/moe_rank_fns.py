@@ -588,6 +588,12 @@ def rank_deepcopy_of_expert_parallel_model(ctx) -> tuple:
     with torch.no_grad():
         same = torch.equal(model(x), ema(x))
     own = all(a is not b and torch.equal(a, b) for a, b in zip(model.parameters(), ema.parameters()))
+    # also between steps, when aux_loss belongs to the last forward's graph (former bug: RuntimeError "Only
+    # Tensors created explicitly by the user support the deepcopy protocol")
+    model(x).sum().backward()
+    later = copy.deepcopy(model)
+    own = own and later[1].buffer is buf and not later[1].aux_loss.requires_grad and all(
+        a is not b and torch.equal(a, b) for a, b in zip(model.parameters(), later.parameters()))
     try:
         pickle.dumps(buf)
         why = False

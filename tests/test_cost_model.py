@@ -20,7 +20,15 @@ import numpy as np
 import pytest
 import torch
 
-from ubep_torch.cost_model import CANN_SENDING, CostModel, compare, dispatch_bytes_per_token, format_report, simulate
+from ubep_torch.cost_model import (
+    CANN_SENDING,
+    CostModel,
+    compare,
+    count_cost_ratio,
+    dispatch_bytes_per_token,
+    format_report,
+    simulate,
+)
 from ubep_torch.sim import fig10_case, make_routing, run_case
 from ubep_torch.topology import CM384, INTRA_NPU, ONE_HOP, SAME_DIE, TWO_HOP, Topology
 
@@ -358,7 +366,13 @@ _TK = make_routing(4, 8, 2, 8, seed=1)          # [4 ranks, 8 tokens, top-2] ove
     (lambda: simulate("dispatch", "ubep", _TK[:1], 8, 100, world_size=1 << 30, src_ranks=[0]), ValueError,
      "world_size"),
     (lambda: simulate("dispatch", "ubep", _TK.to("meta"), 8, 100), ValueError, "meta"),
-    # (former bug: OverflowError for payloads past any float)
+    # (former bugs: OverflowError for payloads past any float; in count_cost_ratio also ZeroDivisionError and
+    # a negative payload taken)
+    (lambda: count_cost_ratio(CM384, 10 ** 400, 8, 8), ValueError, "bytes_per_token"),
+    (lambda: count_cost_ratio(CM384, -5, 8, 8), ValueError, "bytes_per_token"),
+    (lambda: count_cost_ratio(CM384, 100, 8, 0), ValueError, "num_experts"),
+    (lambda: count_cost_ratio(CM384, 100, 8, 8, sync="x"), ValueError, "sync"),
+    (lambda: count_cost_ratio(None, 100, 8, 8), TypeError, "params"),
     (lambda: simulate("dispatch", "ubep", _TK, 8, 10 ** 400), ValueError, "bytes_per_token"),
     (lambda: CostModel().report("dispatch", 0, 4, _TK[0], 8, 10 ** 400), ValueError, "hidden"),
     (lambda: run_case("dispatch", 4, 8, 128, 2, 8, bytes_per_token=10 ** 400), ValueError, "bytes_per_token"),

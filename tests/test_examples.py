@@ -80,7 +80,16 @@ def test_infer_low_latency_agrees_with_dense(tmp_path):
                            "--tokens", "500"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
                           check=False)
     assert long.returncode != 0 and "Traceback" not in long.stderr, long.stderr
-    assert "trained with --seq" in long.stderr.strip().splitlines()[-1], long.stderr
+    msg = long.stderr.strip().splitlines()[-1]
+    assert "trained with --seq" in msg, long.stderr
+    # the most tokens that fit: positions 0 .. len(prompt) + tokens - 2 are fed (former bug: two fewer)
+    seq, chars = int(msg.split("--seq ")[1].split(":")[0]), int(msg.split("prompt (")[1].split(" ")[0])
+    fit = int(msg.split("at most --tokens ")[1].split()[0])
+    assert fit == seq - chars + 1, msg
+    ok = subprocess.run([sys.executable, os.path.join(EXAMPLES, "infer_moe.py"), "--single", "--ckpt", str(ck),
+                         "--tokens", str(fit)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+                        check=False)
+    assert ok.returncode == 0, ok.stderr
 
 
 def test_infer_single_process():

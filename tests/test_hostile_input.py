@@ -822,3 +822,5 @@ def test_argument_checks_without_a_process_group():
         moe(torch.randn(4, 8, device="meta"))
     with pytest.raises(TypeError, match="state dict"):
         moe.load_dense_state_dict(None)
+    with pytest.raises(ValueError, match="load_dense_state_dict: the state is not a dense MoE"):
+        moe.load_dense_state_dict(nn.MoE(hidden=8, ffn_hidden=16, num_experts=4, top_k=1).state_dict())

@@ -1622,7 +1622,8 @@ class Buffer:
                 raise ValueError("dispatch needs num_tokens_per_expert (from get_dispatch_layout) or "
                                  "num_experts= to interpret topk_idx")
         weights = ntpe = ntpr_cached = None
-        if topk_idx is not None:
+        routed = topk_idx       # (the routing the rows follow, for the cost model: None where is_token_in_rank
+        if topk_idx is not None:    # decides otherwise)
             E = self._check_num_experts(num_experts)
             (ntpr_cached, _, ntpe, itr), topk_idx = self._layout(topk_idx, E)
             if topk_idx.shape[0] != T:
@@ -1643,7 +1644,7 @@ class Buffer:
                     # as in DeepEP, is_token_in_rank decides where rows go and topk_idx only what they
                     # carry: a token sent to a rank that hosts none of its experts arrives with -1 ids there
                     # (a copy: the handle keeps it, and the caller may change theirs)
-                    itr = ntpr_cached = None
+                    itr = ntpr_cached = routed = None
                     is_token_in_rank = is_token_in_rank.cpu().clone()
             if num_tokens_per_expert is not None and (
                     tuple(num_tokens_per_expert.shape) != (E,) or
@@ -1782,10 +1783,10 @@ class Buffer:
         h = DispatchHandle(
             (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank.clone(), send_head),
             send_idx=send_idx, recv_counts=rows_from, recv_offsets=off_l, num_recv=num_recv, num_tokens=T,
-            num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=topk_idx,
+            num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=routed,
             peer_tokens=recv["num_tokens"], pair=self._pair_tag | self._calls)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
-        self._report("dispatch", topk_idx, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0),
+        self._report("dispatch", routed, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0),
                      token_in_rank=is_token_in_rank)
         if layout == "expert_major":
             res = self._to_expert_major(out_x, recv_topk_idx, recv_topk_weights, h, expert_alignment,

@@ -391,6 +391,13 @@ def count_cost_ratio(params: CM384Params, bytes_per_token: int, world_size: int,
     ``beta``: count-group time per expert (VectorCount, a share of the per-source count-block polls,
     CalCumSum entry); ``alpha``: token-group time per token copy (to a two-hop die).
     """
+    _check_params(params)
+    if sync not in SYNC_MODES:
+        raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+    bytes_per_token = _at_most("bytes_per_token", check_count("bytes_per_token", bytes_per_token, 1),
+                               MAX_BYTES_PER_TOKEN)
+    world_size = _at_most("world_size", check_count("world_size", world_size, 1), MAX_WORLD_SIZE)
+    num_experts = _at_most("num_experts", check_count("num_experts", num_experts, 1), MAX_NUM_EXPERTS)
     p = params
     beta = p.count_us_per_expert + p.cumsum_us_per_entry + (p.poll_us + p.flag_issue_us) * world_size / num_experts
     wire = _blocks(bytes_per_token, sync, p) * p.block_bytes

@@ -15,6 +15,7 @@ Shapes: ``T`` tokens, ``H`` hidden, ``F`` expert FFN hidden, ``E`` experts, ``K`
 """
 from __future__ import annotations
 
+import copy
 import math
 import zlib
 from collections.abc import Mapping, Sequence
@@ -298,6 +299,16 @@ class MoE(nn.Module):
         y = self.experts(recv_x[rows], counts) * w[:, None]
         return F.combine(self.buffer, torch.zeros_like(recv_x).index_add(0, rows, y), handle)
 
+    def __deepcopy__(self, memo) -> "MoE":
+        """A copy with copies of the parameters, sharing the Buffer (EMA or evaluation copies, made between
+        steps too): :attr:`aux_loss` of the last forward, a tensor of that step's graph, which torch cannot
+        deep-copy, is copied detached."""
+        state = dict(self.__dict__, aux_loss=self.aux_loss.detach())
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
+
     # ------------------------------------------------------------------ parameters
     def load_dense_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load the state of a dense :class:`MoE` with all ``E`` experts, keeping this rank's experts."""
@@ -308,7 +319,12 @@ class MoE(nn.Module):
         own = {}
         for name, value in state.items():
             own[name] = value[lo:hi] if name.startswith("experts.") else value
-        self.load_state_dict(own)
+        try:
+            self.load_state_dict(own)
+        except RuntimeError as e:      # (missing or unexpected keys, other shapes: another model's state)
+            raise ValueError(f"ubep_torch.nn.MoE.load_dense_state_dict: the state is not a dense MoE of this "
+                             f"layer's sizes (hidden={self.hidden}, num_experts={self.num_experts}): "
+                             f"{str(e)[:600]}") from None
 
 
 def data_parallel_sync(module: nn.Module, group=None, dp_group=None) -> None:

@@ -281,7 +281,7 @@ def _sweep_tables(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ubep_torch.sim", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m ubep_torch.sim", description=(__doc__ or "").split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     for kind in ("dispatch", "combine"):
