@@ -21,6 +21,7 @@ difference and the agreement of the greedy tokens.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 import time
@@ -107,7 +108,8 @@ def run(args) -> dict:
     distributed = not args.single
     if distributed:
         require_torchrun("examples/infer_moe.py", "python examples/infer_moe.py --single (dense, one process)")
-        dist.init_process_group("gloo")
+        # (the waits outside the Buffer, gloo's all-reduces and barriers, get the same deadline as its calls)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         rank, world = 0, 1

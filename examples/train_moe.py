@@ -16,6 +16,7 @@ losses, each with its own load-balancing term), so the two loss curves agree up 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -189,7 +190,8 @@ def train(args) -> list:
     distributed = not args.single
     if distributed:
         require_torchrun("examples/train_moe.py", "python examples/train_moe.py --single --world 2 (one process)")
-        dist.init_process_group("gloo")
+        # (the waits outside the Buffer, gloo's all-reduces and barriers, get the same deadline as its calls)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
         rank, world = dist.get_rank(), dist.get_world_size()
         check_experts_per_rank("examples/train_moe.py", args.experts, world)
     else:

@@ -1138,6 +1138,55 @@ def refused_then_another_kind(ctx):
     return out
 
 
+def refused_while_peers_combine(ctx, mode):
+    """Two low-latency dispatches with their recv hooks deferred on both ranks; rank 1 then makes a third
+    dispatch, refused on it (two hooks pending), while rank 0 runs its hooks and goes on to the combine of
+    the first (``mode="in_call"``; with ``"hook"`` that combine defers its own recv hook, and rank 0 makes a
+    further dispatch). Rank 1 refused that call as a dispatch where rank 0 was in a combine: every rank raises
+    the operation mismatch (former bug: rank 0 was told its combine was cancelled and the Buffer usable, and
+    found it broken at its next call). Returns each step's (error type or "ok", text)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, H, N = ctx.world_size, 64, 8
+    E = 2 * R
+    buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(N, H, R, E), low_latency_mode=True,
+                 timeout_s=20.0)
+    x = torch.randn(4, H).bfloat16()
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    w = torch.rand(4, 2)
+    ll = lambda: buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=True)  # noqa: E731
+    first, second = ll(), ll()
+    out = []
+
+    def step(fn):
+        try:
+            fn()
+            out.append(("ok", ""))
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, str(e)))
+
+    if ctx.rank == 1:
+        step(ll)                       # refused: two hooks pending
+        time.sleep(1.5)
+        step(ll)                       # its next call settles the refusal
+    else:
+        first[-1]()
+        second[-1]()
+        if mode == "in_call":
+            step(lambda: buf.low_latency_combine(first[0], topk, w, first[2]))
+        else:
+            step(lambda: buf.low_latency_combine(first[0], topk, w, first[2], return_recv_hook=True))
+            time.sleep(1.5)
+            step(ll)
+    dist.barrier()
+    buf.destroy()
+    return out
+
+
 def refused_with_a_hook_between(ctx, sync):
     """A low-latency dispatch with its recv hook deferred (call 1); rank 1 then refuses a normal dispatch
     (call 2) that rank 0 makes; each rank runs hook 1 (rank 0 after its call was cancelled, rank 1 at once),

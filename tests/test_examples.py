@@ -92,6 +92,22 @@ def test_infer_low_latency_agrees_with_dense(tmp_path):
     assert ok.returncode == 0, ok.stderr
 
 
+@needs_buffer
+def test_a_rank_stalled_outside_the_buffer_fails_the_others_by_the_timeout():
+    """(former bug: the examples' gloo group kept its 30-minute default, so a rank stalled in the gradient
+    all-reduce kept the others waiting far past --timeout)"""
+    import time
+
+    from ubep_torch.testing import run_torchrun
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    proc = run_torchrun(os.path.join(ROOT, "tests", "stall_in_sync.py"), ["--tiny", "--steps", "6", "--timeout", "4"],
+                        nproc=2, timeout_s=120, env=env, cwd=ROOT)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0 and took < 45, (took, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert re.search(r"[Tt]imed? ?out", proc.stderr), proc.stderr[-3000:]
+
+
 def test_infer_single_process():
     out = _run([sys.executable, os.path.join(EXAMPLES, "infer_moe.py"), "--tiny", "--single", "--check"])
     assert "max |logit diff| 0.0000" in out

@@ -688,11 +688,27 @@ def test_a_refusing_rank_whose_next_call_is_of_another_kind_is_a_mismatch():
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with RankPool(2, env=env) as pool:
         waiting, refusing = pool.run(FR.refused_then_another_kind, timeout_s=60)
-    assert [w[0] for w in waiting] == ["UBEPPeerAbortedError"] * 3, waiting
-    assert all("cancelled on every rank" in w[2] for w in waiting[:2]), waiting
+    # (the second refusal's call is a mismatch on rank 0 too: it was told "cancelled" and found its Buffer
+    # broken at the next call)
+    assert [w[0] for w in waiting] == ["UBEPPeerAbortedError", "UBEPError", "UBEPBrokenError"], waiting
+    assert "cancelled on every rank" in waiting[0][2], waiting
+    assert "rank 1 refused that call as dispatch or combine" in waiting[1][2], waiting
     assert waiting[2][1] < 5.0 and "unusable" in waiting[2][2], waiting
     assert [r[0] for r in refusing] == ["ValueError", "ok", "ValueError", "ok", "UBEPError"], refusing
     assert "refused call 2" in refusing[4][2] and "same calls in the same order" in refusing[4][2], refusing
+
+
+@pytest.mark.parametrize("mode", ["in_call", "hook"])
+def test_a_call_refused_as_a_dispatch_where_peers_combine_is_a_mismatch_on_every_rank(mode):
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        waiting, refusing = pool.run(FR.refused_while_peers_combine, mode, timeout_s=60)
+    assert [r[0] for r in refusing] == ["ValueError", "UBEPError"], refusing
+    assert "refused call 3 of this Buffer as low_latency_dispatch, but rank 0 was in low_latency_combine" \
+        in refusing[1][1], refusing
+    assert waiting[0][0] == ("ok" if mode == "hook" else "UBEPError"), waiting
+    assert waiting[-1][0] == "UBEPError" and "rank 1 refused that call as low_latency_dispatch" in waiting[-1][1], \
+        waiting
 
 
 @pytest.mark.parametrize("sync", ["tff", "sw"])

@@ -431,6 +431,9 @@ def _collective(fn):
         try:
             _check_host_tensors(fn, args, kwargs)
             if not self._destroyed and self._broken is None:
+                # (a refusal of this rank's is settled first: a peer that was in another kind of call has
+                # posted its decision, then failed, and the mismatch, not its abort, is the cause to name)
+                self._settle_refusal()
                 self._check_peers(f"{fn.__name__}: start of the call", self._calls + 1)
             torch._C._set_grad_enabled(False)      # (torch.no_grad() without its context-manager objects)
             out = fn(self, *args, **kwargs)
@@ -1243,13 +1246,11 @@ class Buffer:
             return
         other = {s: k for s, k in gave_up.items() if k != self._region_code(rid)}
         if other:   # (the peers were in another kind of call: moving this rank's region would not match)
-            names = {**P.REGION_NAMES, P.REGION_DISPATCH: "dispatch or combine", 15: "clean_low_latency_buffer"}
             self._broken = f"operation mismatch with rank(s) {sorted(other)}"
             self._signal_abort()
             raise UBEPError(f"ubep_torch: rank {me} refused call {self._calls + 1} of this Buffer as "
-                            f"{names.get(self._region_code(rid), '?')}, but " + ", ".join(
-                                f"rank {s} was in {names.get(k, 'another operation')}"
-                                for s, k in sorted(other.items()))
+                            f"{_operation(self._region_code(rid))}, but " + ", ".join(
+                                f"rank {s} was in {_operation(k)}" for s, k in sorted(other.items()))
                             + ": every rank must make the same calls in the same order")
         self._calls += 1
         epoch = None
@@ -1290,26 +1291,45 @@ class Buffer:
             return 0
         self._cancel_refused_hooks([r])
         if self._refused_by(r, self._active_seq):
-            self._leave_refused()
+            self._refused_as_other_call(r, self._active_seq, self._leave_refused(), self._active_call)
             return P.ABORT_REFUSED
         return P.abort_how(int(self._aux_words[_ABORT_ROW * self.group_size + r]))
 
-    def _leave_refused(self) -> None:
+    def _leave_refused(self) -> Optional[int]:
         """A peer refused the attempt this rank is in: tell every peer that this rank took part and leaves
-        it, and mark the call cancellable (``_cancel_call``)."""
+        it, and mark the call cancellable (``_cancel_call``). Returns the region code of this rank's call
+        (None where the call has not taken its region yet)."""
         cp = self._cancel_point
-        code = 15
+        code = None
         if cp is not None and cp["call"] == self._active_call:
             cp["refused"] = True
             code = self._region_code(cp["rid"])
-        self._post_decision(self._active_seq, code, gave_up=True)
+        self._post_decision(self._active_seq, 15 if code is None else code, gave_up=True)
+        return code
+
+    def _refused_as_other_call(self, r: int, seq: int, code: Optional[int], call: int) -> None:
+        """Rank r refused attempt ``seq`` as another kind of call than this rank's (region ``code``): an
+        operation mismatch, which breaks the Buffer on every rank: r finds it when it settles its refusal,
+        from the decision this rank posted, and every other rank in the attempt as this one does (no abort
+        is signalled, so that each raises the mismatch, not an abort). Raises ``UBEPError`` naming both;
+        else nothing."""
+        w = self._decision(r, seq)
+        theirs = None if w is None else w >> 1 & 15
+        if code is None or theirs is None or theirs == code:
+            return
+        self._broken = f"operation mismatch with rank {r}"
+        raise UBEPError(f"ubep_torch: rank {self.rank} was in {_operation(code)} (call {call} of this Buffer), but "
+                        f"rank {r} refused that call as {_operation(theirs)}: every rank must make the same calls "
+                        f"in the same order")
 
     def _raise_if_refused(self, phase: str, missing: Sequence[int], ranks) -> None:
         """The refused-call error (cancelling this call) if any of ``ranks`` refused the attempt this rank is
         in; it names them (and ``missing``, or them again)."""
         refused = [r for r in ranks if self._refused_by(r, self._active_seq)]
         if refused:
-            self._leave_refused()
+            code = self._leave_refused()
+            for r in refused:
+                self._refused_as_other_call(r, self._active_seq, code, self._active_call)
             raise UBEPPeerAbortedError(phase, self.rank, list(missing) or refused, refused, refused=True)
 
     def _cancel_refused_hooks(self, ranks=None) -> None:
@@ -1324,9 +1344,18 @@ class Buffer:
             if not any(self._refused_by(r, pend.seq) for r in (range(self.group_size) if ranks is None else ranks)):
                 continue
             cp = pend.extra["cancel_point"]
-            self._post_decision(pend.seq, self._region_code(cp["rid"]), gave_up=True)
+            code = self._region_code(cp["rid"])
+            self._post_decision(pend.seq, code, gave_up=True)
             self._leave_call(cp)
             pend.done = pend.extra["cancelled"] = True
+            self._pending = [p for p in self._pending if not p.done]
+            for r in range(self.group_size) if ranks is None else ranks:
+                if self._refused_by(r, pend.seq):
+                    try:
+                        self._refused_as_other_call(r, pend.seq, code, cp["call"])
+                    except UBEPError as e:
+                        pend.extra["mismatch"] = str(e)      # (its hook raises it too)
+                        raise
         self._pending = [p for p in self._pending if not p.done]
 
     def _signal_abort(self, how: int = P.ABORT_FAILED) -> None:
@@ -2979,7 +3008,15 @@ def _ll_rows(engine) -> str:
             "one per (token, expert) (backend 'triton')")
 
 
+def _operation(region_code: int) -> str:
+    """The operation a region code stands for (see ``Buffer._region_code``), for mismatch errors."""
+    return {**P.REGION_NAMES, P.REGION_DISPATCH: "dispatch or combine", 15: "clean_low_latency_buffer"}.get(
+        region_code, "another operation")
+
+
 def _raise_if_cancelled(pending: _Pending) -> None:
+    if pending.extra.get("mismatch"):
+        raise UBEPError(pending.extra["mismatch"])
     if pending.extra.get("cancelled"):
         raise CancelledCallError(f"this {pending.kind} was cancelled (a peer refused it; its recv hook raised so): "
                                  f"it received nothing")
