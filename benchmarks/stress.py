@@ -30,7 +30,7 @@ import stress_rank_fns as S  # noqa: E402
 
 from ubep_torch import ugas  # noqa: E402
 from ubep_torch.testing import RankPool  # noqa: E402
-from ubep_torch.utils import int_at_least, positive_number  # noqa: E402
+from ubep_torch.utils import deadline_seconds, int_at_least  # noqa: E402
 
 
 def load(world, syncs, calls, seed, base):
@@ -91,7 +91,7 @@ def main():
     ap.add_argument("--calls", type=int_at_least(1), default=10000,
                     help="randomized calls in the load scenarios (total; the last batch may pass it by a few)")
     ap.add_argument("--seed", type=int_at_least(0, 2 ** 40), default=1)
-    ap.add_argument("--timeout", type=positive_number, default=1.5, help="timeout_s of the fault scenarios")
+    ap.add_argument("--timeout", type=deadline_seconds, default=1.5, help="timeout_s of the fault scenarios")
     ap.add_argument("--parallel", type=int_at_least(1, 64), default=4, help="fault scenarios run at once")
     ap.add_argument("--quick", action="store_true", help="kill and stall faults only at the TokenCnt phases")
     a = ap.parse_args()

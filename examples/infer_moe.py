@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train_moe as T
 
-from ubep_torch.utils import int_at_least, positive_number, require_torchrun
+from ubep_torch.utils import deadline_seconds, int_at_least, require_torchrun
 
 try:
     from ubep_torch.cost_model import CostModel, format_report
@@ -237,7 +237,7 @@ def parse_args(argv=None):
     p.add_argument("--ckpt", default="", help="dense checkpoint written by train_moe.py --save (the model's "
                                               "shape options then come from it)")
     T.add_model_args(p)
-    p.add_argument("--timeout", type=positive_number, default=60.0, help="seconds every wait may take")
+    p.add_argument("--timeout", type=deadline_seconds, default=60.0, help="seconds every wait may take")
     p.add_argument("--single", action="store_true", help="dense model in one process (no Buffer)")
     p.add_argument("--check", action="store_true", help="compare every step with the dense model")
     p.add_argument("--no-cost-model", action="store_true")

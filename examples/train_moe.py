@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ubep_torch import nn as unn
 from ubep_torch import protocol as P
-from ubep_torch.utils import int_at_least, non_negative_number, positive_number, require_torchrun
+from ubep_torch.utils import deadline_seconds, int_at_least, non_negative_number, require_torchrun
 
 # ----------------------------------------------------------------------------- data
 _SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child", "the teacher"]
@@ -307,7 +307,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per rank and step")
     add_model_args(p)
     p.add_argument("--lr", type=non_negative_number, default=3e-3)
-    p.add_argument("--timeout", type=positive_number, default=60.0, help="seconds every wait may take")
+    p.add_argument("--timeout", type=deadline_seconds, default=60.0, help="seconds every wait may take")
     p.add_argument("--single", action="store_true", help="run the same model and global batch in one process")
     p.add_argument("--world", type=int_at_least(1), default=2, help="with --single: how many ranks to reproduce")
     p.add_argument("--tiny", action="store_true", help="a seconds-long run (tests)")

@@ -192,6 +192,8 @@ def test_sums_benchmark_prints_every_path():
     (["benchmarks/sim_speed.py", "--ranks", "8"], "unrecognized"),              # (ran the whole benchmark)
     (["benchmarks/stress.py", "--parallel", "0"], "--parallel"),
     (["benchmarks/stress.py", "--timeout", "nan"], "--timeout"),
+    (["examples/train_moe.py", "--single", "--timeout", "1e300"], "--timeout"),   # (timedelta's OverflowError)
+    (["examples/infer_moe.py", "--single", "--timeout", "1e300"], "--timeout"),
 ])
 def test_bad_options_give_one_line_errors(cmd, what):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

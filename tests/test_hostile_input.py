@@ -822,5 +822,9 @@ def test_argument_checks_without_a_process_group():
         moe(torch.randn(4, 8, device="meta"))
     with pytest.raises(TypeError, match="state dict"):
         moe.load_dense_state_dict(None)
+    with pytest.raises(TypeError, match="names to tensors"):       # (former bugs: AttributeError, IndexError)
+        moe.load_dense_state_dict({1: torch.zeros(2)})
+    with pytest.raises(ValueError, match="0-dim"):
+        moe.load_dense_state_dict({**moe.state_dict(), "experts.w_gate": torch.tensor(1.0)})
     with pytest.raises(ValueError, match="load_dense_state_dict: the state is not a dense MoE"):
         moe.load_dense_state_dict(nn.MoE(hidden=8, ffn_hidden=16, num_experts=4, top_k=1).state_dict())

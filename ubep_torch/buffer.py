@@ -434,6 +434,7 @@ def _collective(fn):
                 # (a refusal of this rank's is settled first: a peer that was in another kind of call has
                 # posted its decision, then failed, and the mismatch, not its abort, is the cause to name)
                 self._settle_refusal()
+                self._refused_as_other_ahead(fn.__name__)
                 self._check_peers(f"{fn.__name__}: start of the call", self._calls + 1)
             torch._C._set_grad_enabled(False)      # (torch.no_grad() without its context-manager objects)
             out = fn(self, *args, **kwargs)
@@ -1227,9 +1228,18 @@ class Buffer:
         # (an abort this wait signals names the call the refused attempt is on the peers that took part in it,
         # not this rank's last completed call)
         outer_call, self._active_call = self._active_call, self._calls + 1
+        own = self._region_code(rid)
+
+        def undecided():
+            """The peers yet to decide on ``seq``; none once one of them took part in another kind of call
+            (a mismatch: the others may abort before deciding, and the mismatch is the cause to name)."""
+            words = [self._decision(r, seq) if r != me else None for r in range(R)]
+            if any(w is not None and w & 1 and w >> 1 & 15 != own for w in words):
+                return []
+            return [r for r in range(R) if r != me and words[r] is None]
         try:
             self._wait(f"the start of the next call: waiting for every rank to leave attempt {seq}, which rank "
-                       f"{me} refused", lambda: [r for r in range(R) if r != me and self._decision(r, seq) is None])
+                       f"{me} refused", undecided)
         except BaseException as e:
             # an interrupt (Ctrl-C) of this wait: the peers' count of calls may now differ from this rank's, as
             # after an interrupt inside a call, so this Buffer is done (and posting this call as refused would
@@ -1241,15 +1251,16 @@ class Buffer:
             self._active_seq, self._active_call = outer, outer_call
         self._refusal = None
         decisions = {r: self._decision(r, seq) for r in range(R) if r != me}
-        gave_up = {r: w >> 1 & 15 for r, w in decisions.items() if w & 1}
+        gave_up = {r: w >> 1 & 15 for r, w in decisions.items() if w is not None and w & 1}
         if not gave_up:
             return
-        other = {s: k for s, k in gave_up.items() if k != self._region_code(rid)}
+        other = {s: k for s, k in gave_up.items() if k != own}
         if other:   # (the peers were in another kind of call: moving this rank's region would not match)
             self._broken = f"operation mismatch with rank(s) {sorted(other)}"
-            self._signal_abort()
+            # (the abort names the refused call: the earlier ones, whose recv hooks may be pending, stand)
+            self._signal_abort(call=self._calls + 1)
             raise UBEPError(f"ubep_torch: rank {me} refused call {self._calls + 1} of this Buffer as "
-                            f"{_operation(self._region_code(rid))}, but " + ", ".join(
+                            f"{_operation(own)}, but " + ", ".join(
                                 f"rank {s} was in {_operation(k)}" for s, k in sorted(other.items()))
                             + ": every rank must make the same calls in the same order")
         self._calls += 1
@@ -1307,12 +1318,27 @@ class Buffer:
         self._post_decision(self._active_seq, 15 if code is None else code, gave_up=True)
         return code
 
+    def _refused_as_other_ahead(self, what: str) -> None:
+        """At the start of call ``what``, where a peer has aborted (a rank that found an operation mismatch
+        fails): the mismatch, if a peer refused this call, or a call whose recv hook is pending here, as
+        another kind of call. A rank that comes late to such a call names the mismatch, as the ranks that
+        were in it do, rather than the abort."""
+        R, base = self.group_size, _ABORT_ROW * self.group_size
+        if not any(self._aux_words[base:base + R].tolist()):
+            return
+        self._cancel_refused_hooks()        # (raises the mismatch for a pending hook's call)
+        seq, code = self._seq + 1, self._region_code(_REFUSED_REGION[what])
+        for r in range(R):
+            if self._refused_by(r, seq) and self._decision(r, seq) >> 1 & 15 != code:
+                self._post_decision(seq, code, gave_up=True)       # (r learns of it from this decision)
+                self._refused_as_other_call(r, seq, code, self._calls + 1)
+
     def _refused_as_other_call(self, r: int, seq: int, code: Optional[int], call: int) -> None:
         """Rank r refused attempt ``seq`` as another kind of call than this rank's (region ``code``): an
         operation mismatch, which breaks the Buffer on every rank: r finds it when it settles its refusal,
-        from the decision this rank posted, and every other rank in the attempt as this one does (no abort
-        is signalled, so that each raises the mismatch, not an abort). Raises ``UBEPError`` naming both;
-        else nothing."""
+        from the decision this rank posted, and every other rank of the attempt as this one does, also one
+        that comes to it after this rank has aborted (``_refused_as_other_ahead``). Raises ``UBEPError``
+        naming both; else nothing."""
         w = self._decision(r, seq)
         theirs = None if w is None else w >> 1 & 15
         if code is None or theirs is None or theirs == code:
@@ -1358,13 +1384,15 @@ class Buffer:
                         raise
         self._pending = [p for p in self._pending if not p.done]
 
-    def _signal_abort(self, how: int = P.ABORT_FAILED) -> None:
-        """Tell every peer that this rank failed inside a call (``how``: see ``_peer_aborted``), so they fail
-        fast instead of timing out, and their errors name the rank that caused it."""
+    def _signal_abort(self, how: int = P.ABORT_FAILED, call: Optional[int] = None) -> None:
+        """Tell every peer that this rank failed inside a call (``how``: see ``_peer_aborted``; ``call``: its
+        number, the active call's by default), so they fail fast instead of timing out, and their errors name
+        the rank that caused it."""
         slot = _ABORT_ROW * self.group_size + self.rank
+        word = P.abort_word(how, self._active_call if call is None else call)
         for r in range(self.group_size):
             try:
-                self._peer_words[r][slot] = P.abort_word(how, self._active_call)
+                self._peer_words[r][slot] = word
             except Exception:
                 pass
 

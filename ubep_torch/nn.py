@@ -318,6 +318,12 @@ class MoE(nn.Module):
         lo, hi = self.expert_offset, self.expert_offset + self.num_local_experts
         own = {}
         for name, value in state.items():
+            if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+                raise TypeError(f"ubep_torch.nn.MoE.load_dense_state_dict: state must map names to tensors, got "
+                                f"{type(name).__name__} -> {type(value).__name__}")
+            if name.startswith("experts.") and value.dim() == 0:
+                raise ValueError(f"ubep_torch.nn.MoE.load_dense_state_dict: {name} is a 0-dim tensor; a dense "
+                                 f"MoE's expert tensors have one row per expert")
             own[name] = value[lo:hi] if name.startswith("experts.") else value
         try:
             self.load_state_dict(own)

@@ -119,8 +119,8 @@ def int_at_least(minimum: int, maximum: Optional[int] = None):
 
 
 def positive_number(text: str, zero: bool = False) -> float:
-    """An ``argparse`` type: a finite number > 0 (seconds; a one-line usage error otherwise); with ``zero``,
-    >= 0 (see :func:`non_negative_number`)."""
+    """An ``argparse`` type: a finite number > 0 (a one-line usage error otherwise); with ``zero``, >= 0
+    (see :func:`non_negative_number`)."""
     import argparse
     import math
     try:
@@ -129,6 +129,18 @@ def positive_number(text: str, zero: bool = False) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
         raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if zero else '>'} 0, got {text}")
+    return value
+
+
+def deadline_seconds(text: str) -> float:
+    """An ``argparse`` type: a deadline in seconds, > 0 and at most ``protocol.MAX_TIMEOUT_S`` (about 116
+    days: a timedelta or a clock past it overflows)."""
+    import argparse
+
+    from .protocol import MAX_TIMEOUT_S
+    value = positive_number(text)
+    if value > MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT_S:g} seconds, got {text}")
     return value
 
 
