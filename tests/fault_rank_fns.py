@@ -1190,6 +1190,54 @@ def refused_while_peers_combine(ctx, mode):
     return out
 
 
+def late_rank_after_a_refusal(ctx, case, sync):
+    """Three ranks after a low-latency dispatch (hook run): rank 1 refuses the second call as a dispatch (bad
+    topk_idx); rank 0 makes that dispatch too (``case="late_combine"``: cancelled, then a further dispatch) or
+    a combine (``"late_dispatch"``); rank 2 comes 1.5 s late with a combine, or with the dispatch. Every rank
+    that meets the mismatch names it (former bugs: the refusing rank, or the late one, was told of an abort).
+    Returns each step's (error type or "ok", text)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, H, N = ctx.world_size, 64, 8
+    E = 2 * R
+    buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(N, H, R, E), low_latency_mode=True,
+                 timeout_s=8.0, sync=sync)
+    x = torch.randn(4, H).bfloat16()
+    topk = torch.tensor([[0, 2], [1, 3], [2, 4], [5, 1]])
+    bad = topk.clone()
+    bad[0, 0] = E
+    w = torch.rand(4, 2)
+    first = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=True)
+    first[-1]()
+    out = []
+
+    def step(fn):
+        try:
+            fn()
+            out.append(("ok", ""))
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, str(e)))
+    ll = lambda t=topk: buf.low_latency_dispatch(x, t, N, E, use_fp8=False)  # noqa: E731
+    llc = lambda: buf.low_latency_combine(first[0], topk, w, first[2])  # noqa: E731
+    if ctx.rank == 1:
+        step(lambda: ll(bad))
+        time.sleep(0.5)
+        step(ll)
+    elif ctx.rank == 0:
+        step(ll if case == "late_combine" else llc)
+        step(ll)
+    else:
+        time.sleep(1.5)
+        step(llc if case == "late_combine" else ll)
+    dist.barrier()
+    buf.destroy()
+    return out
+
+
 def refused_with_a_hook_between(ctx, sync):
     """A low-latency dispatch with its recv hook deferred (call 1); rank 1 then refuses a normal dispatch
     (call 2) that rank 0 makes; each rank runs hook 1 (rank 0 after its call was cancelled, rank 1 at once),

@@ -698,6 +698,22 @@ def test_a_refusing_rank_whose_next_call_is_of_another_kind_is_a_mismatch():
     assert "refused call 2" in refusing[4][2] and "same calls in the same order" in refusing[4][2], refusing
 
 
+@pytest.mark.parametrize("sync", ["tff", "sw"])
+def test_a_rank_late_to_a_refused_call_and_the_refusing_rank_name_the_mismatch(sync):
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(3, env=env) as pool:
+        r0, r1, r2 = pool.run(FR.late_rank_after_a_refusal, "late_combine", sync, timeout_s=60)
+        assert r0[0][0] == "UBEPPeerAbortedError" and "cancelled" in r0[0][1], r0   # (the same call: cancelled)
+        assert [s[0] for s in r1] == ["ValueError", "UBEPError"], r1
+        assert "rank 1 refused call 2 of this Buffer as low_latency_dispatch, but rank 2 was in " \
+            "low_latency_combine" in r1[1][1], r1
+        assert r2[0][0] == "UBEPError" and "rank 1 refused that call as low_latency_dispatch" in r2[0][1], r2
+        r0, r1, r2 = pool.run(FR.late_rank_after_a_refusal, "late_dispatch", sync, timeout_s=60)
+        assert r0[0][0] == "UBEPError" and "rank 1 refused that call" in r0[0][1], r0
+        assert [s[0] for s in r1] == ["ValueError", "UBEPError"], r1
+        assert r2[0][0] == "UBEPError" and "rank 0 was in low_latency_combine, which a peer refused" in r2[0][1], r2
+
+
 @pytest.mark.parametrize("mode,ranks", [("in_call", 2), ("hook", 2), ("in_call", 4)])
 def test_a_call_refused_as_a_dispatch_where_peers_combine_is_a_mismatch_on_every_rank(mode, ranks):
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}

@@ -1037,6 +1037,13 @@ class Buffer:
         sources in ``other`` are in the operations it names."""
         # (a rank that refused this attempt and went on with its next call: the refusal is the cause)
         self._raise_if_refused(phase, missing, other)
+        # a rank that refused this attempt as another kind of call than this rank's: that mismatch is named
+        # (and this rank's decision posted, which the refusing rank waits for)
+        refusers = [r for r in range(self.group_size) if self._refused_by(r, self._active_seq)]
+        if refusers:
+            code = self._leave_refused()
+            for r in refusers:
+                self._refused_as_other_call(r, self._active_seq, code, self._active_call)
         op = P.REGION_NAMES.get(kind, str(kind))
         theirs = ", ".join(f"rank {s} called {P.REGION_NAMES.get(k, 'another operation')}"
                            for s, k in sorted(other.items()))
@@ -1319,19 +1326,28 @@ class Buffer:
         return code
 
     def _refused_as_other_ahead(self, what: str) -> None:
-        """At the start of call ``what``, where a peer has aborted (a rank that found an operation mismatch
-        fails): the mismatch, if a peer refused this call, or a call whose recv hook is pending here, as
-        another kind of call. A rank that comes late to such a call names the mismatch, as the ranks that
-        were in it do, rather than the abort."""
-        R, base = self.group_size, _ABORT_ROW * self.group_size
-        if not any(self._aux_words[base:base + R].tolist()):
-            return
+        """At the start of call ``what``: the mismatch, if a peer refused this call, or a call whose recv
+        hook is pending here, as another kind of call (or took part in a refused one as another kind). A
+        rank that comes late to such a call names the mismatch, as the ranks that were in it do, before it
+        sends anything a peer could take for its call, and before it reads the aborts of those that failed
+        on it."""
+        R = self.group_size
         self._cancel_refused_hooks()        # (raises the mismatch for a pending hook's call)
-        seq, code = self._seq + 1, self._region_code(_REFUSED_REGION[what])
-        for r in range(R):
-            if self._refused_by(r, seq) and self._decision(r, seq) >> 1 & 15 != code:
-                self._post_decision(seq, code, gave_up=True)       # (r learns of it from this decision)
-                self._refused_as_other_call(r, seq, code, self._calls + 1)
+        seq = self._seq + 1
+        if not any(self._refused_by(r, seq) for r in range(R)):
+            return
+        # a peer refused the coming call: the mismatch is the refusal's, or that of a peer that took part in
+        # it as another kind of call than this one
+        code = self._region_code(_REFUSED_REGION[what])
+        for r in sorted(range(R), key=lambda r: not self._refused_by(r, seq)):     # (the refusals named first)
+            w = self._decision(r, seq) if r != self.rank else None
+            if w is not None and w >> 1 & 15 != code:
+                self._post_decision(seq, code, gave_up=True)       # (the refusing rank waits for it)
+                try:
+                    self._refused_as_other_call(r, seq, code, self._calls + 1)
+                except UBEPError:
+                    self._signal_abort(call=self._calls + 1)      # (ranks that went on wait for this one)
+                    raise
 
     def _refused_as_other_call(self, r: int, seq: int, code: Optional[int], call: int) -> None:
         """Rank r refused attempt ``seq`` as another kind of call than this rank's (region ``code``): an
@@ -1344,9 +1360,10 @@ class Buffer:
         if code is None or theirs is None or theirs == code:
             return
         self._broken = f"operation mismatch with rank {r}"
+        did = f"was in {_operation(theirs)}, which a peer refused" if w & 1 else \
+            f"refused that call as {_operation(theirs)}"
         raise UBEPError(f"ubep_torch: rank {self.rank} was in {_operation(code)} (call {call} of this Buffer), but "
-                        f"rank {r} refused that call as {_operation(theirs)}: every rank must make the same calls "
-                        f"in the same order")
+                        f"rank {r} {did}: every rank must make the same calls in the same order")
 
     def _raise_if_refused(self, phase: str, missing: Sequence[int], ranks) -> None:
         """The refused-call error (cancelling this call) if any of ``ranks`` refused the attempt this rank is
