@@ -677,6 +677,9 @@ class Buffer:
         self._pending: List[_Pending] = []
         # (attempt, region of its epoch) of the call this rank refused last, until every peer has decided on it
         self._refusal: Optional[tuple] = None
+        # (seq, region code, call) of the last attempt this rank took part in and left because a peer refused
+        # it: a peer that came to it later as another kind of call is a mismatch this rank names too
+        self._left_refused: Optional[tuple] = None
         self._cancel_point: Optional[dict] = None   # how to cancel the call in progress (see _cancel_call)
         self._ll_combine_buffer: Optional[torch.Tensor] = None    # flat; see get_next_low_latency_combine_buffer
         self._ll_combine_zeroed = 0
@@ -1148,6 +1151,7 @@ class Buffer:
         aborted = P.blamed({r: P.abort_how(w) for r, w in enumerate(words)
                             if r != self.rank and P.abort_call(w) <= call})
         if aborted:
+            self._mismatch_in_left_call()
             m = P.abort_call(words[aborted[0]])
             when = "this call" if m == call else f"an earlier call (call {m} of this Buffer; this is call {call})"
             self._broken = f"peer rank(s) {aborted} aborted {when}"
@@ -1311,7 +1315,10 @@ class Buffer:
         if self._refused_by(r, self._active_seq):
             self._refused_as_other_call(r, self._active_seq, self._leave_refused(), self._active_call)
             return P.ABORT_REFUSED
-        return P.abort_how(int(self._aux_words[_ABORT_ROW * self.group_size + r]))
+        how = P.abort_how(int(self._aux_words[_ABORT_ROW * self.group_size + r]))
+        if how in (P.ABORT_FAILED, P.ABORT_GAVE_UP):
+            self._mismatch_in_left_call()
+        return how
 
     def _leave_refused(self) -> Optional[int]:
         """A peer refused the attempt this rank is in: tell every peer that this rank took part and leaves
@@ -1322,8 +1329,22 @@ class Buffer:
         if cp is not None and cp["call"] == self._active_call:
             cp["refused"] = True
             code = self._region_code(cp["rid"])
+            self._left_refused = (self._active_seq, code, self._active_call)
         self._post_decision(self._active_seq, 15 if code is None else code, gave_up=True)
         return code
+
+    def _mismatch_in_left_call(self) -> None:
+        """Before this rank reports a peer's abort: if it left a refused call as cancelled (as the refusing
+        rank's peers in the same kind of call do) and a peer came to that call later as another kind, the
+        peers' aborts come from that mismatch, which is named instead (UBEPError)."""
+        if self._left_refused is None:
+            return
+        seq, code, call = self._left_refused
+        for r in sorted(range(self.group_size), key=lambda r: not self._refused_by(r, seq)):
+            w = self._decision(r, seq) if r != self.rank else None
+            if w is not None and w >> 1 & 15 != code:
+                self._left_refused = None
+                self._refused_as_other_call(r, seq, code, call)
 
     def _refused_as_other_ahead(self, what: str) -> None:
         """At the start of call ``what``: the mismatch, if a peer refused this call, or a call whose recv
@@ -1360,7 +1381,7 @@ class Buffer:
         if code is None or theirs is None or theirs == code:
             return
         self._broken = f"operation mismatch with rank {r}"
-        did = f"was in {_operation(theirs)}, which a peer refused" if w & 1 else \
+        did = f"was in {_operation(theirs)} in that call, which a peer refused" if w & 1 else \
             f"refused that call as {_operation(theirs)}"
         raise UBEPError(f"ubep_torch: rank {self.rank} was in {_operation(code)} (call {call} of this Buffer), but "
                         f"rank {r} {did}: every rank must make the same calls in the same order")
