@@ -1138,6 +1138,19 @@ def refused_then_another_kind(ctx):
     return out
 
 
+def _recorder():
+    """A list of step outcomes, (error type or "ok", text), and a function that runs a step into it."""
+    out = []
+
+    def step(fn):
+        try:
+            fn()
+            out.append(("ok", ""))
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, str(e)))
+    return out, step
+
+
 def refused_while_peers_combine(ctx, mode):
     """Two low-latency dispatches with their recv hooks deferred on both ranks; rank 1 then makes a third
     dispatch, refused on it (two hooks pending), while rank 0 runs its hooks and goes on to the combine of
@@ -1161,15 +1174,7 @@ def refused_while_peers_combine(ctx, mode):
     w = torch.rand(4, 2)
     ll = lambda: buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=True)  # noqa: E731
     first, second = ll(), ll()
-    out = []
-
-    def step(fn):
-        try:
-            fn()
-            out.append(("ok", ""))
-        except Exception as e:  # noqa: BLE001
-            out.append((type(e).__name__, str(e)))
-
+    out, step = _recorder()
     if ctx.rank == 1:
         step(ll)                       # refused: two hooks pending
         time.sleep(1.5)
@@ -1213,14 +1218,7 @@ def late_rank_after_a_refusal(ctx, case, sync):
     w = torch.rand(4, 2)
     first = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=True)
     first[-1]()
-    out = []
-
-    def step(fn):
-        try:
-            fn()
-            out.append(("ok", ""))
-        except Exception as e:  # noqa: BLE001
-            out.append((type(e).__name__, str(e)))
+    out, step = _recorder()
     ll = lambda t=topk: buf.low_latency_dispatch(x, t, N, E, use_fp8=False)  # noqa: E731
     llc = lambda: buf.low_latency_combine(first[0], topk, w, first[2])  # noqa: E731
     if ctx.rank == 1:
