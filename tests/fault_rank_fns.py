@@ -1138,7 +1138,7 @@ def refused_then_another_kind(ctx):
     return out
 
 
-def _recorder():
+def _step_log():
     """A list of step outcomes, (error type or "ok", text), and a function that runs a step into it."""
     out = []
 
@@ -1174,7 +1174,7 @@ def refused_while_peers_combine(ctx, mode):
     w = torch.rand(4, 2)
     ll = lambda: buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=True)  # noqa: E731
     first, second = ll(), ll()
-    out, step = _recorder()
+    out, step = _step_log()
     if ctx.rank == 1:
         step(ll)                       # refused: two hooks pending
         time.sleep(1.5)
@@ -1218,7 +1218,7 @@ def late_rank_after_a_refusal(ctx, case, sync):
     w = torch.rand(4, 2)
     first = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=True)
     first[-1]()
-    out, step = _recorder()
+    out, step = _step_log()
     ll = lambda t=topk: buf.low_latency_dispatch(x, t, N, E, use_fp8=False)  # noqa: E731
     llc = lambda: buf.low_latency_combine(first[0], topk, w, first[2])  # noqa: E731
     if ctx.rank == 1:
