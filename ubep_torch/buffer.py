@@ -1340,11 +1340,19 @@ class Buffer:
         if self._left_refused is None:
             return
         seq, code, call = self._left_refused
+        r = self._other_kind(seq, code)
+        if r is not None:
+            self._left_refused = None
+            self._refused_as_other_call(r, seq, code, call)
+
+    def _other_kind(self, seq: int, code: int) -> Optional[int]:
+        """A peer whose decision on attempt ``seq`` (refused, or took part and left) names another kind of
+        call than region ``code``, the refusing peers first; else None."""
         for r in sorted(range(self.group_size), key=lambda r: not self._refused_by(r, seq)):
             w = self._decision(r, seq) if r != self.rank else None
             if w is not None and w >> 1 & 15 != code:
-                self._left_refused = None
-                self._refused_as_other_call(r, seq, code, call)
+                return r
+        return None
 
     def _refused_as_other_ahead(self, what: str) -> None:
         """At the start of call ``what``: the mismatch, if a peer refused this call, or a call whose recv
@@ -1360,15 +1368,14 @@ class Buffer:
         # a peer refused the coming call: the mismatch is the refusal's, or that of a peer that took part in
         # it as another kind of call than this one
         code = self._region_code(_REFUSED_REGION[what])
-        for r in sorted(range(R), key=lambda r: not self._refused_by(r, seq)):     # (the refusals named first)
-            w = self._decision(r, seq) if r != self.rank else None
-            if w is not None and w >> 1 & 15 != code:
-                self._post_decision(seq, code, gave_up=True)       # (the refusing rank waits for it)
-                try:
-                    self._refused_as_other_call(r, seq, code, self._calls + 1)
-                except UBEPError:
-                    self._signal_abort(call=self._calls + 1)      # (ranks that went on wait for this one)
-                    raise
+        r = self._other_kind(seq, code)
+        if r is not None:
+            self._post_decision(seq, code, gave_up=True)       # (the refusing rank waits for it)
+            try:
+                self._refused_as_other_call(r, seq, code, self._calls + 1)
+            except UBEPError:
+                self._signal_abort(call=self._calls + 1)      # (ranks that went on wait for this one)
+                raise
 
     def _refused_as_other_call(self, r: int, seq: int, code: Optional[int], call: int) -> None:
         """Rank r refused attempt ``seq`` as another kind of call than this rank's (region ``code``): an

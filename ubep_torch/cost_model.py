@@ -394,10 +394,9 @@ def count_cost_ratio(params: CM384Params, bytes_per_token: int, world_size: int,
     _check_params(params)
     if sync not in SYNC_MODES:
         raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
-    bytes_per_token = _at_most("bytes_per_token", check_count("bytes_per_token", bytes_per_token, 1),
-                               MAX_BYTES_PER_TOKEN)
-    world_size = _at_most("world_size", check_count("world_size", world_size, 1), MAX_WORLD_SIZE)
-    num_experts = _at_most("num_experts", check_count("num_experts", num_experts, 1), MAX_NUM_EXPERTS)
+    bytes_per_token = _count_in("bytes_per_token", bytes_per_token, 1, MAX_BYTES_PER_TOKEN)
+    world_size = _count_in("world_size", world_size, 1, MAX_WORLD_SIZE)
+    num_experts = _count_in("num_experts", num_experts, 1, MAX_NUM_EXPERTS)
     p = params
     beta = p.count_us_per_expert + p.cumsum_us_per_entry + (p.poll_us + p.flag_issue_us) * world_size / num_experts
     wire = _blocks(bytes_per_token, sync, p) * p.block_bytes
@@ -411,6 +410,11 @@ MAX_WORLD_SIZE = 4096
 MAX_NUM_EXPERTS = 65536
 MAX_AIVS = 1024
 MAX_BYTES_PER_TOKEN = 1 << 30    # (1 GiB per token copy; a bf16 row of the simulator's largest hidden is 2 MiB)
+
+
+def _count_in(name: str, value, lowest: int, highest: int) -> int:
+    """``value`` as an int in [lowest, highest] (``check_count``, then the model's bound ``highest``)."""
+    return _at_most(name, check_count(name, value, lowest), highest)
 
 
 def _at_most(name: str, value: int, highest: int) -> int:
@@ -504,11 +508,9 @@ def simulate(
     if tk.ndim == 2:
         tk = tk[None]
     S, B, K = tk.shape
-    R = _at_most("world_size", check_count("world_size", world_size if world_size is not None else S, 1),
-                 MAX_WORLD_SIZE)
-    E = _at_most("num_experts", check_count("num_experts", num_experts, 1), MAX_NUM_EXPERTS)
-    bytes_per_token = _at_most("bytes_per_token", check_count("bytes_per_token", bytes_per_token, 1),
-                               MAX_BYTES_PER_TOKEN)
+    R = _count_in("world_size", world_size if world_size is not None else S, 1, MAX_WORLD_SIZE)
+    E = _count_in("num_experts", num_experts, 1, MAX_NUM_EXPERTS)
+    bytes_per_token = _count_in("bytes_per_token", bytes_per_token, 1, MAX_BYTES_PER_TOKEN)
     if E % R:
         raise ValueError(f"num_experts={E} must be a multiple of world_size={R}")
     if tk.size and (int(tk.min()) < -1 or int(tk.max()) >= E):
@@ -528,7 +530,7 @@ def simulate(
     topo = topology or Topology.for_ranks(R)
     if topo.num_dies < R:
         raise ValueError(f"the topology has {topo.num_dies} dies, fewer than world_size={R}")
-    n = params.aivs_per_die if n_aivs is None else _at_most("n_aivs", check_count("n_aivs", n_aivs, 2), MAX_AIVS)
+    n = params.aivs_per_die if n_aivs is None else _count_in("n_aivs", n_aivs, 2, MAX_AIVS)
     c = _copies(kind, tk, src, R, E, full)
     if schedule == "cann_ep":
         total, phases, sr = _cann(kind, c, B, K, R, E, bytes_per_token, topo, params, n, cann_sending)

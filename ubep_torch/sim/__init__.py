@@ -17,7 +17,7 @@ from ..cost_model import (
     MAX_NUM_EXPERTS,
     MAX_WORLD_SIZE,
     Report,
-    _at_most,
+    _count_in,
     compare,
     count_cost_ratio,
     dispatch_bytes_per_token,
@@ -183,8 +183,7 @@ def run_case(kind: str, ranks: int, batch: int, hidden: int, topk: int, experts:
     if zipf is not None:
         zipf = _check_exponent("zipf", zipf)
     if bytes_per_token is not None:
-        bytes_per_token = _at_most("bytes_per_token", check_count("bytes_per_token", bytes_per_token, 1),
-                                   MAX_BYTES_PER_TOKEN)
+        bytes_per_token = _count_in("bytes_per_token", bytes_per_token, 1, MAX_BYTES_PER_TOKEN)
     if experts < ranks:
         raise ValueError(f"need at least one expert per rank: experts={experts} < ranks={ranks}")
     if experts % ranks:
