@@ -1701,6 +1701,34 @@ def refusal_handoff_times_out(ctx):
     return out
 
 
+def abort_of_an_earlier_call_seen_in_a_wait(ctx, later: bool):
+    """Both ranks complete dispatch 1. Rank 1 then posts an abort naming call 1 (``later``: call 3) 0.5 s
+    on, as a rank whose abort of a call comes after its peer finished that call, and does not come to call
+    2; rank 0 is waiting in call 2 by then (its deadline 20 s). Returns what rank 0's call 2 raised."""
+    import time
+
+    import torch.distributed as dist
+
+    from ubep_torch import protocol as P
+    buf, x, good, bad, E = _normal_refusal_setup(ctx, 20.0)
+    buf.dispatch(x, topk_idx=good, num_experts=E)
+    dist.barrier()
+    out = None
+    if ctx.rank == 1:
+        time.sleep(0.5)
+        buf._signal_abort(P.ABORT_GAVE_UP, call=3 if later else 1)
+    else:
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(x, topk_idx=good, num_experts=E)
+            out = ("ok", "", 0.0)
+        except Exception as e:  # noqa: BLE001
+            out = (type(e).__name__, str(e), time.monotonic() - t0)
+    dist.barrier()
+    buf.destroy()
+    return out
+
+
 def ll_next_buffer_refused(ctx):
     """Rank 0 fetches the zero-copy combine buffer with a bad handle (an edited plain tuple), raising before
     its combine; rank 1 fetches it rightly and combines. Then both make a low-latency round trip. Returns

@@ -828,6 +828,19 @@ def test_a_refusing_rank_that_times_out_waiting_for_its_peers_names_the_refused_
     assert r0[1][0] == "UBEPBrokenError", r0
 
 
+def test_an_abort_seen_in_a_wait_names_the_call_it_was_in():
+    """A peer's abort that a rank finds while waiting in a call names the call the peer aborted, as the
+    checks at the start and end of a call do (former message: 'failed or gave up in this call' for an
+    abort of the call before)."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        for later, words in ((False, "an earlier call (call 1 of this Buffer; this is call 2)"),
+                             (True, "a later call (call 3 of this Buffer; this is call 2)")):
+            r0, _ = pool.run(FR.abort_of_an_earlier_call_seen_in_a_wait, later, timeout_s=90)
+            assert r0[0] == "UBEPPeerAbortedError" and r0[2] < 5.0, r0
+            assert f"gave up in {words} and aborted it" in r0[1] and "in this call" not in r0[1], r0
+
+
 def test_a_bad_handle_for_the_zero_copy_combine_buffer_refuses_that_combine():
     """get_next_low_latency_combine_buffer raising on one rank (a handle that is not one) refuses the
     combine it prepares, as get_dispatch_layout does its dispatch: the peer in that combine leaves it at

@@ -923,6 +923,9 @@ class Buffer:
         try:
             self._waiter.wait(phase, poll_unless_destroyed)
         except UBEPError as e:
+            if isinstance(e, UBEPPeerAbortedError) and not e.refused and e.aborted_ranks:
+                # (a peer may have aborted an earlier call that this rank completed: its data was all there)
+                e.name_call(self._abort_when(e.aborted_ranks[0], self._active_call))
             if not self._cancel_call(e):
                 self._fail(e)
             raise
@@ -1152,10 +1155,16 @@ class Buffer:
                             if r != self.rank and P.abort_call(w) <= call})
         if aborted:
             self._mismatch_in_left_call()
-            m = P.abort_call(words[aborted[0]])
-            when = "this call" if m == call else f"an earlier call (call {m} of this Buffer; this is call {call})"
+            when = self._abort_when(aborted[0], call)
             self._broken = f"peer rank(s) {aborted} aborted {when}"
             raise UBEPPeerAbortedError(phase, self.rank, [], aborted, when=when)
+
+    def _abort_when(self, r: int, call: int) -> str:
+        """Which call rank r's abort word names, as seen from call number ``call`` of this rank."""
+        m = P.abort_call(int(self._aux_words[_ABORT_ROW * self.group_size + r]))
+        if m == call:
+            return "this call"
+        return f"{'an earlier' if m < call else 'a later'} call (call {m} of this Buffer; this is call {call})"
 
     def _begin_call(self) -> None:
         """From here on, peers may be waiting for this rank. The first time in a call this numbers the call in

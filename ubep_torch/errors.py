@@ -58,11 +58,12 @@ class UBEPPeerLostError(UBEPError):
 
 class UBEPPeerAbortedError(UBEPError):
     """A peer failed in a collective call (or gave up waiting in it) and told the group so, instead of going
-    silent. ``when`` says which call: ``"this call"``, or an earlier one by its number. A rank too slow for
-    its peers' deadline may still find all its data there; it learns of the abort when its part is done or
-    at its next call. ``refused``: the peers left this call with an error before reaching the others (bad
-    input on those ranks only, above all: they raised ValueError or TypeError). ``cancelled``: that call is
-    cancelled on every rank and this Buffer stays usable (every rank goes on with its next call)."""
+    silent. ``when`` says which call: ``"this call"``, or another one by its number (an earlier call; or, seen
+    from a recv hook, a later one). A rank too slow for its peers' deadline may still find all its data there;
+    it learns of the abort when its part is done, at its next call or in a wait of that call. ``refused``: the
+    peers left this call with an error before reaching the others (bad input on those ranks only, above all:
+    they raised ValueError or TypeError). ``cancelled``: that call is cancelled on every rank and this Buffer
+    stays usable (every rank goes on with its next call)."""
 
     def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], aborted_ranks: Sequence[int],
                  when: str = "this call", refused: bool = False):
@@ -81,6 +82,13 @@ class UBEPPeerAbortedError(UBEPError):
             f"ubep_torch: rank {rank} in phase '{phase}': peer rank(s) {self.aborted_ranks} {what}{missing}. "
             f"This Buffer is now unusable."
         )
+
+    def name_call(self, when: str) -> None:
+        """Name the call the aborted ranks left (``when``, as in the constructor) in place of "this call"."""
+        if when != self.when and not self.refused:
+            self.args = (self.args[0].replace(f"failed or gave up in {self.when} and", f"failed or gave up in {when} "
+                                              f"and", 1),)
+            self.when = when
 
     def cancel(self) -> None:
         """The refused call was cancelled on every rank, and this rank's Buffer stays usable."""
