@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -438,9 +439,30 @@ def _every_normal_call_reports(ctx):
     buf.set_cost_model(CostModel())
     buf.combine(rx, h)
     last = last and len(seen) == 6 and buf.last_report is not seen[-1][1]
+    # a call without a report leaves none: the model failed (a warning), or there is no model
+    cleared = []
+
+    class Failing:
+        def report(self, *args, **kwargs):
+            raise RuntimeError("model bug")
+    for model in (Failing(), None):
+        rx, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_tokens_per_expert=ntpe)
+        had = buf.last_report is not None
+        buf.set_cost_model(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            buf.combine(rx, h)
+        cleared.append((had, buf.last_report, [str(c.message)[:60] for c in caught if "model bug" in str(c.message)]))
+    # an on_report that raises: the report is kept, and the warning names on_report
+    buf.set_cost_model(CostModel(), on_report=lambda kind, rep: 1 / 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        buf.combine(buf.dispatch(x, topk_idx=topk, num_tokens_per_expert=ntpe)[0], h)
+    observer = (buf.last_report is not None and buf.last_report["ubep"].kind == "combine",
+                [str(c.message) for c in caught])
     buf.destroy()
     return [(kind, rep["ubep"].kind, rep["ubep"].bytes) for kind, rep in seen], int((topk >= 0).sum()), \
-        int(itr.sum()), last
+        int(itr.sum()), last, cleared, observer
 
 
 def test_every_normal_call_reports() -> None:
@@ -449,10 +471,17 @@ def test_every_normal_call_reports() -> None:
     from ubep_torch.testing import RankPool
     with RankPool(2) as pool:
         res = pool.run(_every_normal_call_reports)
-    for seen, copies, rank_rows, last in res:
+    for seen, copies, rank_rows, last, cleared, observer in res:
         assert [k for k, _, _ in seen] == ["dispatch", "combine", "dispatch", "dispatch", "combine", "combine"], seen
         assert all(k == kind for k, kind, _ in seen), seen
         row = 256 * 2
         # topk_idx known: one copy per (token, expert); known only by rank: one per (token, destination rank)
         assert [b for _, _, b in seen] == [copies * row] * 3 + [rank_rows * row] * 3, (seen, copies, rank_rows)
         assert last
+        # (former bug: last_report kept the dispatch's report after a combine whose report failed, and after
+        # set_cost_model(None))
+        assert cleared[0][0] and cleared[0][1] is None and len(cleared[0][2]) == 1, cleared
+        assert cleared[1][0] is False and cleared[1][1] is None and not cleared[1][2], cleared
+        # (the warning said that the model's report failed)
+        assert observer[0] and len(observer[1]) == 2, observer
+        assert all("on_report raised ZeroDivisionError" in m and "report of" in m for m in observer[1]), observer

@@ -526,7 +526,8 @@ class Buffer:
             ``0``, else the torch path), ``"native"`` (the C path, or RuntimeError when it is missing),
             ``"torch"`` (vectorized torch path) or ``"triton"`` (kernels of ``kernels/``); all give the same bits.
         cost_model: optional ``ubep_torch.cost_model.CostModel``: every call then gets a modeled CM384
-            report (``last_report``), UBEP against the CANN EP baseline.
+            report (``last_report``: the latest call's, None after a call without one), UBEP against the CANN
+            EP baseline.
         on_report: optional callback ``fn(kind, report)`` called with every report.
         num_max_tokens_per_rank, hidden: optional sizing of the normal region when ``num_nvl_bytes == 0``.
         shm_dir: shared-memory directory (default ``$UBEP_SHM_DIR`` or ``/dev/shm``).
@@ -1501,7 +1502,9 @@ class Buffer:
         A normal call whose routing is known only as ``token_in_rank`` ([T, R] bool: a dispatch given
         ``is_token_in_rank`` without ``topk_idx``, its combine, a handle rebuilt from its tuple) is modelled
         with one copy per (token, destination rank), to that rank's first expert: the rows normal mode
-        moves."""
+        moves. ``last_report`` becomes this call's report, or None where the call has none (no cost model, or
+        its report failed)."""
+        self.last_report = None
         if self.cost_model is None:
             return
         if topk_idx is None and token_in_rank is not None:
@@ -1519,12 +1522,17 @@ class Buffer:
             kw = {k: v for k, v in (("n_count", n), ("mapping", mapping)) if v is not None}
             rep = self.cost_model.report(kind, self.rank, self.group_size, topk_idx, num_experts, hidden,
                                          bytes_per_token, sync=self.sync, **kw)
-            self.last_report = rep
-            if self.on_report is not None:
-                self.on_report(kind, rep)
         except Exception as e:
             warnings.warn(f"ubep_torch: rank {self.rank}: the cost model report of {kind} failed ({type(e).__name__}: "
                           f"{e}); the call itself completed", RuntimeWarning, stacklevel=2)
+            return
+        self.last_report = rep
+        if self.on_report is not None:
+            try:
+                self.on_report(kind, rep)
+            except Exception as e:
+                warnings.warn(f"ubep_torch: rank {self.rank}: on_report raised {type(e).__name__} for the report of "
+                              f"{kind} ({e}); the call itself completed", RuntimeWarning, stacklevel=2)
 
     # ================================================================== validation helpers
     def _check_topk(self, topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx",
