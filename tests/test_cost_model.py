@@ -30,7 +30,19 @@ from ubep_torch.cost_model import (
     format_report,
     simulate,
 )
-from ubep_torch.sim import fig10_case, make_routing, run_case
+from ubep_torch.mapper import default_count_aivs
+from ubep_torch.sim import (
+    fig10_case,
+    hot_expert_routing,
+    make_routing,
+    run_case,
+    sweep_batch,
+    sweep_count_aivs,
+    sweep_granularity,
+    sweep_sync,
+    uniform_routing,
+    zipf_routing,
+)
 from ubep_torch.topology import CM384, INTRA_NPU, ONE_HOP, SAME_DIE, TWO_HOP, Topology
 
 H = 7168
@@ -349,7 +361,7 @@ _TK = make_routing(4, 8, 2, 8, seed=1)          # [4 ranks, 8 tokens, top-2] ove
     (lambda: make_routing(2, 4, 2, 4, hot_experts=2, hot_weight=1e300), ValueError, "hot_weight"),
     (lambda: make_routing(2, 4, 2, 4, zipf=10 ** 400), ValueError, "zipf"),
     (lambda: make_routing(2, 4, 2, 4, zipf=-10 ** 400), ValueError, ">= 0"),
-    (lambda: make_routing(2, 4, 2, 1 << 40), ValueError, "make_routing"),
+    (lambda: make_routing(2, 4, 2, 1 << 40), ValueError, "the model covers up to"),
     (lambda: CM384.with_(aivs_per_die=1), ValueError, "aivs_per_die"),
     (lambda: run_case("dispatch", 8, 8, 128, 2, 8, routing=_TK), ValueError, "routing has shape"),
     # (former bugs: AttributeError, OverflowError, NotImplementedError, a float or bool count truncated, a huge
@@ -384,11 +396,59 @@ _TK = make_routing(4, 8, 2, 8, seed=1)          # [4 ranks, 8 tokens, top-2] ove
     # (former bug: fractional ranks were truncated, 0.5 to rank 0)
     (lambda: simulate("dispatch", "ubep", _TK[:2], 8, 100, world_size=4, src_ranks=[0.5, 1.5]), TypeError,
      "src_ranks"),
+    # (former bugs: the public generators took what make_routing refuses (a negative hot weight picked the hot
+    # experts only), draws past memory raised RuntimeError, empty sweeps IndexError or min()'s message, 0
+    # experts or a count group for a combine were taken, aivs_per_die had no bound, die ids were truncated or
+    # unchecked, an empty routing failed in numpy)
+    (lambda: uniform_routing(-1, 4, 2, 8), ValueError, "ranks"),
+    (lambda: uniform_routing(2, 4, 2, 8, seed=-1), ValueError, "seed"),
+    (lambda: hot_expert_routing(4, 8, 2, 8, 2, hot_weight=-1.0), ValueError, "hot_weight"),
+    (lambda: hot_expert_routing(4, 8, 2, 8, 2, hot_weight=float("nan")), ValueError, "hot_weight"),
+    (lambda: hot_expert_routing(4, 8, 2, 8, 2, hot_weight=0.0), ValueError, "hot_weight"),
+    (lambda: hot_expert_routing(2, 4, 2, 8, 100), ValueError, "n_hot"),
+    (lambda: zipf_routing(4, 8, 2, 8, s=float("nan")), ValueError, "s must be"),
+    (lambda: zipf_routing(4, 8, 2, 8, s=-3.0), ValueError, "s must be"),
+    (lambda: uniform_routing(2, 4, 9, 8), ValueError, "topk"),
+    (lambda: make_routing(4096, 16384, 1, 4096), ValueError, "draws"),
+    (lambda: run_case("dispatch", 4096, 16384, 64, 1, 4096), ValueError, "draws"),
+    (lambda: sweep_granularity([2048], ranks=8, syncs=()), ValueError, "syncs"),
+    (lambda: sweep_sync([8], syncs=()), ValueError, "syncs"),
+    (lambda: sweep_count_aivs([], ranks=8), ValueError, "count-group size"),
+    (lambda: sweep_batch([8], ranks=8, experts=0), ValueError, "experts"),
+    (lambda: run_case("combine", 8, 8, 64, 2, 8, count_aivs=5), ValueError, "count_aivs"),
+    (lambda: CM384.with_(aivs_per_die=10 ** 9), ValueError, "aivs_per_die"),
+    (lambda: default_count_aivs(8, 2, 4, 0), ValueError, "n_aivs"),
+    (lambda: default_count_aivs(-5, 2, 4), ValueError, "num_experts"),
+    (lambda: default_count_aivs(8, 2, 4, 48, float("nan")), ValueError, "beta_over_alpha"),
+    (lambda: Topology().hop_class(0.5, 1), TypeError, "integer die ids"),
+    (lambda: Topology().hop_class(np.array([0, -1]), 1), ValueError, "die -1"),
+    (lambda: Topology(2, 1, 1).hop_class(0, torch.tensor([100])), ValueError, "die 100"),
+    (lambda: Topology().hop_matrix(-1), ValueError, "world_size"),
+    (lambda: Topology(2, 1, 1).hop_matrix(3), ValueError, "world_size"),
+    (lambda: simulate("dispatch", "ubep", _TK[:0], 8, 100, world_size=8, src_ranks=[]), ValueError, "no rank"),
 ])
 def test_bad_arguments_are_named(call, err, match):
     """(former bugs: these raised deep inside the model, or returned a latency for a meaningless call)"""
     with pytest.raises(err, match=match):
         call()
+
+
+def test_edge_parameters_give_finite_reports() -> None:
+    """Parameters with every latency 0 and a call that moves nothing: a reduction of 0, not ZeroDivisionError;
+    the Fig. 15 sweep's Appendix-9 suggestion is made for the die the parameters describe (it used 48 AIVs
+    whatever they said, and suggested 14 of 16 where the model itself picks 4)."""
+    zero = CM384.with_(hop_latency_us={0: 0.0, 1: 0.0, 2: 0.0, 3: 0.0}, launch_us=0.0, syncall_us=0.0,
+                       route_us_per_copy=0.0, flag_issue_us=0.0, poll_us=0.0, count_us_per_expert=0.0,
+                       cumsum_us_per_entry=0.0, qs_step_us=0.0, token_overhead_us=0.0,
+                       vector_token_overhead_us=0.0, block_check_us=0.0)
+    empty = torch.full((4, 8, 2), -1, dtype=torch.int64)
+    assert compare("dispatch", empty, 8, 1024, params=zero)["reduction"] == 0.0
+    assert CostModel(params=zero).report("dispatch", 0, 4, empty[0], 8, 512)["reduction"] == 0.0
+    small = CM384.with_(aivs_per_die=16)
+    rows = sweep_count_aivs((1, 2, 4), ranks=128, batch=16, params=small)
+    suggested = rows[-1]["n_count"]
+    assert rows[-1]["appendix9"] and suggested == run_case("dispatch", 128, 16, 7168, 8, 128, params=small)[
+        "ubep"].n_count, rows
 
 
 def _count_group_reports(ctx):

@@ -47,7 +47,17 @@ import torch
 
 from .mapper import default_count_aivs, remap_experts
 from .protocol import SYNC_MODES
-from .topology import CM384, INTRA_NPU, NUM_HOP_CLASSES, ONE_HOP, SAME_DIE, TWO_HOP, CM384Params, Topology
+from .topology import (
+    CM384,
+    INTRA_NPU,
+    MAX_AIVS,
+    NUM_HOP_CLASSES,
+    ONE_HOP,
+    SAME_DIE,
+    TWO_HOP,
+    CM384Params,
+    Topology,
+)
 from .utils import check_count
 
 KINDS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
@@ -408,7 +418,6 @@ def count_cost_ratio(params: CM384Params, bytes_per_token: int, world_size: int,
 #: adds nodes of the same kind)
 MAX_WORLD_SIZE = 4096
 MAX_NUM_EXPERTS = 65536
-MAX_AIVS = 1024
 MAX_BYTES_PER_TOKEN = 1 << 30    # (1 GiB per token copy; a bf16 row of the simulator's largest hidden is 2 MiB)
 
 
@@ -508,6 +517,8 @@ def simulate(
     if tk.ndim == 2:
         tk = tk[None]
     S, B, K = tk.shape
+    if S == 0:
+        raise ValueError("topk_idx holds the routing of no rank ([0, batch, topk]): give at least one rank's")
     R = _count_in("world_size", world_size if world_size is not None else S, 1, MAX_WORLD_SIZE)
     E = _count_in("num_experts", num_experts, 1, MAX_NUM_EXPERTS)
     bytes_per_token = _count_in("bytes_per_token", bytes_per_token, 1, MAX_BYTES_PER_TOKEN)
@@ -571,7 +582,9 @@ def compare(kind: str, topk_idx, num_experts: int, bytes_per_token: int, **kw) -
     cann_kw = {k: kw.pop(k) for k in ("cann_sending",) if k in kw}
     cann = simulate(kind, "cann_ep", topk_idx, num_experts, bytes_per_token, **kw, **cann_kw)
     ubep = simulate(kind, "ubep", topk_idx, num_experts, bytes_per_token, **kw, **ub_kw)
-    return {"cann_ep": cann, "ubep": ubep, "reduction": 1.0 - ubep.total_us / cann.total_us}
+    # (parameters with every cost 0 model a call that moves nothing in no time: nothing to reduce)
+    reduction = 1.0 - ubep.total_us / cann.total_us if cann.total_us > 0 else 0.0
+    return {"cann_ep": cann, "ubep": ubep, "reduction": reduction}
 
 
 def dispatch_bytes_per_token(hidden: int, dtype: str = "int8") -> int:

@@ -37,6 +37,9 @@ HOP_NAMES = {SAME_DIE: "same_die", INTRA_NPU: "intra_npu", ONE_HOP: "one_hop", T
 
 ArrayLike = Union[np.ndarray, torch.Tensor, int]
 
+#: the most AIVs per die the cost model replays (a CloudMatrix384 die has 48)
+MAX_AIVS = 1024
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -86,24 +89,47 @@ class Topology:
             same array type as the inputs (int64 for tensors and arrays).
         """
         if isinstance(src, torch.Tensor) or isinstance(dst, torch.Tensor):
-            s = torch.as_tensor(src, dtype=torch.int64)
-            d = torch.as_tensor(dst, dtype=torch.int64)
+            s, d = self._dies("src", src, torch), self._dies("dst", dst, torch)
             same_npu = (s // self.dies_per_npu) == (d // self.dies_per_npu)
             same_node = (s // self.dies_per_node) == (d // self.dies_per_node)
             out = torch.full(torch.broadcast_shapes(s.shape, d.shape), TWO_HOP, dtype=torch.int64)
             out = torch.where(same_node, torch.full_like(out, ONE_HOP), out)
             out = torch.where(same_npu, torch.full_like(out, INTRA_NPU), out)
             return torch.where(s == d, torch.full_like(out, SAME_DIE), out)
-        s = np.asarray(src, dtype=np.int64)
-        d = np.asarray(dst, dtype=np.int64)
+        s, d = self._dies("src", src, np), self._dies("dst", dst, np)
         out = np.where(s // self.dies_per_node == d // self.dies_per_node, ONE_HOP, TWO_HOP)
         out = np.where(s // self.dies_per_npu == d // self.dies_per_npu, INTRA_NPU, out)
         out = np.where(s == d, SAME_DIE, out).astype(np.int64)
         return int(out) if out.ndim == 0 and isinstance(src, int) and isinstance(dst, int) else out
 
+    def _dies(self, name: str, ids, lib):
+        """``ids`` as int64 die ids of this topology (a tensor with ``lib`` torch, else a numpy array);
+        TypeError for other than integers, ValueError for an id outside [0, num_dies)."""
+        if lib is torch:
+            t = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(np.asarray(ids))
+            bad_type = t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool
+            out = None if bad_type else t.to(torch.int64)
+        else:
+            if isinstance(ids, torch.Tensor):
+                ids = ids.detach().cpu().numpy()
+            a = np.asarray(ids)
+            bad_type = a.dtype.kind not in "iu"
+            out = None if bad_type else a.astype(np.int64)
+        if bad_type:
+            raise TypeError(f"Topology.hop_class: {name} must be integer die ids, got {ids!r}"[:200])
+        if out.numel() if lib is torch else out.size:
+            lo, hi = int(out.min()), int(out.max())
+            if lo < 0 or hi >= self.num_dies:
+                raise ValueError(f"Topology.hop_class: {name} names die {lo if lo < 0 else hi}; this topology has "
+                                 f"dies 0..{self.num_dies - 1}")
+        return out
+
     def hop_matrix(self, world_size: int) -> np.ndarray:
         """``[world_size, world_size]`` int64 hop classes of all die pairs."""
-        r = np.arange(int(world_size), dtype=np.int64)
+        world_size = check_count("world_size", world_size, 1)
+        if world_size > self.num_dies:
+            raise ValueError(f"world_size={world_size} exceeds this topology's {self.num_dies} dies")
+        r = np.arange(world_size, dtype=np.int64)
         return self.hop_class(r[:, None], r[None, :])
 
 
@@ -188,6 +214,8 @@ class CM384Params:
         for name in ("block_bytes", "flag_bytes", "tff_payload_bytes"):
             check_count(f"CM384Params.{name}", getattr(self, name), 1)
         check_count("CM384Params.aivs_per_die", self.aivs_per_die, 2)    # (UBEP: a count and a token group)
+        if self.aivs_per_die > MAX_AIVS:
+            raise ValueError(f"CM384Params.aivs_per_die={self.aivs_per_die}: the model covers at most {MAX_AIVS}")
         if self.flag_bytes + self.tff_payload_bytes > self.block_bytes:
             raise ValueError("CM384Params: flag_bytes + tff_payload_bytes exceed block_bytes")
         for name in ("hbm_gbs", "aiv_issue_gbs", "store_depth"):

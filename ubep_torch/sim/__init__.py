@@ -32,6 +32,7 @@ from ..utils import check_count, check_real
 MAX_RANKS = MAX_WORLD_SIZE
 MAX_EXPERTS = MAX_NUM_EXPERTS
 MAX_COPIES = 1 << 26
+MAX_DRAWS = 1 << 28     # (routing draws, one float32 per (token, expert): 1 GiB)
 MAX_HIDDEN = 1 << 20
 
 __all__ = [
@@ -87,13 +88,33 @@ def _sample(log_w: torch.Tensor, ranks: int, batch: int, topk: int, seed: int) -
     return idx.view(ranks, batch, topk).to(torch.int64)
 
 
+def _check_shape(ranks, batch, topk, experts, seed) -> tuple:
+    """The routing generators' arguments as ints, checked: counts in range, ``topk <= experts``, and draws
+    (one float32 per (token, expert)) that fit in memory."""
+    ranks, batch = check_count("ranks", ranks, 1), check_count("batch", batch)
+    topk, experts = check_count("topk", topk, 1), check_count("experts", experts, 1)
+    seed = _check_seed(seed)
+    if experts > MAX_EXPERTS or ranks > MAX_RANKS or ranks * batch * topk > MAX_COPIES:
+        raise ValueError(f"routing of {ranks} ranks x {batch} tokens x top-{topk} over {experts} experts: the model "
+                         f"covers up to {MAX_RANKS} ranks, {MAX_EXPERTS} experts and {MAX_COPIES} token copies")
+    if ranks * batch * experts > MAX_DRAWS:
+        raise ValueError(f"routing of {ranks} ranks x {batch} tokens over {experts} experts draws "
+                         f"{ranks * batch * experts} numbers, more than the {MAX_DRAWS} the generators make at once")
+    if topk > experts:
+        raise ValueError(f"topk={topk} exceeds the number of experts {experts}")
+    return ranks, batch, topk, experts, seed
+
+
 def uniform_routing(ranks: int, batch: int, topk: int, experts: int, seed: int = 0) -> torch.Tensor:
     """``[ranks, batch, topk]`` int64: each token picks ``topk`` distinct experts uniformly."""
+    ranks, batch, topk, experts, seed = _check_shape(ranks, batch, topk, experts, seed)
     return _sample(torch.zeros(experts), ranks, batch, topk, seed)
 
 
 def zipf_routing(ranks: int, batch: int, topk: int, experts: int, s: float = 1.0, seed: int = 0) -> torch.Tensor:
     """Experts drawn without replacement with popularity ``1 / rank**s`` over a random expert order."""
+    ranks, batch, topk, experts, seed = _check_shape(ranks, batch, topk, experts, seed)
+    s = _check_exponent("s", s)
     gen = torch.Generator().manual_seed(int(seed) + 7919)
     perm = torch.randperm(experts, generator=gen)
     w = torch.empty(experts)
@@ -109,6 +130,12 @@ def hot_expert_ids(experts: int, n_hot: int) -> torch.Tensor:
 def hot_expert_routing(ranks: int, batch: int, topk: int, experts: int, n_hot: int,
                        hot_weight: float = 4.0, seed: int = 0) -> torch.Tensor:
     """Like :func:`uniform_routing`, but ``n_hot`` experts are each ``hot_weight`` times as likely."""
+    ranks, batch, topk, experts, seed = _check_shape(ranks, batch, topk, experts, seed)
+    n_hot = check_count("n_hot", n_hot)
+    if n_hot > experts:
+        raise ValueError(f"n_hot={n_hot} exceeds the number of experts {experts}")
+    if _check_exponent("hot_weight", hot_weight) == 0:
+        raise ValueError("hot_weight must be > 0 (a weight of 0 would never pick the hot experts)")
     w = torch.ones(experts)
     w[hot_expert_ids(experts, n_hot)] = float(hot_weight)
     return _sample(torch.log(w), ranks, batch, topk, seed)
@@ -133,18 +160,12 @@ def _check_exponent(name: str, value) -> float:
 def make_routing(ranks: int, batch: int, topk: int, experts: int, hot_experts: int = 0,
                  zipf: float | None = None, hot_weight: float = 4.0, seed: int = 0) -> torch.Tensor:
     """Dispatch routing for every rank: hot experts, Zipf-skewed or uniform (in that order of precedence)."""
-    ranks, batch = check_count("ranks", ranks, 1), check_count("batch", batch)
-    topk, experts = check_count("topk", topk, 1), check_count("experts", experts, 1)
-    hot_experts, seed = check_count("hot_experts", hot_experts), _check_seed(seed)
+    ranks, batch, topk, experts, seed = _check_shape(ranks, batch, topk, experts, seed)
+    hot_experts = check_count("hot_experts", hot_experts)
     if hot_experts > experts:
         raise ValueError(f"hot_experts={hot_experts} exceeds the number of experts {experts}")
-    if experts > MAX_EXPERTS or ranks > MAX_RANKS or ranks * batch * topk > MAX_COPIES:
-        raise ValueError(f"make_routing({ranks}, {batch}, {topk}, {experts}): the model covers up to {MAX_RANKS} "
-                         f"ranks, {MAX_EXPERTS} experts and {MAX_COPIES} token copies")
     if zipf is not None:
         zipf = _check_exponent("zipf", zipf)
-    if hot_experts and _check_exponent("hot_weight", hot_weight) == 0:
-        raise ValueError("hot_weight must be > 0 (a weight of 0 would never pick the hot experts)")
     if hot_experts:
         return hot_expert_routing(ranks, batch, topk, experts, hot_experts, hot_weight, seed)
     if zipf:
@@ -164,6 +185,8 @@ def run_case(kind: str, ranks: int, batch: int, hidden: int, topk: int, experts:
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if count_aivs is not None and "dispatch" not in kind:
+        raise ValueError(f"count_aivs applies to dispatch (the count group); {kind} has none")
     ranks = check_count("ranks", ranks, 1)
     if ranks > MAX_RANKS:
         raise ValueError(f"ranks={ranks}: the model covers superpods of up to {MAX_RANKS} dies")
@@ -214,7 +237,7 @@ def _row(x: dict, **extra) -> dict:
 def sweep_batch(batches: Sequence[int] = (8, 16, 32, 64, 128), ranks: int = 64, experts: int | None = None,
                 hidden: int = 7168, topk: int = 8, kind: str = "dispatch", **kw) -> list[dict]:
     """Batch-size sweep at one expert per die (Fig. 8a / Fig. 9 setting) unless ``experts`` is given."""
-    E = experts or ranks
+    E = ranks if experts is None else experts
     return [_row(run_case(kind, ranks, b, hidden, topk, E, **kw), batch=b) for b in batches]
 
 
@@ -231,6 +254,11 @@ def sweep_experts(experts_per_rank: Sequence[int] = (1, 2, 4), ranks: int = 128,
             for e in experts_per_rank]
 
 
+def _check_syncs(syncs) -> None:
+    if isinstance(syncs, str) or not len(syncs):
+        raise ValueError(f"syncs must be a non-empty sequence of sync modes, got {syncs!r}")
+
+
 def sweep_granularity(sizes: Sequence[int] = (2048, 4096, 8192, 16384, 32768), ranks: int = 64,
                       batch: int = 64, topk: int = 8, syncs: Sequence[str] = ("tff", "dc", "sp"),
                       **kw) -> list[dict]:
@@ -239,6 +267,7 @@ def sweep_granularity(sizes: Sequence[int] = (2048, 4096, 8192, 16384, 32768), r
     Modelled on the combine path, which has no count group, so that only data movement and
     synchronisation differ between CANN EP (stop-and-wait) and the Data-as-Flag variants.
     """
+    _check_syncs(syncs)
     rows = []
     for g in sizes:
         tk = make_routing(ranks, batch, topk, ranks, seed=kw.get("seed", 0))
@@ -255,6 +284,7 @@ def sweep_granularity(sizes: Sequence[int] = (2048, 4096, 8192, 16384, 32768), r
 def sweep_sync(ranks: Sequence[int] = (16, 64, 256), batch: int = 16, hidden: int = 7168, topk: int = 8,
                syncs: Sequence[str] = ("tff", "dc", "sp"), granularity: int = 2048, **kw) -> list[dict]:
     """Data-as-Flag variants against CANN EP over rank counts (combine path, see :func:`sweep_granularity`)."""
+    _check_syncs(syncs)
     rows = []
     for r in ranks:
         tk = make_routing(r, batch, topk, r, seed=kw.get("seed", 0))
@@ -270,7 +300,9 @@ def sweep_sync(ranks: Sequence[int] = (16, 64, 256), batch: int = 16, hidden: in
 def sweep_count_aivs(counts: Sequence[int] = (1, 2, 4, 8, 12, 16), ranks: int = 128, batch: int = 64,
                      hidden: int = 7168, topk: int = 8, experts: int | None = None, **kw) -> list[dict]:
     """UBEP dispatch latency against the count-group size (Fig. 15 setting); ``best`` marks the optimum."""
-    E = experts or ranks
+    if not len(counts):
+        raise ValueError("sweep_count_aivs needs at least one count-group size")
+    E = ranks if experts is None else experts
     tk = make_routing(ranks, batch, topk, E, seed=kw.get("seed", 0))
     rest = {k: v for k, v in kw.items() if k != "seed"}
     rows = [{"n_count": n, "ubep_us": run_case("dispatch", ranks, batch, hidden, topk, E, count_aivs=n,
@@ -280,8 +312,9 @@ def sweep_count_aivs(counts: Sequence[int] = (1, 2, 4, 8, 12, 16), ranks: int = 
         r["extra_us"] = r["ubep_us"] - best
         r["best"] = r["extra_us"] == 0.0
     nbytes = kw.get("bytes_per_token") or dispatch_bytes_per_token(hidden)
-    ratio = count_cost_ratio(rest.get("params", CM384), nbytes, ranks, E)
-    rows.append({"n_count": default_count_aivs(E, topk, batch, CM384.aivs_per_die, ratio), "appendix9": True})
+    params = rest.get("params", CM384)
+    ratio = count_cost_ratio(params, nbytes, ranks, E)
+    rows.append({"n_count": default_count_aivs(E, topk, batch, params.aivs_per_die, ratio), "appendix9": True})
     return rows
 
 
