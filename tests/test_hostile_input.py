@@ -581,6 +581,58 @@ def test_odd_but_valid_inputs_work(pool):
     assert pool.run(odd_but_valid) == [[], []]
 
 
+def negated_views(ctx, backend):
+    """Inputs that carry torch's negative bit (``torch._neg_view``: the values are the negation of the memory)
+    give what their materialized values give: normal dispatch (x, weights) and combine (x, weights, bias),
+    low-latency dispatch (bf16 and fp8) and combine (x, weights). Returns the failures."""
+    import torch.distributed as dist
+    R = ctx.world_size
+    E, T, H, N = 2 * R, 4, 128, 8
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
+                 low_latency_mode=True, timeout_s=20.0, backend=backend)
+    torch.manual_seed(ctx.rank)
+    x = torch.randn(T, H).bfloat16()
+    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    w = torch.rand(T, 2)
+    bias = torch.randn(T, H).bfloat16()
+    neg = torch._neg_view
+    fails = []
+
+    def same(name, got, want):
+        got, want = (got, want) if isinstance(got, (tuple, list)) else ((got,), (want,))
+        for g, v in zip(got, want):
+            if g is not None and not torch.equal(g, v):
+                fails.append(name)
+                return
+    ref = buf.dispatch(-x, topk_idx=topk, topk_weights=-w, num_experts=E)
+    got = buf.dispatch(neg(x), topk_idx=topk, topk_weights=neg(w), num_experts=E)
+    same("dispatch", got[:3], ref[:3])
+    ys = ref[0].float().mul(0.5).bfloat16()
+    same("combine", buf.combine(neg(ys), got[4], topk_weights=neg(got[2]), bias=neg(bias))[:2],
+         buf.combine(-ys, ref[4], topk_weights=-ref[2], bias=-bias)[:2])
+    for fp8 in (False, True):
+        ref = buf.low_latency_dispatch(-x, topk, N, E, use_fp8=fp8)
+        ref = [t.clone() for t in (ref[0] if fp8 else (ref[0],))], ref[1].clone()
+        got = buf.low_latency_dispatch(neg(x), topk, N, E, use_fp8=fp8)
+        got = list(got[0]) if fp8 else [got[0]], got[1]
+        same(f"low-latency counts (fp8 {fp8})", got[1], ref[1])
+        for e, n in enumerate(ref[1].tolist()):     # (rows past each expert's count are not written)
+            same(f"low-latency dispatch (fp8 {fp8})", [t[e, :n] for t in got[0]], [t[e, :n] for t in ref[0]])
+    ref = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+    want = buf.low_latency_combine(-ref[0], topk, -w, ref[2])[0].clone()
+    got = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+    same("low-latency combine", buf.low_latency_combine(neg(got[0]), topk, neg(w), got[2])[0], want)
+    buf.destroy()
+    return fails
+
+
+def test_negated_views_give_their_values(pool):
+    """(former bug: a bf16 x with the negative bit raised RuntimeError from a dtype view, and in a low-latency
+    combine it broke the Buffer on every rank)"""
+    for backend in ("auto", "torch"):
+        assert pool.run(negated_views, backend) == [[], []], backend
+
+
 def grad_weights_and_tuple_copies(ctx, backend):
     """Valid programs the checks of a call must leave alone. Low-latency combine with weights that require
     grad (a router's softmax), directly and through a recv hook: the weights are read as data. A normal

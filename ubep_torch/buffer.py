@@ -393,6 +393,12 @@ def _group_global_ranks(group) -> List[int]:
         return []
 
 
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its values in memory: a tensor with torch's negative bit (``torch._neg_view``, the imaginary
+    part of a conjugate) holds the values' negation, which the C loops and byte views would read."""
+    return t.resolve_neg() if t.is_neg() else t
+
+
 def _check_process(buf: "Buffer", what: str) -> None:
     """Only the process that built the Buffer uses it: another one (a fork's child) would write into the
     peers' memory as this rank."""
@@ -1608,7 +1614,7 @@ class Buffer:
             if tuple(scales.shape) != (data.shape[0], data.shape[1] // 128):
                 raise ValueError(f"x[1] (scales) must have shape {(data.shape[0], data.shape[1] // 128)}, "
                                  f"got {tuple(scales.shape)}")
-            return data.contiguous(), scales.contiguous()
+            return _resolved(data).contiguous(), _resolved(scales).contiguous()
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor or an (fp8, scales) tuple, got {type(x).__name__}")
         if x.dtype not in _FLOAT_DTYPES:
@@ -1617,7 +1623,7 @@ class Buffer:
             raise ValueError(f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
         if x.device.type != "cpu":
             raise ValueError("ubep_torch's shared-memory UGAS moves host tensors: pass CPU tensors")
-        return x.contiguous(), None
+        return _resolved(x).contiguous(), None
 
     # ================================================================== layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
@@ -1755,7 +1761,7 @@ class Buffer:
                     raise TypeError(f"topk_weights must be float32 (or float64), got {topk_weights.dtype}")
                 if tuple(topk_weights.shape) != (T, K):
                     raise ValueError(f"topk_weights must have shape {(T, K)}, got {tuple(topk_weights.shape)}")
-                weights = topk_weights.contiguous()
+                weights = _resolved(topk_weights).contiguous()
             if is_token_in_rank is not None:
                 if tuple(is_token_in_rank.shape) != (T, R) or is_token_in_rank.dtype != torch.bool:
                     raise ValueError(f"is_token_in_rank must be a [{T}, {R}] bool tensor")
@@ -2353,7 +2359,7 @@ class Buffer:
             base.num_worst_tokens or base.num_recv
         if x.shape[0] not in (base.num_recv, rows_expected):
             raise ValueError(f"combine x has {x.shape[0]} rows; the handle received {base.num_recv}")
-        x = (x if x.shape[0] == base.num_recv else x[: base.num_recv]).contiguous()
+        x = _resolved(x if x.shape[0] == base.num_recv else x[: base.num_recv]).contiguous()
         T, H = base.num_tokens, x.shape[1]
         K = 0
         if topk_weights is not None:
@@ -2362,7 +2368,7 @@ class Buffer:
                 raise TypeError("topk_weights must be a float32 (or float64) tensor")
             if topk_weights.dim() != 2 or topk_weights.shape[0] not in (base.num_recv, rows_expected):
                 raise ValueError(f"topk_weights must be [{base.num_recv}, K], got {tuple(topk_weights.shape)}")
-            topk_weights = topk_weights[: base.num_recv].contiguous()
+            topk_weights = _resolved(topk_weights[: base.num_recv]).contiguous()
             K = topk_weights.shape[1]
         biases = []
         if isinstance(bias, tuple) and len(bias) > 2:
@@ -2376,7 +2382,7 @@ class Buffer:
                     raise ValueError(f"bias must be a [{T}, {H}] tensor (or a pair of them)")
                 if b.dtype not in _FLOAT_DTYPES:
                     raise TypeError(f"bias must be bfloat16, float32, float16 or float64, got {b.dtype}")
-                biases.append(b)
+                biases.append(_resolved(b))
         R = self.group_size
         wsz = topk_weights.element_size() // 4 if K else 0
         fmt = P.row_format(self.sync, (("x", H * x.element_size()),), K * wsz,
@@ -2520,7 +2526,7 @@ class Buffer:
                 share_memory(cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, elementwise=True):
             raise ValueError("cumulative_local_expert_recv_stats and dispatch_wait_recv_cost_stats overlap in memory; "
                              "the call would add token counts and nanoseconds into the same words")
-        x = x.contiguous()
+        x = _resolved(x).contiguous()
         if use_fp8:
             # (into reused outputs: the rows of a call's fp8 copy of x are read until its recv hook ran)
             xq, sc = low_latency_cast_to_fp8(x, round_scale, out=(self._out.empty((T, H), FP8),
@@ -2950,7 +2956,7 @@ class Buffer:
         # one contiguous run starting at the slot s named in its dispatch control message, in dispatch
         # order, so every segment is a strided copy out of x (no gather, no scatter).
         eng = self.engine
-        xs = x.reshape(E_local * R * N, H)      # a strided x is copied once, like every other input
+        xs = _resolved(x).reshape(E_local * R * N, H)   # a strided x is copied once, like every other input
         if H > 1 and xs.stride(1) != 1:
             xs = xs.contiguous()
         # (source, expert) segments of xs, source-major (layout_range: begin << 32 | count); per_host: the
@@ -3002,7 +3008,7 @@ class Buffer:
         pending = _Pending("low_latency_combine", epoch, call=self._calls, seq=self._seq)
         # (weights that share out='s memory are read before the sum overwrites them)
         weights = topk_weights.clone() if out is not None and _same_memory(out, topk_weights) else \
-            topk_weights.contiguous()
+            _resolved(topk_weights).contiguous()
 
         def receive():
             if pending.done:     # (a cancelled call's hook raises before it gets here: see _collective)
