@@ -1210,6 +1210,28 @@ def ll_k_in_flight(ctx, sync, k, preempted=False):
     return True
 
 
+def ll_buffers_size_message(ctx):
+    """``low_latency_buffers=3`` with ``num_rdma_bytes`` from the two-buffer size hint: the refusals of a
+    dispatch and of clean_low_latency_buffer name the three-buffer size. Returns (that size, the messages)."""
+    R = ctx.world_size
+    N, H, K, E = 64, 1024, 2, 16 * R
+    size2 = Buffer.get_low_latency_rdma_size_hint(N, H, R, E)
+    size3 = Buffer.get_low_latency_rdma_size_hint(N, H, R, E, num_buffers=3)
+    buf = Buffer(ctx.group, 0, size2, low_latency_mode=True, low_latency_buffers=3, timeout_s=20.0)
+    x = torch.randn(N, H).bfloat16()
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(N)])
+    msgs = []
+    for call in (lambda: buf.low_latency_dispatch(x, idx, N, E, use_fp8=False),
+                 lambda: buf.clean_low_latency_buffer(N, H, E)):
+        try:
+            call()
+            msgs.append("accepted")
+        except ValueError as e:
+            msgs.append(str(e))
+    buf.destroy()
+    return size3, msgs
+
+
 def clean_of_an_fp8_sized_buffer(ctx, sync):
     """A low-latency buffer large enough for fp8 dispatch (use_fp8=True, the default) and bf16 combine of
     N=8, H=7168, E=4 but not for bf16 dispatch: the fp8 round trip works, so clean_low_latency_buffer of

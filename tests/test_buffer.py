@@ -99,6 +99,12 @@ def test_low_latency_more_buffers_in_flight(pool2, sync, k):
     assert pool2.run(F.ll_k_in_flight, sync, k) == [True, True]
 
 
+def test_too_small_for_its_receive_buffers_names_their_size(pool2):
+    """(former bug: the message named the two-buffer size, the very size passed)"""
+    for size3, msgs in pool2.run(F.ll_buffers_size_message):
+        assert len(msgs) == 2 and all(f">= {size3} (for low_latency_buffers=3" in m for m in msgs), (size3, msgs)
+
+
 @pytest.mark.parametrize("sync", SYNCS)
 def test_bad_inputs_raise_before_sending_and_buffer_stays_usable(pool2, sync):
     names = pool2.run(F.bad_inputs, sync)

@@ -908,6 +908,14 @@ class Buffer:
                              "Buffer.get_low_latency_rdma_size_hint(N, H, R, E))")
         return self._regions[rid]
 
+    def _ll_bytes(self, N: int, H: int, E: int, K: int = _LL_MAX_TOPK) -> str:
+        """``num_rdma_bytes`` that low-latency calls of this shape need with this Buffer's receive buffers, as
+        an error message gives it."""
+        k = self.low_latency_buffers
+        need = low_latency_buffer_bytes(N, H, self.group_size, E, K, num_buffers=k)
+        return f"{need}" + ("" if k == 2 else f" (for low_latency_buffers={k}: Buffer.get_low_latency_rdma_size_hint("
+                                                f"..., num_buffers={k}))")
+
     def _ack_slot(self, mem_words: torch.Tensor, rid: int, src: int) -> torch.Tensor:
         return mem_words[rid * self.group_size + src: rid * self.group_size + src + 1]
 
@@ -2546,7 +2554,7 @@ class Buffer:
             raise ValueError(f"the low-latency buffer holds {region.capacity(fmt)} rows per source but "
                              f"E_local*N = {E_local * N} are needed (num_max_dispatch_tokens_per_rank={N}, "
                              f"num_experts={E} or hidden={H} larger than the buffer was sized for?); use "
-                             f"num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E)}")
+                             f"num_rdma_bytes >= {self._ll_bytes(N, H, E)}")
         self._check_in_flight(P.REGION_LL_DISPATCH)
         counts = counts.view(R, E_local)
         counts_l = counts.tolist()
@@ -2949,7 +2957,7 @@ class Buffer:
         region = self._region(P.REGION_LL_COMBINE)
         if region.capacity(fmt) < N * K:
             raise ValueError(f"the low-latency buffer holds {region.capacity(fmt)} combine rows, N*K = {N * K} "
-                             f"needed; use num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E, max(K, 1))}")
+                             f"needed; use num_rdma_bytes >= {self._ll_bytes(N, H, E, max(K, 1))}")
         self._check_in_flight(P.REGION_LL_COMBINE)
         rid = P.REGION_LL_COMBINE
         # Rows going back to source s: for every local expert, its packed segment from s. They go back as
@@ -3088,7 +3096,7 @@ class Buffer:
         if max(region.capacity(P.row_format(self.sync, f, 1)) for f in rows) < E // R * N:
             raise ValueError(f"clean_low_latency_buffer: the low-latency buffer is too small for "
                              f"num_max_dispatch_tokens_per_rank={N}, hidden={H}, num_experts={E}; use "
-                             f"num_rdma_bytes >= {low_latency_buffer_bytes(N, H, R, E)}")
+                             f"num_rdma_bytes >= {self._ll_bytes(N, H, E)}")
         self._cancel_refused_hooks()      # (a hook whose call a peer refused is not pending)
         if self._pending:
             raise ValueError("clean_low_latency_buffer called while recv hooks are pending")
