@@ -748,6 +748,23 @@ def mismatched_hidden(ctx):
     return None, ""
 
 
+def ll_layout_mismatch(ctx, case: str):
+    """Ranks whose low-latency dispatch rows differ in ``case`` ("topk" or "hidden"); returns what each
+    rank's dispatch raised (type, message)."""
+    R, r = ctx.world_size, ctx.rank
+    H, K = (64 * (r + 1), 2) if case == "hidden" else (64, 1 + r)
+    buf = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(8, 128, R, 4 * R), low_latency_mode=True,
+                 timeout_s=20.0)
+    topk = torch.arange(3 * K).view(3, K) % (4 * R)
+    try:
+        buf.low_latency_dispatch(torch.randn(3, H).bfloat16(), topk, 8, 4 * R, use_fp8=False)
+    except ubep_torch.UBEPError as e:
+        return type(e).__name__, str(e)
+    finally:
+        buf.destroy()
+    return None, ""
+
+
 def mismatched_call_args(ctx, low_latency: bool):
     """Ranks that disagree on num_experts (normal) or num_max_dispatch_tokens_per_rank (low-latency), which
     no rank can see in its own inputs, get a clear error naming the argument."""

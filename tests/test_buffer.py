@@ -299,6 +299,16 @@ def test_rows_of_the_same_bytes_but_other_dtypes_or_top_k_are_reported(pool2, ca
     assert all(name == "UBEPError" and "different layout" in msg for name, msg in out), out
 
 
+@pytest.mark.parametrize("case", ["topk", "hidden"])
+def test_low_latency_rows_of_another_layout_are_reported_with_the_causes(pool2, case):
+    """(former message: 'rank 1 sent low-latency rows of a different layout than rank 0 expects', naming no
+    cause)"""
+    out = pool2.run(F.ll_layout_mismatch, case)
+    for r, (name, msg) in enumerate(out):
+        assert name == "UBEPError" and f"rank(s) [{1 - r}] sent low_latency_dispatch rows of a different layout" \
+            in msg and "hidden size, dtype, top-k" in msg, out
+
+
 @pytest.mark.parametrize("low_latency", [False, True])
 def test_mismatched_call_arguments_are_reported(pool2, low_latency):
     out = pool2.run(F.mismatched_call_args, low_latency)

@@ -1121,6 +1121,18 @@ class Buffer:
             return missing
         self._wait(phase, poll)
 
+    def _check_layouts(self, ctrl_words: dict, fmt: P.RowFormat, op: str) -> None:
+        """Every source's rows have this rank's layout (the digest in its control message), else the Buffer is
+        broken with a UBEPError naming the ranks whose rows differ."""
+        sig = fmt.signature()
+        other = [s for s in range(self.group_size) if ctrl_words[s][P.CTRL_SIGNATURE] != sig]
+        if other:
+            self._broken = f"layout mismatch with rank(s) {other}"
+            raise UBEPError(f"rank(s) {other} sent {op} rows of a different layout than rank {self.rank} expects "
+                            f"(hidden size, dtype, top-k, the weights' dtype, fp8 or sync mode differ between ranks; "
+                            f"or the ranks are in different calls of the same operation, as in backward passes of "
+                            f"ubep_torch.functional where topk_weights require grad on some ranks only)")
+
     def _check_call_words(self, ctrl_words, op: str) -> None:
         """Every source's control message names the same num_experts and num_max_dispatch_tokens_per_rank as
         this rank's own (a disagreement no single rank can see in its inputs)."""
@@ -2098,15 +2110,7 @@ class Buffer:
                                      f"{P.REGION_NAMES[rid]}: TokenCnt (waiting for the count messages)")
         if self.sync == "sw":
             self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after flag verification", rid)
-        sig = fmt.signature()
-        for s in range(R):
-            if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
-                self._broken = f"layout mismatch with rank {s}"
-                raise UBEPError(f"rank {s} sent {P.REGION_NAMES[rid]} rows of a different layout than rank {me} "
-                                f"expects (hidden size, dtype, top-k, the weights' dtype, fp8 or sync mode differ "
-                                f"between ranks; or the ranks are in different calls of the same operation, as "
-                                f"in backward passes of ubep_torch.functional where topk_weights require grad "
-                                f"on some ranks only)")
+        self._check_layouts(ctrl_words, fmt, P.REGION_NAMES[rid])
         self._check_call_words(ctrl_words, P.REGION_NAMES[rid])
         nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
         cap = region.capacity(fmt)
@@ -2628,10 +2632,7 @@ class Buffer:
                                          "low_latency_dispatch: TokenCnt (waiting for the count messages)")
             if self.sync == "sw":
                 self._sync_all("low_latency_dispatch: SyncAll after flag verification", P.REGION_LL_DISPATCH)
-            for s in range(R):
-                if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
-                    self._broken = "layout mismatch"
-                    raise UBEPError(f"rank {s} sent low-latency rows of a different layout than rank {me} expects")
+            self._check_layouts(ctrl_words, fmt, "low_latency_dispatch")
             self._check_call_words(ctrl_words, "low_latency_dispatch")
             slots_l = [ctrl_words[s][P.CTRL_RETURN_SLOT] for s in range(R)]
             # CalCumSum: per-expert counts of every source ([R, E_local]), the packed begin of every (source,
@@ -3027,10 +3028,7 @@ class Buffer:
                                          "low_latency_combine: waiting for the count messages")
             if self.sync == "sw":
                 self._sync_all("low_latency_combine: SyncAll after flag verification", P.REGION_LL_COMBINE)
-            for s in range(R):
-                if ctrl_words[s][P.CTRL_SIGNATURE] != sig:
-                    self._broken = "layout mismatch"
-                    raise UBEPError(f"rank {s} sent low-latency combine rows of a different layout")
+            self._check_layouts(ctrl_words, fmt, "low_latency_combine")
             self._check_call_words(ctrl_words, "low_latency_combine")
             self._check_pairing("low_latency_combine", ctrl_words, paired)
             per_host = handle.sent_counts.sum(1).tolist()
