@@ -153,7 +153,11 @@ def run(args) -> dict:
                                max_seq=targs.seq, num_experts=args.experts, top_k=args.top_k, ffn_hidden=args.ffn,
                                shared_expert_hidden=args.shared or None, router=args.router)
     if args.ckpt:
-        dense.load_state_dict(ck["state"])
+        try:
+            dense.load_state_dict(ck["state"])
+        except (KeyError, RuntimeError, TypeError, AttributeError) as e:
+            raise SystemExit(f"infer_moe.py: --ckpt {args.ckpt}: its weights do not fit the model its arguments "
+                             f"describe ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     model = dense
     if buffer is not None:
         model = T.MoETransformerLM(data.vocab_size, dim=args.dim, heads=args.heads, layers=args.layers,
@@ -215,7 +219,7 @@ def run(args) -> dict:
                   f"({100 * (1 - ub / cann) if cann else 0:.1f}% lower)")
             if args.verbose and modeled[-1][2]:
                 print("last call:", format_report(modeled[-1][2][-1]))
-        elif buffer is not None:
+        elif buffer is not None and not args.no_cost_model:
             print("modeled CM384 latency: ubep_torch.cost_model not available")
         if args.check:
             over = f" (all {world} ranks)" if world > 1 else ""

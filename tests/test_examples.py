@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -64,7 +65,10 @@ def test_infer_low_latency_agrees_with_dense(tmp_path):
     ck = tmp_path / "moe.pt"
     _run(TORCHRUN + [os.path.join(EXAMPLES, "train_moe.py"), "--tiny", "--steps", "4", "--save", str(ck)])
     out = _run(TORCHRUN + [os.path.join(EXAMPLES, "infer_moe.py"), "--tiny", "--check", "--ckpt", str(ck)])
-    assert "time per output token" in out
+    assert "time per output token" in out and "modeled CM384 MoE exchange" in out, out
+    # (former bug: --no-cost-model printed "ubep_torch.cost_model not available")
+    off = _run(TORCHRUN + [os.path.join(EXAMPLES, "infer_moe.py"), "--tiny", "--tokens", "2", "--no-cost-model"])
+    assert "time per output token" in off and "modeled" not in off and "not available" not in off, off
     diff = float(out.split("max |logit diff|")[1].split(",")[0])
     agree, total = out.split("greedy tokens agree ")[1].split()[0].split("/")
     # bf16 transport of the MoE exchange: logits stay close to the float32 dense model.
@@ -106,6 +110,19 @@ def test_a_rank_stalled_outside_the_buffer_fails_the_others_by_the_timeout():
     took = time.monotonic() - t0
     assert proc.returncode != 0 and took < 45, (took, proc.stdout[-2000:], proc.stderr[-2000:])
     assert re.search(r"[Tt]imed? ?out", proc.stderr), proc.stderr[-3000:]
+
+
+def test_a_checkpoint_whose_weights_do_not_fit_is_one_line(tmp_path):
+    """(former bug: load_state_dict's missing-keys traceback)"""
+    ck = tmp_path / "empty.pt"
+    shape = {"dim": 32, "heads": 2, "layers": 1, "experts": 4, "top_k": 2, "ffn": 32, "shared": 0,
+             "router": "softmax", "seq": 64}
+    torch.save({"args": shape, "state": {}}, ck)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "infer_moe.py"), "--single", "--ckpt", str(ck)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "weights do not fit" in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 
 def test_infer_single_process():
