@@ -1048,6 +1048,8 @@ def bad_constructor_argument(ctx, case, tmp):
             kwargs["sync"] = "bogus"
         elif case == "size":
             nvl = "2M"
+        elif case == "huge":
+            nvl = 2 ** 63
         elif case == "engine":        # an error of another kind before the set-up (here: its engine)
             import ubep_torch.buffer as B
 

@@ -561,6 +561,8 @@ def test_rank_pool_reports_a_rank_process_that_died_at_once():
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with pytest.raises(ValueError, match="world_size"):
         RankPool(0)
+    with pytest.raises(ValueError, match="at most 1024"):     # (it opened queues until the file limit)
+        RankPool(2 ** 63)
     with pytest.raises(TypeError, match="world_size"):
         RankPool(2.0)
     with pytest.raises(TypeError, match="timeout_s"):
@@ -657,7 +659,7 @@ def test_a_cancelled_sp_call_rearms_the_slots_it_wrote():
     assert refusing == (("ValueError", None), 0), refusing
 
 
-@pytest.mark.parametrize("case", ["sync", "size", "shm_dir", "engine"])
+@pytest.mark.parametrize("case", ["sync", "size", "shm_dir", "engine", "huge"])
 def test_a_bad_constructor_argument_on_one_rank_is_named_by_the_others(case, tmp_path):
     """(former behaviour: the other ranks waited for their whole deadline, then named no cause, and
     different shared-memory directories gave errors about an invalid segment path; an error other than
@@ -672,6 +674,8 @@ def test_a_bad_constructor_argument_on_one_rank_is_named_by_the_others(case, tmp
         assert "directory" in good[2] and str(tmp_path) in good[2] and str(tmp_path) in bad[2], (good, bad)
     else:
         assert "rank(s) [1]" in good[2] and ("bogus" in good[2] or "num_nvl_bytes" in good[2]), good
+    if case == "huge":      # (former bug: RuntimeError, as for too little shared memory)
+        assert bad[0] == "ValueError" and "TiB a process can map" in bad[2], bad
 
 
 def test_a_buffer_dropped_without_destroy_is_seen_to_be_gone():

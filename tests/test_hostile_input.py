@@ -581,6 +581,34 @@ def test_odd_but_valid_inputs_work(pool):
     assert pool.run(odd_but_valid) == [[], []]
 
 
+def zero_copy_buffer_after_destroy(ctx):
+    """get_next_low_latency_combine_buffer of a destroyed Buffer (low-latency, and normal-mode): what it
+    raised, per Buffer."""
+    import torch.distributed as dist
+    R = ctx.world_size
+    E, T, H, N = 2 * R, 4, 128, 8
+    out = []
+    for ll in (True, False):
+        buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E) if ll else 0,
+                     low_latency_mode=ll, timeout_s=20.0)
+        handle = buf.low_latency_dispatch(torch.randn(T, H).bfloat16(), torch.tensor([[0, 2]] * T), N, E,
+                                          use_fp8=False)[2] if ll else (None, None, N, H, E)
+        buf.destroy()
+        try:
+            buf.get_next_low_latency_combine_buffer(handle)
+            out.append("returned")
+        except Exception as e:  # noqa: BLE001
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_a_destroyed_buffer_gives_no_zero_copy_buffer(pool):
+    """(former bug: it returned a view of the unmapped memory's copy, and on a normal-mode Buffer raised a
+    ValueError asking for low_latency_mode)"""
+    for out in pool.run(zero_copy_buffer_after_destroy):
+        assert all(o.startswith("UBEPBrokenError") and "destroyed" in o for o in out), out
+
+
 def negated_views(ctx, backend):
     """Inputs that carry torch's negative bit (``torch._neg_view``: the values are the negation of the memory)
     give what their materialized values give: normal dispatch (x, weights) and combine (x, weights, bias),

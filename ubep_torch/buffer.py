@@ -2848,6 +2848,7 @@ class Buffer:
         here (a handle that is not one) refuses the combine it prepares, as ``get_dispatch_layout``'s does
         its dispatch."""
         _check_process(self, "get_next_low_latency_combine_buffer")
+        self._check_usable()
         self._region(P.REGION_LL_DISPATCH)   # (a Buffer without low-latency calls: no combine to refuse)
         try:
             return self._next_combine_buffer(self._as_ll_handle(handle))

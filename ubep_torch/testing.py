@@ -94,11 +94,18 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str,
         pass
 
 
+#: the most ranks a RankPool starts (each is a process of this host with its own queue)
+MAX_POOL_RANKS = 1024
+
+
 class RankPool:
     """``world_size`` persistent gloo ranks. Use as a context manager or call :meth:`close`."""
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, env: Optional[Dict[str, str]] = None):
         world_size = check_count("world_size", world_size, 1)     # (a numpy integer too)
+        if world_size > MAX_POOL_RANKS:
+            raise ValueError(f"RankPool starts its ranks as processes of this host: world_size must be at most "
+                             f"{MAX_POOL_RANKS}, got {world_size}")
         _check_env(env)
         self.world_size = world_size
         self.timeout_s = check_deadline("timeout_s", timeout_s)

@@ -178,6 +178,11 @@ class SymmetricHeap:
             self.world_size = dist.get_world_size(group)
             self.directory = shm_dir(directory)
             self.nbytes = check_count("nbytes", nbytes)
+            if self.nbytes * self.world_size > _MAX_MAPPED_BYTES:    # (every rank maps every segment)
+                raise ValueError(f"ubep_torch: {self.world_size} segments of {self.nbytes} bytes exceed the "
+                                 f"{_MAX_MAPPED_BYTES >> 40} TiB a process can map: create the Buffer with smaller "
+                                 f"num_nvl_bytes/num_rdma_bytes (see get_nvl_buffer_size_hint and "
+                                 f"get_low_latency_rdma_size_hint)")
         except (ValueError, TypeError) as e:
             refuse_setup(group, e)
             raise
@@ -438,6 +443,10 @@ def _pinned_view(m: mmap.mmap) -> torch.Tensor:
 def _segment_path(directory: str) -> str:
     """A fresh unguessable segment path: ``ubep-<pid>-<PID namespace>-<128 random bits>`` in ``directory``."""
     return os.path.join(directory, f"ubep-{os.getpid()}-{_pid_namespace()}-{secrets.token_hex(16)}")
+
+
+#: what one process can map at most (x86-64 and AArch64 user address space: 128 TiB)
+_MAX_MAPPED_BYTES = 1 << 47
 
 
 def _round_up(x: int, a: int) -> int:

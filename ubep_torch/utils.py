@@ -188,11 +188,12 @@ class Config:
     """Performance knobs of a normal-mode call, with DeepEP's constructor signature.
 
     Args:
-        num_sms: vector cores (AIVs) one rank uses; the UBEP token/count split is taken from these.
-        num_max_nvl_chunked_send_tokens: tokens written per batch before the flags (TFF granularity).
+        num_sms, num_max_nvl_chunked_send_tokens: DeepEP's SM count and send chunk, checked and kept for
+            code that reads them back; no call uses them (there are no SMs here, a call's rows are written in
+            whole exchanges, and the Triton engine's AIVs come from ``UBEP_TRITON_AIVS``).
         num_max_nvl_chunked_recv_tokens: rows of receive capacity per source that the size hints assume.
         num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: accepted for compatibility.
-        num_count_aivs: AIVs of the count group (None = the Appendix-9 model).
+        num_count_aivs: AIVs of the count group (None = the Appendix-9 model): the one knob a call reads.
     """
 
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
