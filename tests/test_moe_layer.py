@@ -214,3 +214,21 @@ def test_moe_and_data_parallel_sync_name_bad_arguments():
         unn.data_parallel_sync(None)
     with pytest.raises(TypeError, match="group must be None or a process group"):
         unn.data_parallel_sync(torch.nn.Linear(2, 2), group="g")
+
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda: unn.Router(-1, 4, 2), ValueError, "Router: hidden"),
+    (lambda: unn.Router(8, 2 ** 62, 2), ValueError, "more than this machine's memory"),
+    (lambda: unn.Router(8, 4, 1.5), TypeError, "Router: top_k"),
+    (lambda: unn.Router(8, 4, True), TypeError, "Router: top_k"),
+    (lambda: unn.Router(8, 4, 2, normalize_topk="yes"), TypeError, "normalize_topk"),
+    (lambda: unn.SwiGLU(8, 2 ** 62), ValueError, "more than this machine's memory"),
+    (lambda: unn.SwiGLU(0, 8), ValueError, "SwiGLU: hidden"),
+    (lambda: unn.GroupedSwiGLU(2, 8, -4), ValueError, "GroupedSwiGLU: ffn_hidden"),
+    (lambda: unn.GroupedSwiGLU(2, 8, 4)(torch.randn(5, 8), [-1, 6]), ValueError, "GroupedSwiGLU: counts"),
+    (lambda: unn.GroupedSwiGLU(2, 8, 4)(torch.randn(5, 8), [2.5, 2.5]), TypeError, "GroupedSwiGLU: counts"),
+])
+def test_building_blocks_name_bad_arguments(make, error, match):
+    """(former bugs: torch's RuntimeErrors, or a top_k of 1.5 or True taken and failing in forward)"""
+    with pytest.raises(error, match=match):
+        make()

@@ -55,6 +55,18 @@ def _expert_parameters(module: nn.Module) -> set:
     return placed | {id(p) for p in module.parameters() if is_expert_parameter(p) and id(p) not in dense}
 
 
+def _check_sizes(where: str, elements: int, **sizes) -> None:
+    """The sizes (positive ints) of a block whose float32 parameters hold ``elements`` values: refused before
+    anything is allocated when they exceed the machine's memory, instead of torch's overflow or allocation
+    error."""
+    for name, value in sizes.items():
+        check_count(f"ubep_torch.nn.{where}: {name}", value, 1)
+    if 4 * elements > physical_memory():
+        shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        raise ValueError(f"ubep_torch.nn.{where}: {shown} make {4 * elements} bytes of parameters, more than this "
+                         f"machine's memory ({physical_memory()} bytes)"[:400])
+
+
 class Router(nn.Module):
     """Top-k router with the Switch/GShard load-balancing loss.
 
@@ -72,6 +84,8 @@ class Router(nn.Module):
         super().__init__()
         if kind not in ROUTERS:
             raise ValueError(f"ubep_torch.nn.Router: kind must be one of {ROUTERS}, got {kind!r}")
+        _check_sizes("Router", num_experts * hidden, hidden=hidden, num_experts=num_experts, top_k=top_k)
+        check_flag("ubep_torch.nn.Router: normalize_topk", normalize_topk)
         if not 0 < top_k <= num_experts:
             raise ValueError(f"ubep_torch.nn.Router: need 0 < top_k <= num_experts, got {top_k}, {num_experts}")
         self.num_experts, self.top_k, self.kind, self.normalize_topk = num_experts, top_k, kind, normalize_topk
@@ -114,6 +128,7 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, ffn_hidden: int):
         super().__init__()
+        _check_sizes("SwiGLU", 3 * hidden * ffn_hidden, hidden=hidden, ffn_hidden=ffn_hidden)
         self.gate = nn.Linear(hidden, ffn_hidden, bias=False)
         self.up = nn.Linear(hidden, ffn_hidden, bias=False)
         self.down = nn.Linear(ffn_hidden, hidden, bias=False)
@@ -134,6 +149,8 @@ class GroupedSwiGLU(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, ffn_hidden: int):
         super().__init__()
+        _check_sizes("GroupedSwiGLU", 3 * num_experts * hidden * ffn_hidden, num_experts=num_experts, hidden=hidden,
+                     ffn_hidden=ffn_hidden)
         self.num_experts = num_experts
         self.w_gate = nn.Parameter(torch.randn(num_experts, hidden, ffn_hidden) / math.sqrt(hidden))
         self.w_up = nn.Parameter(torch.randn(num_experts, hidden, ffn_hidden) / math.sqrt(hidden))
@@ -145,6 +162,7 @@ class GroupedSwiGLU(nn.Module):
         """Expert-major rows ``x [rows, H]`` with ``counts[e]`` consecutive rows for expert ``e`` -> ``[rows, H]``."""
         if len(counts) != self.num_experts:
             raise ValueError(f"ubep_torch.nn.GroupedSwiGLU: {len(counts)} counts for {self.num_experts} experts")
+        counts = [check_count("ubep_torch.nn.GroupedSwiGLU: counts", c) for c in counts]
         if sum(counts) != x.shape[0]:
             raise ValueError(f"ubep_torch.nn.GroupedSwiGLU: counts sum to {sum(counts)} but x has "
                              f"{x.shape[0]} rows")
@@ -211,14 +229,10 @@ class MoE(nn.Module):
         if num_experts % world:
             raise ValueError(f"ubep_torch.nn.MoE: num_experts={num_experts} is not divisible by the "
                              f"{world} ranks of the Buffer's group")
-        # the parameters (router, this rank's experts, shared expert) in float32: refused before allocating
-        # when they exceed the machine's memory, instead of torch's overflow or allocation error
-        elements = num_experts * hidden + 3 * hidden * ffn_hidden * (num_experts // world) + \
-            3 * hidden * (shared_expert_hidden or 0)
-        if 4 * elements > physical_memory():
-            raise ValueError(f"ubep_torch.nn.MoE: hidden={hidden}, ffn_hidden={ffn_hidden}, num_experts={num_experts}"
-                             f" and shared_expert_hidden={shared_expert_hidden} make {4 * elements} bytes of "
-                             f"parameters, more than this machine's memory ({physical_memory()} bytes)"[:400])
+        # the parameters: router, this rank's experts, shared expert
+        _check_sizes("MoE", num_experts * hidden + 3 * hidden * ffn_hidden * (num_experts // world) +
+                     3 * hidden * (shared_expert_hidden or 0), hidden=hidden, ffn_hidden=ffn_hidden,
+                     num_experts=num_experts)
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.buffer = buffer if world > 1 else None
         self.layout, self.expert_alignment, self.aux_loss_coef = layout, expert_alignment, float(aux_loss_coef)
