@@ -134,8 +134,13 @@ def test_bad_arguments_are_named():
         per_token_cast_back(q.float(), sc)
     with pytest.raises(ValueError, match=r"are 8 float32 values \(shape \(4, 2\): one per 128 channels\), got 4"):
         per_token_cast_back(q, sc[:, :1])
-    with pytest.raises(ValueError, match=r"are 2 int32 words \(shape \(4, 0\).*got 4"):
+    # (former message: 'are 2 int32 words (shape (4, 0): ...', a shape of no words)
+    with pytest.raises(ValueError, match=r"are 2 int32 words \(packed across rows: H=256 is not a multiple of 512"
+                                         r".*got 4"):
         per_token_cast_back(q, torch.zeros(4, 1, dtype=torch.int32))
+    q512, _ = per_token_cast_to_fp8(torch.randn(4, 512))
+    with pytest.raises(ValueError, match=r"are 4 int32 words \(shape \(4, 1\); one byte per 128 channels\), got 8"):
+        per_token_cast_back(q512, torch.zeros(4, 2, dtype=torch.int32))
     # (former bugs: a string round_scale was taken as True; an integer result dtype truncated the values)
     with pytest.raises(TypeError, match="round_scale"):
         per_token_cast_to_fp8(torch.randn(4, 256), round_scale="no")
