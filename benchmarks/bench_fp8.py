@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ubep_torch.fp8 as fp8  # noqa: E402
 from ubep_torch import Buffer, native_engine  # noqa: E402
 from ubep_torch.testing import RankPool  # noqa: E402
-from ubep_torch.utils import int_at_least  # noqa: E402
+from ubep_torch.utils import int_at_least, memory_errors_as_usage_errors  # noqa: E402
 
 
 def _median_ms(fn, iters: int) -> float:
@@ -104,4 +104,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with memory_errors_as_usage_errors("benchmarks/bench_fp8.py"):
+        main()

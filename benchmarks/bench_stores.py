@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ubep_torch import Buffer, native_engine  # noqa: E402
 from ubep_torch.testing import RankPool  # noqa: E402
 from ubep_torch.ugas import SymmetricHeap  # noqa: E402
-from ubep_torch.utils import int_at_least  # noqa: E402
+from ubep_torch.utils import int_at_least, memory_errors_as_usage_errors  # noqa: E402
 
 POLICIES = ("plain", "streaming", "auto")
 PROBE_BYTES = 2 << 20
@@ -118,4 +118,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with memory_errors_as_usage_errors("benchmarks/bench_stores.py"):
+        main()

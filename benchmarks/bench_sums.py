@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ubep_torch import native_engine  # noqa: E402
 from ubep_torch import protocol as P  # noqa: E402
 from ubep_torch.engine import TorchEngine  # noqa: E402
-from ubep_torch.utils import int_at_least  # noqa: E402
+from ubep_torch.utils import int_at_least, memory_errors_as_usage_errors  # noqa: E402
 
 
 def main() -> None:
@@ -93,4 +93,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with memory_errors_as_usage_errors("benchmarks/bench_sums.py"):
+        main()

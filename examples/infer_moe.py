@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train_moe as T
 
-from ubep_torch.utils import deadline_seconds, int_at_least, require_torchrun
+from ubep_torch.utils import deadline_seconds, int_at_least, memory_errors_as_usage_errors, require_torchrun
 
 try:
     from ubep_torch.cost_model import CostModel, format_report
@@ -265,4 +265,5 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    run(parse_args())
+    with memory_errors_as_usage_errors("examples/infer_moe.py"):
+        run(parse_args())

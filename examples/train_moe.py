@@ -33,7 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ubep_torch import nn as unn
 from ubep_torch import protocol as P
-from ubep_torch.utils import deadline_seconds, int_at_least, non_negative_number, require_torchrun
+from ubep_torch.utils import (
+    deadline_seconds,
+    int_at_least,
+    memory_errors_as_usage_errors,
+    non_negative_number,
+    require_torchrun,
+)
 
 # ----------------------------------------------------------------------------- data
 _SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the bird", "a child", "the teacher"]
@@ -326,4 +332,5 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    with memory_errors_as_usage_errors("examples/train_moe.py"):
+        train(parse_args())

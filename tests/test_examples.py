@@ -211,6 +211,11 @@ def test_sums_benchmark_prints_every_path():
     (["benchmarks/stress.py", "--timeout", "nan"], "--timeout"),
     (["examples/train_moe.py", "--single", "--timeout", "1e300"], "--timeout"),   # (timedelta's OverflowError)
     (["examples/infer_moe.py", "--single", "--timeout", "1e300"], "--timeout"),
+    # (former tracebacks of the allocator: sizes past the machine's memory)
+    (["benchmarks/bench_sums.py", "--hidden", "1" + "0" * 12, "--iters", "1"], "more memory than this machine"),
+    (["examples/train_moe.py", "--single", "--tiny", "--batch", "1" + "0" * 11, "--steps", "1"],
+     "more memory than this machine"),
+    (["examples/infer_moe.py", "--single", "--tiny", "--tokens", "1" + "0" * 12], "more memory than this machine"),
 ])
 def test_bad_options_give_one_line_errors(cmd, what):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

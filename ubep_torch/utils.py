@@ -1,10 +1,12 @@
 """DeepEP-compatible helper types: ``Config`` and ``EventOverlap``, and argument checks."""
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
 import os
+import re
 import sys
 from typing import Any, Optional, Tuple
 
@@ -43,6 +45,32 @@ def check_real(name: str, value, minimum: Optional[float] = None, positive: bool
         bound = " > 0" if positive else f" >= {floor:g}" if floor is not None else ""
         raise ValueError(f"{name} must be a finite number{bound}, got {value!r}")
     return v
+
+
+def out_of_memory(e: BaseException) -> Optional[str]:
+    """What failed, in a line, where ``e`` is a failed allocation (MemoryError, or torch's error for one, also
+    as a rank's traceback in a ``RankPool`` error); else None."""
+    if isinstance(e, MemoryError):
+        return f"MemoryError {str(e)[:100]}".strip()
+    text = str(e)
+    if isinstance(e, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text):
+        m = re.search(r"tried to allocate (\d+) bytes", text)
+        return f"an allocation of {m.group(1)} bytes failed" if m else "an allocation failed"
+    return None
+
+
+@contextlib.contextmanager
+def memory_errors_as_usage_errors(script: str):
+    """Inside it, a failed allocation (sizes past the machine's memory) ends the script with one line
+    naming it instead of the allocator's traceback."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        what = out_of_memory(e)
+        if what is None:
+            raise
+        raise SystemExit(f"{script}: {what}: the sizes given need more memory than this machine has "
+                         f"({physical_memory()} bytes); use smaller ones") from None
 
 
 def physical_memory() -> int:
