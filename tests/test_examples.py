@@ -188,7 +188,7 @@ def test_sums_benchmark_prints_every_path():
         assert len(numbers) == 6 and all(v > 0 for v in numbers), line
 
 
-@pytest.mark.parametrize("cmd,what", [
+BAD_OPTIONS = [
     (["examples/train_moe.py", "--single", "--steps", "0"], "--steps"),
     (["examples/train_moe.py", "--single", "--dim", "30", "--heads", "4"], "--heads"),
     (["examples/infer_moe.py", "--single", "--prompt", "XYZ"], "vocabulary"),
@@ -216,14 +216,24 @@ def test_sums_benchmark_prints_every_path():
     (["examples/train_moe.py", "--single", "--tiny", "--batch", "1" + "0" * 11, "--steps", "1"],
      "more memory than this machine"),
     (["examples/infer_moe.py", "--single", "--tiny", "--tokens", "1" + "0" * 12], "more memory than this machine"),
-])
-def test_bad_options_give_one_line_errors(cmd, what):
+]
+
+
+def test_bad_options_give_one_line_errors():
+    """Every command of ``BAD_OPTIONS`` fails with one line that names the problem, no traceback (two at a
+    time: each spends most of its time importing torch)."""
+    from concurrent.futures import ThreadPoolExecutor
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
-    assert what in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+    def run(cmd):
+        return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=120, check=False)
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(run, [cmd for cmd, _ in BAD_OPTIONS]))
+    for (cmd, what), proc in zip(BAD_OPTIONS, procs):
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, (cmd, proc.stderr)
+        assert what in proc.stderr.strip().splitlines()[-1], (cmd, proc.stderr)
 
 
 def test_run_torchrun_checks_its_arguments(tmp_path):
