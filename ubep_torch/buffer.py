@@ -532,8 +532,8 @@ class Buffer:
             ``0``, else the torch path), ``"native"`` (the C path, or RuntimeError when it is missing),
             ``"torch"`` (vectorized torch path) or ``"triton"`` (kernels of ``kernels/``); all give the same bits.
         cost_model: optional ``ubep_torch.cost_model.CostModel``: every call then gets a modeled CM384
-            report (``last_report``: the latest call's, None after a call without one), UBEP against the CANN
-            EP baseline.
+            report (``last_report``: that of the latest dispatch or combine, None where it has none: no cost
+            model, or its report failed), UBEP against the CANN EP baseline.
         on_report: optional callback ``fn(kind, report)`` called with every report.
         num_max_tokens_per_rank, hidden: optional sizing of the normal region when ``num_nvl_bytes == 0``.
         shm_dir: shared-memory directory (default ``$UBEP_SHM_DIR`` or ``/dev/shm``).
