@@ -1704,9 +1704,11 @@ def refusal_handoff_times_out(ctx):
 
 
 def abort_of_an_earlier_call_seen_in_a_wait(ctx, later: bool):
-    """Both ranks complete dispatch 1. Rank 1 then posts an abort naming call 1 (``later``: call 3) 0.5 s
+    """Every rank completes dispatch 1. Rank 1 then posts an abort naming call 1 (``later``: call 3) 0.5 s
     on, as a rank whose abort of a call comes after its peer finished that call, and does not come to call
-    2; rank 0 is waiting in call 2 by then (its deadline 20 s). Returns what rank 0's call 2 raised."""
+    2 (nor does rank 2, on three ranks, for which rank 1 posts an abort of call 2 in rank 0's memory just
+    before its own); rank 0 is waiting in call 2 by then (its deadline 20 s). Returns what rank 0's call 2
+    raised."""
     import time
 
     import torch.distributed as dist
@@ -1718,6 +1720,9 @@ def abort_of_an_earlier_call_seen_in_a_wait(ctx, later: bool):
     out = None
     if ctx.rank == 1:
         time.sleep(0.5)
+        if ctx.world_size == 3:     # (rank 2's word too, in the same microsecond: rank 0 sees both at once)
+            from ubep_torch.buffer import _ABORT_ROW
+            buf._peer_words[0][_ABORT_ROW * 3 + 2] = P.abort_word(P.ABORT_GAVE_UP, 2)
         buf._signal_abort(P.ABORT_GAVE_UP, call=3 if later else 1)
     else:
         t0 = time.monotonic()

@@ -425,12 +425,20 @@ _TK = make_routing(4, 8, 2, 8, seed=1)          # [4 ranks, 8 tokens, top-2] ove
     (lambda: Topology(2, 1, 1).hop_class(0, torch.tensor([100])), ValueError, "die 100"),
     (lambda: Topology().hop_matrix(-1), ValueError, "world_size"),
     (lambda: Topology(2, 1, 1).hop_matrix(3), ValueError, "world_size"),
+    (lambda: Topology().hop_class(np.array([2 ** 63 + 5], dtype=np.uint64), 1), ValueError,
+     "die 9223372036854775813"),
     (lambda: simulate("dispatch", "ubep", _TK[:0], 8, 100, world_size=8, src_ranks=[]), ValueError, "no rank"),
 ])
 def test_bad_arguments_are_named(call, err, match):
     """(former bugs: these raised deep inside the model, or returned a latency for a meaningless call)"""
     with pytest.raises(err, match=match):
         call()
+
+
+def test_hop_class_of_no_dies_is_empty() -> None:
+    """(former bug: an empty list, float64 to numpy, was refused as not integer ids)"""
+    assert Topology().hop_class([], []).shape == (0,)
+    assert Topology().hop_class(torch.zeros(0, dtype=torch.int64), 1).shape == (0,)
 
 
 def test_edge_parameters_give_finite_reports() -> None:
@@ -444,6 +452,9 @@ def test_edge_parameters_give_finite_reports() -> None:
     empty = torch.full((4, 8, 2), -1, dtype=torch.int64)
     assert compare("dispatch", empty, 8, 1024, params=zero)["reduction"] == 0.0
     assert CostModel(params=zero).report("dispatch", 0, 4, empty[0], 8, 512)["reduction"] == 0.0
+    # a routing with no top-k columns is modelled (former bug: the count-group helper refused topk=0)
+    none = torch.zeros((4, 8, 0), dtype=torch.int64)
+    assert 0.0 <= compare("dispatch", none, 8, 1024)["reduction"] < 1.0
     small = CM384.with_(aivs_per_die=16)
     rows = sweep_count_aivs((1, 2, 4), ranks=128, batch=16, params=small)
     suggested = rows[-1]["n_count"]
@@ -513,6 +524,13 @@ def _every_normal_call_reports(ctx):
             warnings.simplefilter("always")
             buf.combine(rx, h)
         cleared.append((had, buf.last_report, [str(c.message)[:60] for c in caught if "model bug" in str(c.message)]))
+    # a refused call (bad input on every rank) made no report either
+    buf.set_cost_model(CostModel())
+    buf.dispatch(x, topk_idx=topk, num_tokens_per_expert=ntpe)
+    try:
+        buf.dispatch(x, topk_idx=topk + E, num_experts=E)
+    except ValueError:
+        cleared.append((True, buf.last_report, []))
     # an on_report that raises: the report is kept, and the warning names on_report
     buf.set_cost_model(CostModel(), on_report=lambda kind, rep: 1 / 0)
     with warnings.catch_warnings(record=True) as caught:
@@ -542,6 +560,7 @@ def test_every_normal_call_reports() -> None:
         # set_cost_model(None))
         assert cleared[0][0] and cleared[0][1] is None and len(cleared[0][2]) == 1, cleared
         assert cleared[1][0] is False and cleared[1][1] is None and not cleared[1][2], cleared
+        assert len(cleared) == 3 and cleared[2][1] is None, cleared
         # (the warning said that the model's report failed)
         assert observer[0] and len(observer[1]) == 2, observer
         assert all("on_report raised ZeroDivisionError" in m and "report of" in m for m in observer[1]), observer

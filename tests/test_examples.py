@@ -216,6 +216,8 @@ BAD_OPTIONS = [
     (["examples/train_moe.py", "--single", "--tiny", "--batch", "1" + "0" * 11, "--steps", "1"],
      "more memory than this machine"),
     (["examples/infer_moe.py", "--single", "--tiny", "--tokens", "1" + "0" * 12], "more memory than this machine"),
+    (["benchmarks/bench_sums.py", "--tokens", "4" + "0" * 12, "--hidden", "4" + "0" * 12, "--iters", "1"],
+     "a tensor size overflowed"),
 ]
 
 

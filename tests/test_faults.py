@@ -843,6 +843,11 @@ def test_an_abort_seen_in_a_wait_names_the_call_it_was_in():
             r0, _ = pool.run(FR.abort_of_an_earlier_call_seen_in_a_wait, later, timeout_s=90)
             assert r0[0] == "UBEPPeerAbortedError" and r0[2] < 5.0, r0
             assert f"gave up in {words} and aborted it" in r0[1] and "in this call" not in r0[1], r0
+    # ranks that aborted different calls: each one's (former message: the first one's call for all)
+    with RankPool(3, env=env) as pool:
+        r0 = pool.run(FR.abort_of_an_earlier_call_seen_in_a_wait, False, timeout_s=90)[0]
+        assert r0[0] == "UBEPPeerAbortedError" and r0[2] < 5.0, r0
+        assert "gave up in calls 1 (rank 1), 2 (rank 2) of this Buffer (this is call 2)" in r0[1], r0
 
 
 def test_a_bad_handle_for_the_zero_copy_combine_buffer_refuses_that_combine():

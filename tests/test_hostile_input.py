@@ -650,6 +650,21 @@ def negated_views(ctx, backend):
     want = buf.low_latency_combine(-ref[0], topk, -w, ref[2])[0].clone()
     got = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
     same("low-latency combine", buf.low_latency_combine(neg(got[0]), topk, neg(w), got[2])[0], want)
+    # routing held negated (the C checks read memory): the same results as the plain routing
+    ntopk = neg(-topk)
+    same("dispatch of a negated routing", buf.dispatch(x, topk_idx=ntopk, num_experts=E)[:2],
+         buf.dispatch(x, topk_idx=topk, num_experts=E)[:2])
+    got = buf.low_latency_dispatch(x, ntopk, N, E, use_fp8=False)
+    same("low-latency counts of a negated routing", got[1], ref[1])
+    # an out= whose memory holds the negation of its values: refused before anything is sent, Buffer usable
+    try:
+        buf.low_latency_combine(got[0], topk, w, got[2], out=neg(torch.empty(T, H, dtype=torch.bfloat16)))
+        fails.append("negated out= taken")
+    except ValueError as e:
+        if "negative bit" not in str(e):
+            fails.append(f"negated out=: {e}")
+    got = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False)
+    same("after the refused out=", buf.low_latency_combine(-got[0], topk, -w, got[2])[0], want)
     buf.destroy()
     return fails
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -227,6 +228,9 @@ def test_moe_and_data_parallel_sync_name_bad_arguments():
     (lambda: unn.GroupedSwiGLU(2, 8, -4), ValueError, "GroupedSwiGLU: ffn_hidden"),
     (lambda: unn.GroupedSwiGLU(2, 8, 4)(torch.randn(5, 8), [-1, 6]), ValueError, "GroupedSwiGLU: counts"),
     (lambda: unn.GroupedSwiGLU(2, 8, 4)(torch.randn(5, 8), [2.5, 2.5]), TypeError, "GroupedSwiGLU: counts"),
+    # (former bug: numpy sizes multiplied in int64, wrapped past the memory check into torch's overflow error)
+    (lambda: unn.SwiGLU(np.int64(2 ** 32), np.int64(2 ** 32)), ValueError, "more than this machine's memory"),
+    (lambda: unn.MoE(np.int64(2 ** 31), np.int64(2 ** 33), 1, 1), ValueError, "more than this machine's memory"),
 ])
 def test_building_blocks_name_bad_arguments(make, error, match):
     """(former bugs: torch's RuntimeErrors, or a top_k of 1.5 or True taken and failing in forward)"""

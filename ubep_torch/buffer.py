@@ -432,6 +432,7 @@ def _collective(fn):
     def wrapper(self, *args, **kwargs):
         _enter_call(self, fn.__name__)
         self._in_call = False
+        self.last_report = None       # (a call that makes no report leaves none: see _report)
         begun = self._begun
         grad = torch.is_grad_enabled()
         try:
@@ -532,8 +533,9 @@ class Buffer:
             ``0``, else the torch path), ``"native"`` (the C path, or RuntimeError when it is missing),
             ``"torch"`` (vectorized torch path) or ``"triton"`` (kernels of ``kernels/``); all give the same bits.
         cost_model: optional ``ubep_torch.cost_model.CostModel``: every call then gets a modeled CM384
-            report (``last_report``: that of the latest dispatch or combine, None where it has none: no cost
-            model, or its report failed), UBEP against the CANN EP baseline.
+            report (``last_report``: that of the latest call, made when the call completes, with a recv hook
+            when the hook runs; None where that call made none: no cost model, its report failed, the call
+            failed or was refused, or it moves no tokens), UBEP against the CANN EP baseline.
         on_report: optional callback ``fn(kind, report)`` called with every report.
         num_max_tokens_per_rank, hidden: optional sizing of the normal region when ``num_nvl_bytes == 0``.
         shm_dir: shared-memory directory (default ``$UBEP_SHM_DIR`` or ``/dev/shm``).
@@ -940,7 +942,7 @@ class Buffer:
         except UBEPError as e:
             if isinstance(e, UBEPPeerAbortedError) and not e.refused and e.aborted_ranks:
                 # (a peer may have aborted an earlier call that this rank completed: its data was all there)
-                e.name_call(self._abort_when(e.aborted_ranks[0], self._active_call))
+                e.name_call(self._abort_when(e.aborted_ranks, self._active_call))
             if not self._cancel_call(e):
                 self._fail(e)
             raise
@@ -1182,13 +1184,18 @@ class Buffer:
                             if r != self.rank and P.abort_call(w) <= call})
         if aborted:
             self._mismatch_in_left_call()
-            when = self._abort_when(aborted[0], call)
+            when = self._abort_when(aborted, call)
             self._broken = f"peer rank(s) {aborted} aborted {when}"
             raise UBEPPeerAbortedError(phase, self.rank, [], aborted, when=when)
 
-    def _abort_when(self, r: int, call: int) -> str:
-        """Which call rank r's abort word names, as seen from call number ``call`` of this rank."""
-        m = P.abort_call(int(self._aux_words[_ABORT_ROW * self.group_size + r]))
+    def _abort_when(self, ranks: List[int], call: int) -> str:
+        """Which calls the abort words of ``ranks`` name, as seen from call number ``call`` of this rank."""
+        base = _ABORT_ROW * self.group_size
+        calls = {r: P.abort_call(int(self._aux_words[base + r])) for r in ranks}
+        if len(set(calls.values())) > 1:
+            each = ", ".join(f"{m} (rank {r})" for r, m in calls.items())
+            return f"calls {each} of this Buffer (this is call {call})"
+        m = next(iter(calls.values()))
         if m == call:
             return "this call"
         return f"{'an earlier' if m < call else 'a later'} call (call {m} of this Buffer; this is call {call})"
@@ -1530,7 +1537,7 @@ class Buffer:
         with one copy per (token, destination rank), to that rank's first expert: the rows normal mode
         moves. ``last_report`` becomes this call's report, or None where the call has none (no cost model, or
         its report failed)."""
-        self.last_report = None
+        self.last_report = None       # (a recv hook's call reports when the hook runs, after other calls)
         if self.cost_model is None:
             return
         if topk_idx is None and token_in_rank is not None:
@@ -1573,7 +1580,7 @@ class Buffer:
             raise ValueError(f"{name} must be [num_tokens, num_topk], got shape {tuple(topk_idx.shape)}")
         if topk_idx.device.type != "cpu":
             topk_idx = topk_idx.cpu()
-        topk_idx = topk_idx.to(torch.int64).contiguous()
+        topk_idx = _resolved(topk_idx.to(torch.int64)).contiguous()
         if values and topk_idx.numel():
             lo, hi = int(topk_idx.min()), int(topk_idx.max())
             if lo < -1 or hi >= num_experts:
@@ -2945,6 +2952,9 @@ class Buffer:
             raise ValueError(f"out must be a [{T}, {H}] bfloat16 tensor")
         if out is not None:
             _check_writable("out", out)
+            if out.is_neg():      # (the engines store the sums into its memory, which holds their negation)
+                raise ValueError("out carries torch's negative bit (a negated view): pass a tensor of its own, e.g. "
+                                 "out.resolve_neg(), and negate the result")
         # Every dispatched (token, expert) pair comes back into slot pos[t, k]: its place in this rank's
         # dispatch order (by destination rank, local expert, token), so each host's rows form one run.
         n_valid = handle.n_pairs

@@ -241,14 +241,14 @@ def default_count_aivs(
         estimate to nearest can starve the count group: 1.4 rounds to 1, whose count work then takes 1.4x
         the sending, where 2 AIVs take 0.7x of it and slow the sending by 1/n.)
     """
-    num_experts, topk = check_count("num_experts", num_experts, 1), check_count("topk", topk, 1)
+    num_experts, topk = check_count("num_experts", num_experts, 1), check_count("topk", topk)
     batch, n_aivs = check_count("batch", batch), check_count("n_aivs", n_aivs, 2)
     beta_over_alpha = check_real("beta_over_alpha", beta_over_alpha, minimum=0)
     if max(num_experts, topk, batch, n_aivs) >= 1 << 62:
         raise ValueError("default_count_aivs: counts must be below 2**62")
     load = max(1, topk * batch)
     n = n_aivs
-    est = beta_over_alpha * n * num_experts / load
+    est = min(beta_over_alpha * n * num_experts / load, float(n))     # (past n // 2 it is clamped anyway)
     top = max(1, n // 2)
 
     def worst(nc: int) -> float:     # max(T_count, T_token) / alpha

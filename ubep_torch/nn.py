@@ -19,7 +19,7 @@ import copy
 import math
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,16 +55,16 @@ def _expert_parameters(module: nn.Module) -> set:
     return placed | {id(p) for p in module.parameters() if is_expert_parameter(p) and id(p) not in dense}
 
 
-def _check_sizes(where: str, elements: int, **sizes) -> None:
-    """The sizes (positive ints) of a block whose float32 parameters hold ``elements`` values: refused before
-    anything is allocated when they exceed the machine's memory, instead of torch's overflow or allocation
-    error."""
-    for name, value in sizes.items():
-        check_count(f"ubep_torch.nn.{where}: {name}", value, 1)
-    if 4 * elements > physical_memory():
+def _check_sizes(where: str, elements: Callable[..., int], **sizes) -> tuple:
+    """The sizes (positive ints, as Python ints) of a block whose float32 parameters hold ``elements(*sizes)``
+    values: refused before anything is allocated when they exceed the machine's memory, instead of torch's
+    overflow or allocation error."""
+    ints = tuple(check_count(f"ubep_torch.nn.{where}: {name}", value, 1) for name, value in sizes.items())
+    if 4 * elements(*ints) > physical_memory():
         shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
-        raise ValueError(f"ubep_torch.nn.{where}: {shown} make {4 * elements} bytes of parameters, more than this "
-                         f"machine's memory ({physical_memory()} bytes)"[:400])
+        raise ValueError(f"ubep_torch.nn.{where}: {shown} make {4 * elements(*ints)} bytes of parameters, more than "
+                         f"this machine's memory ({physical_memory()} bytes)"[:400])
+    return ints
 
 
 class Router(nn.Module):
@@ -84,7 +84,8 @@ class Router(nn.Module):
         super().__init__()
         if kind not in ROUTERS:
             raise ValueError(f"ubep_torch.nn.Router: kind must be one of {ROUTERS}, got {kind!r}")
-        _check_sizes("Router", num_experts * hidden, hidden=hidden, num_experts=num_experts, top_k=top_k)
+        hidden, num_experts, top_k = _check_sizes("Router", lambda h, e, k: e * h, hidden=hidden,
+                                                  num_experts=num_experts, top_k=top_k)
         check_flag("ubep_torch.nn.Router: normalize_topk", normalize_topk)
         if not 0 < top_k <= num_experts:
             raise ValueError(f"ubep_torch.nn.Router: need 0 < top_k <= num_experts, got {top_k}, {num_experts}")
@@ -128,7 +129,7 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, ffn_hidden: int):
         super().__init__()
-        _check_sizes("SwiGLU", 3 * hidden * ffn_hidden, hidden=hidden, ffn_hidden=ffn_hidden)
+        hidden, ffn_hidden = _check_sizes("SwiGLU", lambda h, f: 3 * h * f, hidden=hidden, ffn_hidden=ffn_hidden)
         self.gate = nn.Linear(hidden, ffn_hidden, bias=False)
         self.up = nn.Linear(hidden, ffn_hidden, bias=False)
         self.down = nn.Linear(ffn_hidden, hidden, bias=False)
@@ -149,8 +150,8 @@ class GroupedSwiGLU(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, ffn_hidden: int):
         super().__init__()
-        _check_sizes("GroupedSwiGLU", 3 * num_experts * hidden * ffn_hidden, num_experts=num_experts, hidden=hidden,
-                     ffn_hidden=ffn_hidden)
+        num_experts, hidden, ffn_hidden = _check_sizes("GroupedSwiGLU", lambda e, h, f: 3 * e * h * f,
+                                                       num_experts=num_experts, hidden=hidden, ffn_hidden=ffn_hidden)
         self.num_experts = num_experts
         self.w_gate = nn.Parameter(torch.randn(num_experts, hidden, ffn_hidden) / math.sqrt(hidden))
         self.w_up = nn.Parameter(torch.randn(num_experts, hidden, ffn_hidden) / math.sqrt(hidden))
@@ -230,9 +231,10 @@ class MoE(nn.Module):
             raise ValueError(f"ubep_torch.nn.MoE: num_experts={num_experts} is not divisible by the "
                              f"{world} ranks of the Buffer's group")
         # the parameters: router, this rank's experts, shared expert
-        _check_sizes("MoE", num_experts * hidden + 3 * hidden * ffn_hidden * (num_experts // world) +
-                     3 * hidden * (shared_expert_hidden or 0), hidden=hidden, ffn_hidden=ffn_hidden,
-                     num_experts=num_experts)
+        shared = int(shared_expert_hidden or 0)
+        hidden, ffn_hidden, num_experts = _check_sizes(
+            "MoE", lambda h, f, e: e * h + 3 * h * f * (e // world) + 3 * h * shared, hidden=hidden,
+            ffn_hidden=ffn_hidden, num_experts=num_experts)
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.buffer = buffer if world > 1 else None
         self.layout, self.expert_alignment, self.aux_loss_coef = layout, expert_alignment, float(aux_loss_coef)

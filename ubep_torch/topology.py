@@ -105,24 +105,18 @@ class Topology:
     def _dies(self, name: str, ids, lib):
         """``ids`` as int64 die ids of this topology (a tensor with ``lib`` torch, else a numpy array);
         TypeError for other than integers, ValueError for an id outside [0, num_dies)."""
-        if lib is torch:
-            t = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(np.asarray(ids))
-            bad_type = t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool
-            out = None if bad_type else t.to(torch.int64)
-        else:
-            if isinstance(ids, torch.Tensor):
-                ids = ids.detach().cpu().numpy()
-            a = np.asarray(ids)
-            bad_type = a.dtype.kind not in "iu"
-            out = None if bad_type else a.astype(np.int64)
-        if bad_type:
+        a = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+        if a.size and a.dtype.kind not in "iu":     # (no ids at all: of any type, as an empty list is float)
             raise TypeError(f"Topology.hop_class: {name} must be integer die ids, got {ids!r}"[:200])
-        if out.numel() if lib is torch else out.size:
-            lo, hi = int(out.min()), int(out.max())
+        if a.size:
+            lo, hi = int(a.min()), int(a.max())       # (before any cast: a uint64 past int64 stays what it is)
             if lo < 0 or hi >= self.num_dies:
                 raise ValueError(f"Topology.hop_class: {name} names die {lo if lo < 0 else hi}; this topology has "
                                  f"dies 0..{self.num_dies - 1}")
-        return out
+        out = a.astype(np.int64)
+        if lib is not torch:
+            return out
+        return torch.from_numpy(out).to(ids.device) if isinstance(ids, torch.Tensor) else torch.from_numpy(out)
 
     def hop_matrix(self, world_size: int) -> np.ndarray:
         """``[world_size, world_size]`` int64 hop classes of all die pairs."""

@@ -56,6 +56,10 @@ def out_of_memory(e: BaseException) -> Optional[str]:
     if isinstance(e, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text):
         m = re.search(r"tried to allocate (\d+) bytes", text)
         return f"an allocation of {m.group(1)} bytes failed" if m else "an allocation failed"
+    # (sizes whose product, or which alone, pass what torch's size arithmetic holds)
+    if isinstance(e, (RuntimeError, TypeError)) and ("Storage size calculation overflowed" in text
+                                                     or "Overflow when unpacking long" in text):
+        return "a tensor size overflowed"
     return None
 
 
@@ -65,7 +69,7 @@ def memory_errors_as_usage_errors(script: str):
     naming it instead of the allocator's traceback."""
     try:
         yield
-    except (MemoryError, RuntimeError) as e:
+    except (MemoryError, RuntimeError, TypeError) as e:
         what = out_of_memory(e)
         if what is None:
             raise
