@@ -17,6 +17,7 @@ words read as the zero bytes they stand for.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -107,6 +108,12 @@ def weighted_combine_kernel(rows_addr_ptr, topk_ptr, pos_ptr, w_ptr, out_ptr, n_
         tl.store(out_ptr + t * hidden + h, f32_to_bf16_bits(acc), mask=m)
 
 
+def _ieee():
+    """Sums of infinities, NaN and overflow give their IEEE results silently, as in torch and on the GPU: the
+    interpreter computes with numpy, which would warn (and raise under ``-W error``)."""
+    return np.errstate(all="ignore")
+
+
 def combine_accumulate(fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor, acc: torch.Tensor,
                        x_dtype: torch.dtype, wacc: torch.Tensor | None = None) -> None:
     """Launcher of :func:`combine_accumulate_kernel` for one source's arrived rows.
@@ -128,7 +135,12 @@ def combine_accumulate(fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor
     hidden = fmt.fields[0][1] // es
     has_w = wacc is not None and wacc.shape[1] > 0
     k = wacc.shape[1] if has_w else 0
-    combine_accumulate_kernel[(n,)](
+    with _ieee():
+        _combine_accumulate(rows, index, acc, wacc, has_w, k, fmt, hidden, x_dtype, es)
+
+
+def _combine_accumulate(rows, index, acc, wacc, has_w, k, fmt, hidden, x_dtype, es) -> None:
+    combine_accumulate_kernel[(rows.shape[0],)](
         torch.tensor([rows.data_ptr()], dtype=torch.int64), index.to(torch.int64).contiguous(), acc,
         wacc if has_w else acc, fmt.blocks, hidden, k, fmt.meta_words, fmt.field_offset_blocks(0),
         SYNC=daf.SYNC_CODE[fmt.sync], X_DTYPE=_TL_DTYPE[x_dtype], ELEM_BYTES=es,
@@ -155,14 +167,15 @@ def weighted_combine(fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tenso
     hidden = fmt.fields[0][1] // 2
     # (the kernel stores token t's row at t * hidden: any other layout of ``out`` gets the rows through a copy)
     dense = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
-    weighted_combine_kernel[(T,)](
-        torch.tensor([rows.data_ptr()], dtype=torch.int64), topk_idx.contiguous(), pos.contiguous(),
-        weights.contiguous(),
-        dense.view(torch.int16), K, hidden, fmt.blocks, fmt.meta_words, fmt.field_offset_blocks(0),
-        SYNC=daf.SYNC_CODE[fmt.sync],
-        H_BLOCK=min(1024, triton.next_power_of_2(max(hidden, 2))),
-        # compiled kernels would otherwise contract ``acc += x * w`` into one fused multiply-add, whose
-        # single rounding differs from the torch path's multiply-then-add (the interpreter ignores this)
-        enable_fp_fusion=False)
+    with _ieee():
+        weighted_combine_kernel[(T,)](
+            torch.tensor([rows.data_ptr()], dtype=torch.int64), topk_idx.contiguous(), pos.contiguous(),
+            weights.contiguous(),
+            dense.view(torch.int16), K, hidden, fmt.blocks, fmt.meta_words, fmt.field_offset_blocks(0),
+            SYNC=daf.SYNC_CODE[fmt.sync],
+            H_BLOCK=min(1024, triton.next_power_of_2(max(hidden, 2))),
+            # compiled kernels would otherwise contract ``acc += x * w`` into one fused multiply-add, whose
+            # single rounding differs from the torch path's multiply-then-add (the interpreter ignores this)
+            enable_fp_fusion=False)
     if dense is not out:
         out.copy_(dense)

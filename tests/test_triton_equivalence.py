@@ -85,3 +85,10 @@ def test_low_latency_combine_into_strided_out(pool):
     """(former bug: the kernel stored rows ``hidden`` elements apart whatever ``out``'s strides, so a transposed
     ``out=`` got wrong values and a column slice's stores ran into the columns beside it)"""
     F.assert_all_same(pool.run(F.ll_strided_out, "triton"))
+
+
+def test_ieee_sums_raise_no_warning(pool):
+    """(former bug: the interpreter's numpy warned of inf - inf, inf * 0 and overflow in the combine kernels,
+    and under warnings-as-errors that failed the call and broke the Buffer on every rank)"""
+    for r in pool.run(F.ieee_sums_under_warnings_as_errors):
+        assert r == [True] * 6, r

@@ -339,3 +339,37 @@ def count_group_per_call(ctx, T: int = 4, H: int = 256, E: int = 4, N: int = 8) 
     out["mapping off reported"] = buf.last_report["ubep"].mapping
     buf.destroy()
     return out
+
+
+def ieee_sums_under_warnings_as_errors(ctx) -> list:
+    """Sums whose IEEE result is inf or NaN (inf - inf, inf * 0, a float32 overflow) through the kernels
+    with warnings raised as errors, twice each: what each call returned or raised, and whether the results
+    are the ones torch gives."""
+    import warnings
+    E, H, T = 2 * ctx.world_size, 256, 2
+    topk = torch.tensor([[0, 2], [1, 3]])
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        buf = get_buffer(ctx, "tff", backend="triton")
+        for value, y_value in ((3e38, None), (1.0, float("inf") if ctx.rank == 0 else -float("inf"))):
+            x = torch.full((T, H), value).bfloat16()
+            for _ in range(2):
+                try:
+                    rx, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+                    y = rx if y_value is None else torch.full_like(rx, y_value)
+                    c = buf.combine(y, h)[0].float()
+                    out.append(bool(c.isinf().all()) if y_value is None else bool(c.isnan().all()))
+                except Exception as e:  # noqa: BLE001
+                    out.append(f"{type(e).__name__}: {e}"[:200])
+        ll = get_buffer(ctx, "tff", backend="triton", low_latency=True, N=4, H=H, E=E)
+        w = torch.tensor([[0.0, 1.0], [1.0, 0.5]])
+        for _ in range(2):
+            try:
+                rx, _, h, _, _ = ll.low_latency_dispatch(torch.full((T, H), float("inf")).bfloat16(), topk, 4, E,
+                                                         use_fp8=False)
+                c = ll.low_latency_combine(rx, topk, w, h)[0].float()
+                out.append(bool(c[0].isnan().all()) and bool(c[1].isinf().all()))
+            except Exception as e:  # noqa: BLE001
+                out.append(f"{type(e).__name__}: {e}"[:200])
+    return out
