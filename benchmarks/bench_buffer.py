@@ -39,8 +39,8 @@ outputs.
   the per-call work add. With two ranks and every token reaching both (the default) each step is one
   torch operator; with partial routing the sum is ``index_add_``, one pass per source. Where the C data
   path was built, the same steps run a second time through its own row-copy and bf16-sum loops (the
-  loops a ``Buffer`` moves its rows with), which are at least as fast: the round trip no implementation
-  that makes these copies with these loops can beat on this machine.
+  loops a ``Buffer`` moves its rows with; in some runs faster than the torch operators, in others slower):
+  the round trip no implementation that makes these copies with these loops can beat on this machine.
 * Per-call work (first backend only): the ``ubep normal`` round trip of the same routing with rows of
   hidden 128 (``x``'s first 128 columns), which move next to no bytes. What it takes is the part of a call
   that does not grow with the rows: the routing checks, control messages, waits, acks and outputs. Set

@@ -834,6 +834,19 @@ def test_statistics_tensors_overlap_element_by_element():
     assert not _overlap(torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))
 
 
+def test_row_metadata_past_a_meta_block_names_what_fills_it():
+    """(former message: 'reduce top-k (at most 52) or the hidden size' for every layout, while float32
+    weights fit top-k 60 and float64 weights not 41, and the hidden size matters in SP alone)"""
+    fits = P.row_format("tff", (("x", 256),), 2 * 60)
+    fits.check_fits()
+    for sync, K, wsz in (("tff", 61, 1), ("tff", 41, 2)):
+        with pytest.raises(ValueError, match="reduce top-k$") as e:
+            P.row_format(sync, (("x", 256),), K + K * wsz).check_fits()
+        assert "at most 52" not in str(e.value) and "bitmap" not in str(e.value), e.value
+    with pytest.raises(ValueError, match="SP escape bitmap.*reduce top-k or the hidden size"):
+        P.row_format("sp", (("x", 1 << 21),), 2 * 8).check_fits()       # (one bitmap bit per block)
+
+
 def test_argument_checks_without_a_process_group():
     """Constructor arguments, size helpers and Config name the bad argument."""
     import types

@@ -83,6 +83,14 @@ def test_mapper_kernels_match_reference(mapping):
         for k in ("slice_start_pos", "slice_start_offset", "search_steps", "loads", "slice_bounds"):
             assert torch.equal(got[k], getattr(ref, k)), k
         assert int(got["loads"].max() - got["loads"].min()) <= 1     # equal slices: loads differ by <= 1
+    # no destinations, and no AIVs (former bugs: zeros for the offsets, and n_aivs=0 returned empty slices)
+    ref = M.map_tokens_to_aivs(torch.zeros(0, 1, dtype=torch.int64), 0, 3, None, mapping)
+    got = TE.aiv_slices(torch.zeros(0, dtype=torch.int64), 3, mapping)
+    for k in ("slice_start_pos", "slice_start_offset", "search_steps", "loads", "slice_bounds"):
+        assert torch.equal(got[k], getattr(ref, k)), k
+    for n in (0, -1):
+        with pytest.raises(ValueError, match="n_aivs"):
+            TE.aiv_slices(torch.tensor([1, 3]), n, mapping)
 
 
 def test_transposition_mixes_hop_classes():

@@ -2,7 +2,8 @@
 
 ``TorchEngine`` is the vectorized torch implementation of the protocol defined in
 ``ubep_torch.protocol``. The Triton backend (``ubep_torch.triton_engine``) implements the same methods
-with the kernels of ``kernels/`` and must produce bit-identical memory contents and outputs.
+with the kernels of ``kernels/`` and must produce bit-identical outputs, and memory contents in normal
+mode (its low-latency rows go one per (token, expert), one per (token, rank) here).
 
 Where a token is written into a peer's memory: :meth:`TorchEngine.write_rows` (step 1: whole blocks,
 checked word withheld; step 2: the checked words), and :meth:`TorchEngine.write_ctrl` for counts.

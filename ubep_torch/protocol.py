@@ -232,8 +232,10 @@ class RowFormat:
     def check_fits(self) -> None:
         if (self.meta_words + self.bitmap_words) * 4 > META_PAYLOAD_BYTES:
             raise ValueError(
-                f"row metadata needs {(self.meta_words + self.bitmap_words) * 4} bytes but a meta block holds "
-                f"{META_PAYLOAD_BYTES}: reduce top-k (at most {META_PAYLOAD_BYTES // 8 - 8}) or the hidden size"
+                f"row metadata needs {(self.meta_words + self.bitmap_words) * 4} bytes (the top-k ids and weights"
+                f"{', and the SP escape bitmap, which grows with the hidden size' if self.bitmap_words else ''}) "
+                f"but a meta block holds {META_PAYLOAD_BYTES}: reduce top-k"
+                f"{' or the hidden size' if self.bitmap_words else ''}"
             )
 
 

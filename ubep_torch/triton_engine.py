@@ -13,10 +13,11 @@ What runs as a kernel
   ``write_ctrl_kernel`` with every program writing control messages (the BSP shape).
 * ``rows_arrived`` / ``ctrl_arrived``: ``poll_rows_kernel`` (acquire loads of the checked words; DC
   block sums). ``unpack_rows``: ``token_reorder_kernel`` per field, ``rearm_kernel`` for SP.
-* Kernels the Buffer does not call yet (it reduces and computes CalCumSum in torch): the combine
-  reductions (:meth:`combine_accumulate`, :meth:`weighted_combine`) and the decomposed low-latency
-  receive (:meth:`ll_receive`).
-* ``pack_rows`` stays the torch implementation (local staging only; nothing crosses the UGAS there).
+* The combine reductions: :meth:`combine_accumulate` (normal combine) and :meth:`weighted_combine`
+  (low-latency combine); and the decomposed low-latency receive, :meth:`ll_receive` (bf16 dispatch with
+  ``tff``/``sp``: CalCumSum by the count AIVs, Token-Reordering by the others on the published offsets).
+* ``pack_rows`` stays the torch implementation (local staging only; nothing crosses the UGAS there), and
+  so do the normal-mode CalCumSum and the rest listed in ``docs/kernels.md``.
 
 Interpreter policy
 ------------------
@@ -50,7 +51,9 @@ from . import protocol as P
 from .engine import SendJob, TorchEngine, payload_tensor
 from .errors import UBEPKernelWaitError
 from .mapper import default_count_aivs
+from .mapper import quaternary_search as _search_in_torch
 from .topology import Topology
+from .utils import check_count
 
 
 def _load_kernels() -> tuple[object, object, object, object]:
@@ -384,10 +387,14 @@ def aiv_slices(cum_counts: torch.Tensor, n_aivs: int, mapping: bool = True) -> d
     ``slice_start_offset``, ``search_steps``, ``loads`` and ``slice_bounds``.
     """
     cum = torch.as_tensor(cum_counts, dtype=torch.int64).reshape(-1).contiguous()
-    n = int(n_aivs)
+    n = check_count("n_aivs", n_aivs, 1)
     out = {k: torch.zeros(n, dtype=torch.int64)
            for k in ("slice_start_pos", "slice_start_offset", "search_steps", "loads")}
-    if cum.numel():
+    if not cum.numel():     # (no destinations: no copies, and AIV j's first copy is base copy j, as in mapper)
+        first = torch.arange(n, dtype=torch.int64) if mapping else torch.zeros(n, dtype=torch.int64)
+        out["slice_start_pos"], out["search_steps"] = _search_in_torch(cum, first)
+        out["slice_start_offset"] = first
+    else:
         kmapper.aiv_slices_kernel[(n,)](cum, cum.numel(), int(cum[-1]), out["slice_start_pos"],
                                         out["slice_start_offset"], out["search_steps"], out["loads"], n,
                                         MAPPING=bool(mapping))
