@@ -236,7 +236,8 @@ def run(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int_at_least(1), default=32, help="tokens to generate per sequence")
-    p.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per rank (split in 2 micro-batches)")
+    p.add_argument("--batch", type=int_at_least(1, 1 << 24), default=8,
+                   help="sequences per rank (split in 2 micro-batches)")
     p.add_argument("--prompt", default="the cat sees")
     p.add_argument("--ckpt", default="", help="dense checkpoint written by train_moe.py --save (the model's "
                                               "shape options then come from it)")

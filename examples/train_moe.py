@@ -310,7 +310,7 @@ def check_model_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int_at_least(1), default=40)
-    p.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per rank and step")
+    p.add_argument("--batch", type=int_at_least(1, 1 << 24), default=8, help="sequences per rank and step")
     add_model_args(p)
     p.add_argument("--lr", type=non_negative_number, default=3e-3)
     p.add_argument("--timeout", type=deadline_seconds, default=60.0, help="seconds every wait may take")

@@ -427,6 +427,9 @@ _TK = make_routing(4, 8, 2, 8, seed=1)          # [4 ranks, 8 tokens, top-2] ove
     (lambda: Topology(2, 1, 1).hop_matrix(3), ValueError, "world_size"),
     (lambda: Topology().hop_class(np.array([2 ** 63 + 5], dtype=np.uint64), 1), ValueError,
      "die 9223372036854775813"),
+    (lambda: Topology().hop_class(2 ** 64, 1), ValueError, "die 18446744073709551616"),
+    (lambda: Topology().hop_class(torch.tensor([1.0]).bfloat16(), 1), TypeError, "integer die ids"),
+    (lambda: Topology().hop_class(torch.tensor([1]).to("meta"), 1), ValueError, "meta tensor"),
     (lambda: simulate("dispatch", "ubep", _TK[:0], 8, 100, world_size=8, src_ranks=[]), ValueError, "no rank"),
 ])
 def test_bad_arguments_are_named(call, err, match):
@@ -439,6 +442,9 @@ def test_hop_class_of_no_dies_is_empty() -> None:
     """(former bug: an empty list, float64 to numpy, was refused as not integer ids)"""
     assert Topology().hop_class([], []).shape == (0,)
     assert Topology().hop_class(torch.zeros(0, dtype=torch.int64), 1).shape == (0,)
+    # (a tensor with torch's negative bit: its values, as before the ids were checked)
+    assert torch.equal(Topology().hop_class(torch._neg_view(torch.tensor([-1, -2])), torch.tensor([0, 0])),
+                       Topology().hop_class(torch.tensor([1, 2]), torch.tensor([0, 0])))
 
 
 def test_edge_parameters_give_finite_reports() -> None:
@@ -524,8 +530,18 @@ def _every_normal_call_reports(ctx):
             warnings.simplefilter("always")
             buf.combine(rx, h)
         cleared.append((had, buf.last_report, [str(c.message)[:60] for c in caught if "model bug" in str(c.message)]))
-    # a refused call (bad input on every rank) made no report either
+    # the combine's report models the dispatch's routing, whatever the caller did with its tensor since; a
+    # routing held negated (torch's negative bit) is reported by its values (former bugs: the report read the
+    # caller's tensor, and numpy refused a negated one)
     buf.set_cost_model(CostModel())
+    mine = topk.clone()
+    rx, _, _, _, h, _ = buf.dispatch(x, topk_idx=torch._neg_view(-mine), num_tokens_per_expert=ntpe)
+    negated = buf.last_report is not None and buf.last_report["ubep"].bytes == seen[0][1]["ubep"].bytes
+    mine.fill_(-1)
+    buf.combine(rx, h)
+    reused = buf.last_report["ubep"].bytes == seen[1][1]["ubep"].bytes
+    cleared.append((negated, reused, []))
+    # a refused call (bad input on every rank) made no report either
     buf.dispatch(x, topk_idx=topk, num_tokens_per_expert=ntpe)
     try:
         buf.dispatch(x, topk_idx=topk + E, num_experts=E)
@@ -560,7 +576,7 @@ def test_every_normal_call_reports() -> None:
         # set_cost_model(None))
         assert cleared[0][0] and cleared[0][1] is None and len(cleared[0][2]) == 1, cleared
         assert cleared[1][0] is False and cleared[1][1] is None and not cleared[1][2], cleared
-        assert len(cleared) == 3 and cleared[2][1] is None, cleared
+        assert len(cleared) == 4 and cleared[2][:2] == (True, True) and cleared[3][1] is None, cleared
         # (the warning said that the model's report failed)
         assert observer[0] and len(observer[1]) == 2, observer
         assert all("on_report raised ZeroDivisionError" in m and "report of" in m for m in observer[1]), observer

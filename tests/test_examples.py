@@ -213,11 +213,13 @@ BAD_OPTIONS = [
     (["examples/infer_moe.py", "--single", "--timeout", "1e300"], "--timeout"),
     # (former tracebacks of the allocator: sizes past the machine's memory)
     (["benchmarks/bench_sums.py", "--hidden", "1" + "0" * 12, "--iters", "1"], "more memory than this machine"),
-    (["examples/train_moe.py", "--single", "--tiny", "--batch", "1" + "0" * 11, "--steps", "1"],
-     "more memory than this machine"),
+    (["examples/train_moe.py", "--single", "--tiny", "--batch", "1" + "0" * 11, "--steps", "1"], "--batch"),
+    (["examples/train_moe.py", "--single", "--dim", "1" + "0" * 9, "--steps", "1"], "more memory than this machine"),
     (["examples/infer_moe.py", "--single", "--tiny", "--tokens", "1" + "0" * 12], "more memory than this machine"),
     (["benchmarks/bench_sums.py", "--tokens", "4" + "0" * 12, "--hidden", "4" + "0" * 12, "--iters", "1"],
      "a tensor size overflowed"),
+    (["examples/infer_moe.py", "--single", "--tiny", "--batch", "1" + "0" * 20], "--batch"),   # (ran without end)
+    (["examples/train_moe.py", "--single", "--tiny", "--ffn", "1" + "0" * 12], "more than this machine's memory"),
 ]
 
 

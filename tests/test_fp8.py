@@ -138,6 +138,9 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"are 2 int32 words \(packed across rows: H=256 is not a multiple of 512"
                                          r".*got 4"):
         per_token_cast_back(q, torch.zeros(4, 1, dtype=torch.int32))
+    q3, _ = per_token_cast_to_fp8(torch.randn(3, 128))          # (3 groups: no int32 words hold them)
+    with pytest.raises(ValueError, match="has 3 groups: pass float32 scales"):
+        per_token_cast_back(q3, torch.zeros(1, dtype=torch.int32))
     q512, _ = per_token_cast_to_fp8(torch.randn(4, 512))
     with pytest.raises(ValueError, match=r"are 4 int32 words \(shape \(4, 1\); one byte per 128 channels\), got 8"):
         per_token_cast_back(q512, torch.zeros(4, 2, dtype=torch.int32))

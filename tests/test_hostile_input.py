@@ -845,6 +845,9 @@ def test_row_metadata_past_a_meta_block_names_what_fills_it():
         assert "at most 52" not in str(e.value) and "bitmap" not in str(e.value), e.value
     with pytest.raises(ValueError, match="SP escape bitmap.*reduce top-k or the hidden size"):
         P.row_format("sp", (("x", 1 << 21),), 2 * 8).check_fits()       # (one bitmap bit per block)
+    with pytest.raises(ValueError, match="reduce top-k$") as e:           # (a one-word bitmap: no smaller one)
+        P.row_format("sp", (("x", 512),), 120).check_fits()
+    assert "hidden size" not in str(e.value), e.value
 
 
 def test_argument_checks_without_a_process_group():

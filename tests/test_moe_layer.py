@@ -231,6 +231,7 @@ def test_moe_and_data_parallel_sync_name_bad_arguments():
     # (former bug: numpy sizes multiplied in int64, wrapped past the memory check into torch's overflow error)
     (lambda: unn.SwiGLU(np.int64(2 ** 32), np.int64(2 ** 32)), ValueError, "more than this machine's memory"),
     (lambda: unn.MoE(np.int64(2 ** 31), np.int64(2 ** 33), 1, 1), ValueError, "more than this machine's memory"),
+    (lambda: unn.MoE(8, 8, 2, 1, shared_expert_hidden=2 ** 40), ValueError, "shared_expert_hidden=1099511627776"),
 ])
 def test_building_blocks_name_bad_arguments(make, error, match):
     """(former bugs: torch's RuntimeErrors, or a top_k of 1.5 or True taken and failing in forward)"""

@@ -91,6 +91,8 @@ def test_mapper_kernels_match_reference(mapping):
     for n in (0, -1):
         with pytest.raises(ValueError, match="n_aivs"):
             TE.aiv_slices(torch.tensor([1, 3]), n, mapping)
+    # no experts and every slot -1 (former bug: IndexError)
+    assert M.map_tokens_to_aivs(torch.full((3, 1), -1), 0, 2, None, mapping).aiv_of_copy.tolist() == [[-1]] * 3
 
 
 def test_transposition_mixes_hop_classes():

@@ -533,9 +533,10 @@ class Buffer:
             ``0``, else the torch path), ``"native"`` (the C path, or RuntimeError when it is missing),
             ``"torch"`` (vectorized torch path) or ``"triton"`` (kernels of ``kernels/``); all give the same bits.
         cost_model: optional ``ubep_torch.cost_model.CostModel``: every call then gets a modeled CM384
-            report (``last_report``: that of the latest call, made when the call completes, with a recv hook
-            when the hook runs; None where that call made none: no cost model, its report failed, the call
-            failed or was refused, or it moves no tokens), UBEP against the CANN EP baseline.
+            report (``last_report``: that of the latest collective call, made when the call completes, with a
+            recv hook when the hook runs; None where that call made none: no cost model, its report failed,
+            the call failed or was refused, or it is ``clean_low_latency_buffer``), UBEP against the CANN EP
+            baseline.
         on_report: optional callback ``fn(kind, report)`` called with every report.
         num_max_tokens_per_rank, hidden: optional sizing of the normal region when ``num_nvl_bytes == 0``.
         shm_dir: shared-memory directory (default ``$UBEP_SHM_DIR`` or ``/dev/shm``).
@@ -1774,10 +1775,11 @@ class Buffer:
                 raise ValueError("dispatch needs num_tokens_per_expert (from get_dispatch_layout) or "
                                  "num_experts= to interpret topk_idx")
         weights = ntpe = ntpr_cached = None
-        routed = topk_idx       # (the routing the rows follow, for the cost model: None where is_token_in_rank
+        routed = None       # (the routing the rows follow, for the cost model: None where is_token_in_rank
         if topk_idx is not None:    # decides otherwise)
             E = self._check_num_experts(num_experts)
             (ntpr_cached, _, ntpe, itr), topk_idx = self._layout(topk_idx, E)
+            routed = topk_idx   # (the Buffer's snapshot: the caller may reuse its tensor once the call returns)
             if topk_idx.shape[0] != T:
                 raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {T}")
             K = topk_idx.shape[1]

@@ -443,7 +443,7 @@ def _routing_array(topk_idx) -> np.ndarray:
     if isinstance(topk_idx, torch.Tensor):
         if topk_idx.is_meta:
             raise ValueError("topk_idx is a meta tensor (it has no values to model)")
-        return topk_idx.detach().cpu().numpy()
+        return topk_idx.detach().cpu().resolve_neg().numpy()
     arr = np.asarray(topk_idx)
     return arr.astype(np.int64) if arr.size == 0 else arr      # (an empty list holds no ids of any type)
 

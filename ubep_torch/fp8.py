@@ -203,11 +203,13 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.
     n_groups = x_fp8.numel() // GROUP
     lead = tuple(x_fp8.shape[:-1])
     if scales.dtype == torch.int32:
+        if n_groups % 4:
+            raise ValueError(f"packed UE8M0 scales hold 4 groups of 128 channels per int32 word, and x_fp8 of shape "
+                             f"{tuple(x_fp8.shape)} has {n_groups} groups: pass float32 scales")
         if scales.numel() * 4 != n_groups:
             per_row = f"shape {lead + (H // (4 * GROUP),)}" if H % (4 * GROUP) == 0 else \
                 f"packed across rows: H={H} is not a multiple of {4 * GROUP}"
-            words = n_groups // 4 if n_groups % 4 == 0 else n_groups / 4
-            raise ValueError(f"packed UE8M0 scales for x_fp8 of shape {tuple(x_fp8.shape)} are {words} int32 "
+            raise ValueError(f"packed UE8M0 scales for x_fp8 of shape {tuple(x_fp8.shape)} are {n_groups // 4} int32 "
                              f"words ({per_row}; one byte per 128 channels), got {scales.numel()} (shape "
                              f"{tuple(scales.shape)})")
         scales = unpack_ue8m0(scales.reshape(-1)) if n_groups else scales.float()

@@ -184,7 +184,7 @@ def map_tokens_to_aivs(
     bounds = token_slices(total, n)
 
     # Sequence index of each copy: copies before its destination's position + rank among equal ones.
-    key = torch.where(valid, pos_of[flat.clamp(0, max(E - 1, 0))], torch.full_like(flat, E))
+    key = torch.where(valid, pos_of[flat.clamp(0, E - 1)], torch.full_like(flat, E)) if E else torch.zeros_like(flat)
     _sorted_key, perm = torch.sort(key, stable=True)
     seq = torch.empty_like(perm)
     seq[perm] = torch.arange(perm.numel(), dtype=torch.int64)

@@ -55,11 +55,15 @@ def _expert_parameters(module: nn.Module) -> set:
     return placed | {id(p) for p in module.parameters() if is_expert_parameter(p) and id(p) not in dense}
 
 
+_MAY_BE_ZERO = {"shared_expert_hidden"}      # (0: no shared expert)
+
+
 def _check_sizes(where: str, elements: Callable[..., int], **sizes) -> tuple:
     """The sizes (positive ints, as Python ints) of a block whose float32 parameters hold ``elements(*sizes)``
     values: refused before anything is allocated when they exceed the machine's memory, instead of torch's
     overflow or allocation error."""
-    ints = tuple(check_count(f"ubep_torch.nn.{where}: {name}", value, 1) for name, value in sizes.items())
+    ints = tuple(check_count(f"ubep_torch.nn.{where}: {name}", value, 0 if name in _MAY_BE_ZERO else 1)
+                 for name, value in sizes.items())
     if 4 * elements(*ints) > physical_memory():
         shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
         raise ValueError(f"ubep_torch.nn.{where}: {shown} make {4 * elements(*ints)} bytes of parameters, more than "
@@ -231,10 +235,9 @@ class MoE(nn.Module):
             raise ValueError(f"ubep_torch.nn.MoE: num_experts={num_experts} is not divisible by the "
                              f"{world} ranks of the Buffer's group")
         # the parameters: router, this rank's experts, shared expert
-        shared = int(shared_expert_hidden or 0)
-        hidden, ffn_hidden, num_experts = _check_sizes(
-            "MoE", lambda h, f, e: e * h + 3 * h * f * (e // world) + 3 * h * shared, hidden=hidden,
-            ffn_hidden=ffn_hidden, num_experts=num_experts)
+        hidden, ffn_hidden, num_experts, _ = _check_sizes(
+            "MoE", lambda h, f, e, s: e * h + 3 * h * f * (e // world) + 3 * h * s, hidden=hidden,
+            ffn_hidden=ffn_hidden, num_experts=num_experts, shared_expert_hidden=shared_expert_hidden or 0)
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.buffer = buffer if world > 1 else None
         self.layout, self.expert_alignment, self.aux_loss_coef = layout, expert_alignment, float(aux_loss_coef)

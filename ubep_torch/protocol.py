@@ -231,11 +231,14 @@ class RowFormat:
 
     def check_fits(self) -> None:
         if (self.meta_words + self.bitmap_words) * 4 > META_PAYLOAD_BYTES:
+            # (the escape bitmap is at least one word: a smaller hidden size helps only where that would fit)
+            hidden_helps = self.bitmap_words > 1 and (self.meta_words + 1) * 4 <= META_PAYLOAD_BYTES
             raise ValueError(
                 f"row metadata needs {(self.meta_words + self.bitmap_words) * 4} bytes (the top-k ids and weights"
-                f"{', and the SP escape bitmap, which grows with the hidden size' if self.bitmap_words else ''}) "
+                f"{', and the SP escape bitmap' if self.bitmap_words else ''}"
+                f"{', which grows with the hidden size' if hidden_helps else ''}) "
                 f"but a meta block holds {META_PAYLOAD_BYTES}: reduce top-k"
-                f"{' or the hidden size' if self.bitmap_words else ''}"
+                f"{' or the hidden size' if hidden_helps else ''}"
             )
 
 

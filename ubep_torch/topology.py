@@ -105,7 +105,17 @@ class Topology:
     def _dies(self, name: str, ids, lib):
         """``ids`` as int64 die ids of this topology (a tensor with ``lib`` torch, else a numpy array);
         TypeError for other than integers, ValueError for an id outside [0, num_dies)."""
-        a = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+        if isinstance(ids, torch.Tensor):
+            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                raise TypeError(f"Topology.hop_class: {name} must be integer die ids, got a {ids.dtype} tensor")
+            if ids.is_meta:
+                raise ValueError(f"Topology.hop_class: {name} is a meta tensor (it has no ids)")
+            a = ids.detach().cpu().resolve_neg().numpy()
+        elif isinstance(ids, int) and not isinstance(ids, bool) and not -(1 << 63) <= ids < 1 << 64:   # (past numpy)
+            raise ValueError(f"Topology.hop_class: {name} names die {ids}; this topology has dies "
+                             f"0..{self.num_dies - 1}")
+        else:
+            a = np.asarray(ids)
         if a.size and a.dtype.kind not in "iu":     # (no ids at all: of any type, as an empty list is float)
             raise TypeError(f"Topology.hop_class: {name} must be integer die ids, got {ids!r}"[:200])
         if a.size:

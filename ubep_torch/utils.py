@@ -60,6 +60,8 @@ def out_of_memory(e: BaseException) -> Optional[str]:
     if isinstance(e, (RuntimeError, TypeError)) and ("Storage size calculation overflowed" in text
                                                      or "Overflow when unpacking long" in text):
         return "a tensor size overflowed"
+    if isinstance(e, ValueError) and "more than this machine's memory" in text:    # (a check before allocating)
+        return " ".join(text.split())
     return None
 
 
@@ -69,7 +71,7 @@ def memory_errors_as_usage_errors(script: str):
     naming it instead of the allocator's traceback."""
     try:
         yield
-    except (MemoryError, RuntimeError, TypeError) as e:
+    except (MemoryError, RuntimeError, TypeError, ValueError) as e:
         what = out_of_memory(e)
         if what is None:
             raise
