@@ -581,6 +581,18 @@ def test_odd_but_valid_inputs_work(pool):
     assert pool.run(odd_but_valid) == [[], []]
 
 
+def _small_setup(ctx, backend, H):
+    """A Buffer for normal and low-latency calls of 4 tokens of hidden ``H``, top-2 over 2 experts per rank
+    (20 s deadline), and inputs: ``(buf, x, topk, (E, T, H, N))``."""
+    import torch.distributed as dist
+    E, T, N = 2 * ctx.world_size, 4, 8
+    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, ctx.world_size, E),
+                 low_latency_mode=True, timeout_s=20.0, backend=backend)
+    torch.manual_seed(ctx.rank)
+    x = torch.randn(T, H).bfloat16()
+    return buf, x, torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]]), (E, T, H, N)
+
+
 def zero_copy_buffer_after_destroy(ctx):
     """get_next_low_latency_combine_buffer of a destroyed Buffer (low-latency, and normal-mode): what it
     raised, per Buffer."""
@@ -613,14 +625,7 @@ def negated_views(ctx, backend):
     """Inputs that carry torch's negative bit (``torch._neg_view``: the values are the negation of the memory)
     give what their materialized values give: normal dispatch (x, weights) and combine (x, weights, bias),
     low-latency dispatch (bf16 and fp8) and combine (x, weights). Returns the failures."""
-    import torch.distributed as dist
-    R = ctx.world_size
-    E, T, H, N = 2 * R, 4, 128, 8
-    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
-                 low_latency_mode=True, timeout_s=20.0, backend=backend)
-    torch.manual_seed(ctx.rank)
-    x = torch.randn(T, H).bfloat16()
-    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    buf, x, topk, (E, T, H, N) = _small_setup(ctx, backend, 128)
     w = torch.rand(T, 2)
     bias = torch.randn(T, H).bfloat16()
     neg = torch._neg_view
@@ -682,14 +687,7 @@ def grad_weights_and_tuple_copies(ctx, backend):
     combine through a plain-tuple copy of an older handle, when a newer handle has the same entries on one
     rank only (the copy cannot say which dispatch it answers, so it is not checked against the peers').
     Returns the failures."""
-    import torch.distributed as dist
-    R = ctx.world_size
-    E, T, H, N = 2 * R, 4, 64, 8
-    buf = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(N, H, R, E),
-                 low_latency_mode=True, timeout_s=20.0, backend=backend)
-    torch.manual_seed(ctx.rank)
-    x = torch.randn(T, H).bfloat16()
-    topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1]])
+    buf, x, topk, (E, T, H, N) = _small_setup(ctx, backend, 64)
     w = torch.randn(T, 2, requires_grad=True).softmax(-1)
     fails = []
     for hook in (False, True):
