@@ -136,17 +136,13 @@ def combine_accumulate(fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor
     has_w = wacc is not None and wacc.shape[1] > 0
     k = wacc.shape[1] if has_w else 0
     with _ieee():
-        _combine_accumulate(rows, index, acc, wacc, has_w, k, fmt, hidden, x_dtype, es)
-
-
-def _combine_accumulate(rows, index, acc, wacc, has_w, k, fmt, hidden, x_dtype, es) -> None:
-    combine_accumulate_kernel[(rows.shape[0],)](
-        torch.tensor([rows.data_ptr()], dtype=torch.int64), index.to(torch.int64).contiguous(), acc,
-        wacc if has_w else acc, fmt.blocks, hidden, k, fmt.meta_words, fmt.field_offset_blocks(0),
-        SYNC=daf.SYNC_CODE[fmt.sync], X_DTYPE=_TL_DTYPE[x_dtype], ELEM_BYTES=es,
-        W_DTYPE=_TL_DTYPE[wacc.dtype] if has_w else tl.float32,
-        W_BYTES=wacc.element_size() if has_w else 4, HAS_W=has_w, ACC_DTYPE=_TL_DTYPE[acc.dtype],
-        H_BLOCK=min(1024, triton.next_power_of_2(max(hidden, 2))), K_BLOCK=triton.next_power_of_2(max(k, 2)))
+        combine_accumulate_kernel[(n,)](
+            torch.tensor([rows.data_ptr()], dtype=torch.int64), index.to(torch.int64).contiguous(), acc,
+            wacc if has_w else acc, fmt.blocks, hidden, k, fmt.meta_words, fmt.field_offset_blocks(0),
+            SYNC=daf.SYNC_CODE[fmt.sync], X_DTYPE=_TL_DTYPE[x_dtype], ELEM_BYTES=es,
+            W_DTYPE=_TL_DTYPE[wacc.dtype] if has_w else tl.float32,
+            W_BYTES=wacc.element_size() if has_w else 4, HAS_W=has_w, ACC_DTYPE=_TL_DTYPE[acc.dtype],
+            H_BLOCK=min(1024, triton.next_power_of_2(max(hidden, 2))), K_BLOCK=triton.next_power_of_2(max(k, 2)))
 
 
 def weighted_combine(fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,

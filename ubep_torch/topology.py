@@ -88,23 +88,20 @@ class Topology:
             Codes ``SAME_DIE``/``INTRA_NPU``/``ONE_HOP``/``TWO_HOP`` with the broadcast shape, as the
             same array type as the inputs (int64 for tensors and arrays).
         """
-        if isinstance(src, torch.Tensor) or isinstance(dst, torch.Tensor):
-            s, d = self._dies("src", src, torch), self._dies("dst", dst, torch)
-            same_npu = (s // self.dies_per_npu) == (d // self.dies_per_npu)
-            same_node = (s // self.dies_per_node) == (d // self.dies_per_node)
-            out = torch.full(torch.broadcast_shapes(s.shape, d.shape), TWO_HOP, dtype=torch.int64)
-            out = torch.where(same_node, torch.full_like(out, ONE_HOP), out)
-            out = torch.where(same_npu, torch.full_like(out, INTRA_NPU), out)
-            return torch.where(s == d, torch.full_like(out, SAME_DIE), out)
-        s, d = self._dies("src", src, np), self._dies("dst", dst, np)
+        s, d = self._dies("src", src), self._dies("dst", dst)
+        tensor = next((t for t in (src, dst) if isinstance(t, torch.Tensor)), None)
+        if tensor is not None:
+            torch.broadcast_shapes(s.shape, d.shape)     # (torch's error for shapes that do not broadcast)
         out = np.where(s // self.dies_per_node == d // self.dies_per_node, ONE_HOP, TWO_HOP)
         out = np.where(s // self.dies_per_npu == d // self.dies_per_npu, INTRA_NPU, out)
         out = np.where(s == d, SAME_DIE, out).astype(np.int64)
+        if tensor is not None:
+            return torch.from_numpy(out).to(tensor.device)
         return int(out) if out.ndim == 0 and isinstance(src, int) and isinstance(dst, int) else out
 
-    def _dies(self, name: str, ids, lib):
-        """``ids`` as int64 die ids of this topology (a tensor with ``lib`` torch, else a numpy array);
-        TypeError for other than integers, ValueError for an id outside [0, num_dies)."""
+    def _dies(self, name: str, ids) -> np.ndarray:
+        """``ids`` as an int64 numpy array of die ids of this topology; TypeError for other than integers,
+        ValueError for an id outside [0, num_dies)."""
         if isinstance(ids, torch.Tensor):
             if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
                 raise TypeError(f"Topology.hop_class: {name} must be integer die ids, got a {ids.dtype} tensor")
@@ -123,10 +120,7 @@ class Topology:
             if lo < 0 or hi >= self.num_dies:
                 raise ValueError(f"Topology.hop_class: {name} names die {lo if lo < 0 else hi}; this topology has "
                                  f"dies 0..{self.num_dies - 1}")
-        out = a.astype(np.int64)
-        if lib is not torch:
-            return out
-        return torch.from_numpy(out).to(ids.device) if isinstance(ids, torch.Tensor) else torch.from_numpy(out)
+        return a.astype(np.int64)
 
     def hop_matrix(self, world_size: int) -> np.ndarray:
         """``[world_size, world_size]`` int64 hop classes of all die pairs."""
