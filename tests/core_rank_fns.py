@@ -897,15 +897,25 @@ def combine_pair_exact(ctx, sync, dtype=torch.bfloat16, T=12, H=256, seed=5):
     # reference: rows from rank s are y_s[t] where y_s is what rank s computed for our tokens
     all_y = gather((y, handle[3].clone(), torch.tensor(handle.recv_offsets)))
     acc = torch.zeros(T, H, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    rows = []
     for s in range(R):
         ys, src_idx, offs = all_y[s]
-        rows = ys[int(offs[r]):int(offs[r + 1])]
+        rows.append(ys[int(offs[r]):int(offs[r + 1])].to(acc.dtype))
         assert torch.equal(src_idx[int(offs[r]):int(offs[r + 1])].to(torch.int64), torch.arange(T))
-        acc = acc + rows.to(acc.dtype)
+        acc = acc + rows[s]
     ref = acc.to(dtype)
     same = torch.equal(comb.view(torch.uint8), ref.view(torch.uint8))
     assert same, f"rank {r}: combine bits differ from the rank-order float32 sum ({dtype}, {sync})"
     assert not torch.signbit(comb[0]).any(), "(-0) + (-0) must give +0 as an accumulator from +0.0 does"
+    # with a pair of biases, DeepEP's order: the two biases summed first, then the ranks' rows in rank order
+    # (former bug: the biases were added last, which changed the float32 sums in their last bits)
+    b0, b1 = (torch.randn(T, H, generator=g).mul(8).to(dtype) for _ in range(2))
+    acc = b0.to(acc.dtype) + b1.to(acc.dtype)
+    for s in range(R):
+        acc = acc + rows[s]
+    comb, _, _ = buf.combine(y, handle, bias=(b0, b1))
+    assert torch.equal(comb.view(torch.uint8), acc.to(dtype).view(torch.uint8)), \
+        f"rank {r}: combine with biases differs from DeepEP's order of sums ({dtype}, {sync})"
     return True
 
 

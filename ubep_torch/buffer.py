@@ -2345,7 +2345,8 @@ class Buffer:
                 rounded to x's dtype before the ranks' rows are summed).
             handle: the dispatch handle.
             topk_weights: optional [N_recv, K] float32 reduced the same way.
-            bias: a [T, H] tensor or a pair of them, added to the result.
+            bias: a [T, H] tensor or a pair of them, summed first (as DeepEP sums: the biases, then the ranks'
+                rows in rank order, in float32 with one rounding).
         Returns:
             ``(combined_x [T, H] in x's dtype, combined_topk_weights [T, K] or None, event)``.
         """
@@ -2456,7 +2457,8 @@ class Buffer:
             ways = {recv["ways"][s] for s, r in enumerate(slot_rows) if r is not None and r.shape[0]}
             read = (recv["flag"], ways.pop(), sum(r.shape[0] for r in slot_rows if r is not None) * fmt.row_bytes) \
                 if len(ways) == 1 else None
-            eng.reduce_sources(fmt, list(zip(rows, tok)) + [(bias[a:b], None) for bias in biases], out[a:b],
+            # (the biases first, then the ranks' rows in rank order: DeepEP's order of additions)
+            eng.reduce_sources(fmt, [(bias[a:b], None) for bias in biases] + list(zip(rows, tok)), out[a:b],
                                read)
             for s, r in enumerate(slot_rows):
                 if K:

@@ -777,8 +777,8 @@ class TorchEngine:
                        read: Optional[tuple] = None) -> None:
         """Normal combine of one range of tokens: ``out[t]`` = the sum of the rows of token ``t``.
 
-        ``sources`` is ``[(rows, tok)]`` in the order the sum runs (the ranks in rank order, then any
-        biases): ``rows`` are plain rows ``[n, H]`` (this rank's own, a bias) or rows in the slots
+        ``sources`` is ``[(rows, tok)]`` in the order the sum runs (any biases, then the ranks in rank
+        order): ``rows`` are plain rows ``[n, H]`` (this rank's own, a bias) or rows in the slots
         (``[n, fmt.blocks, 512]`` uint8, field 0 holding the payload in ``out``'s dtype), and row ``r`` belongs
         to token ``tok[r]`` (ascending, distinct rows of ``out``; None: row ``r`` is token ``r``). The sum is
         that of an accumulator (float32; float64 for float64 rows) starting at +0.0 and adding the rows
