@@ -702,3 +702,61 @@ def rank_dp_sync_mismatched_models(ctx) -> list:
     dist.all_reduce(t, group=ctx.group)
     out.append(float(t))
     return out
+
+
+def rank_routing_reused_before_backward(ctx, kind: str) -> dict:
+    """A caller that writes a new routing into its ``topk_idx`` tensor after the forward calls (a decode loop
+    reusing its tensors, say) gets the gradients of the routing the forward used (former bug: backward read
+    the caller's tensor again, so the expert-major and low-latency weight gradients, and the low-latency x
+    gradient, came back for the new routing, with no error). Also, a low-latency combine given a routing
+    changed since its dispatch is refused (it compared the tensor with itself)."""
+    buf = make_buffer(ctx, kind)
+    r, world = ctx.rank, ctx.world_size
+    e_total, k, t, h, n = 2 * world, 2, 4, 8, 4
+    e_local = e_total // world
+    idx0, w0 = routing(41 + r, t, k, e_total, drop_slot=False)
+    x0 = torch.randn(t, h, dtype=torch.float64, generator=torch.Generator().manual_seed(43 + r))
+    scale = (torch.arange(e_local) + 1 + r * e_local).double()      # a different factor per expert
+
+    def normal(reuse: bool):
+        x, w, idx = x0.clone().requires_grad_(), w0.clone().requires_grad_(), idx0.clone()
+        rx, ri, rw, handle = F.dispatch(buf, x, idx, w, e_total, layout="expert_major")
+        out = F.combine(buf, rx * (rw * scale[ri.clamp(min=0)])[:, None], handle)
+        if reuse:
+            idx.copy_(idx.flip(1))
+        out.sum().backward()
+        return x.grad, w.grad
+
+    def low_latency(reuse: bool):
+        x, w, idx = x0.bfloat16().requires_grad_(), w0.float().requires_grad_(), idx0.clone()
+        rx, _count, handle = F.low_latency_dispatch(buf, x, idx, n, e_total)
+        out = F.low_latency_combine(buf, rx * scale.bfloat16()[:, None, None], idx, w, handle)
+        if reuse:
+            idx.copy_(idx.flip(1))
+        out.float().sum().backward()
+        return x.grad, w.grad
+
+    res = {}
+    for name, fn in (("normal", normal), ("low_latency", low_latency)):
+        (gx, gw), (gx2, gw2) = fn(False), fn(True)
+        res[name] = bool(torch.equal(gx, gx2) and torch.equal(gw, gw2))
+    # a combine given a routing written over since its dispatch
+    idx = idx0.clone()
+    rx, _count, handle = F.low_latency_dispatch(buf, x0.bfloat16(), idx, n, e_total)
+    idx.copy_(idx.flip(1))
+    try:
+        F.low_latency_combine(buf, rx, idx, w0.float(), handle)
+        res["changed routing refused"] = False
+    except ValueError as e:
+        res["changed routing refused"] = "differs from the one dispatched" in str(e)
+    F.low_latency_combine(buf, rx, idx0, w0.float(), handle)      # the Buffer stays usable
+    # y of another dtype than the Buffer's low-latency rows: named as y
+    if kind == "ubep":
+        rx, _count, handle = F.low_latency_dispatch(buf, x0.bfloat16(), idx0, n, e_total)
+        try:
+            F.low_latency_combine(buf, rx.float(), idx0, w0.float(), handle)
+            res["float y named"] = False
+        except TypeError as e:
+            res["float y named"] = "y must be bfloat16" in str(e)
+        F.low_latency_combine(buf, rx, idx0, w0.float(), handle)
+    return res

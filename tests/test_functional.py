@@ -109,3 +109,12 @@ def test_second_derivatives_raise(pool, kind, mode):
     for rank, (first_ok, err) in enumerate(pool.run(M.rank_double_backward, kind, mode)):
         assert first_ok, rank
         assert err is not None and "differentiate twice" in err, (rank, err)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_routing_reused_before_backward(pool, kind):
+    want = {"normal": True, "low_latency": True, "changed routing refused": True}
+    if kind == "ubep":
+        want["float y named"] = True
+    for rank, res in enumerate(pool.run(M.rank_routing_reused_before_backward, kind)):
+        assert res == want, (rank, res)

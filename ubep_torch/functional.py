@@ -59,7 +59,8 @@ class AutogradHandle:
         layout: ``"rank_major"`` or ``"expert_major"``.
         num_experts: ``E``.
         rank, group_size: this rank and ``R``.
-        topk_idx: ``[T, K]`` int64 routing of this rank's tokens (global expert ids, ``-1`` = none).
+        topk_idx: ``[T, K]`` int64 routing of this rank's tokens (global expert ids, ``-1`` = none), a copy
+            taken at the dispatch.
         recv_topk_idx: ``[N_recv, K]`` (rank-major) or ``[rows]`` (expert-major) int64 local expert ids.
         num_recv_tokens_per_expert: ``E_local`` Python ints (rows per local expert in expert-major layout,
             including alignment padding; slots per local expert in rank-major layout, as DeepEP counts them).
@@ -85,7 +86,7 @@ class LowLatencyAutogradHandle:
 
     Attributes:
         buffer_handle: ``(src_info [E_local, R*N] int32, layout_range [E_local, R] int64, N, H, E)``.
-        topk_idx: ``[T, K]`` int64 routing used by the dispatch.
+        topk_idx: ``[T, K]`` int64 routing used by the dispatch (a copy taken then).
         num_experts: ``E``.
         rank, group_size: this rank and ``R``.
     """
@@ -204,8 +205,9 @@ class _Dispatch(torch.autograd.Function):
             is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
             topk_idx=topk_idx, topk_weights=topk_weights.detach().float(),
             expert_alignment=expert_alignment, **kwargs)
-        handle = AutogradHandle(bhandle, layout, num_experts, rank, group_size, topk_idx, recv_topk_idx,
-                                list(counts))
+        # (a snapshot of the routing: backward reads it, and the caller may reuse its tensor before then)
+        handle = AutogradHandle(bhandle, layout, num_experts, rank, group_size, topk_idx.detach().clone(),
+                                recv_topk_idx, list(counts))
         num_local = num_experts // group_size
         if exact:
             # Carry the weights bit-exactly as a payload of their own (the Buffer's weight field is float32).
@@ -411,7 +413,9 @@ class _LowLatencyDispatch(torch.autograd.Function):
     def forward(ctx, x, buffer, topk_idx, n, num_experts, out):
         rank, group_size = _rank_and_size(buffer)
         recv_x, recv_count, bhandle = _ll_dispatch_raw(buffer, x.contiguous(), topk_idx, n, num_experts)
-        handle = LowLatencyAutogradHandle(bhandle, topk_idx, num_experts, rank, group_size)
+        # (a snapshot of the routing: the combine and both backwards read it, and the caller may reuse its
+        # tensor before then)
+        handle = LowLatencyAutogradHandle(bhandle, topk_idx.detach().clone(), num_experts, rank, group_size)
         out.append(handle)
         ctx.buffer, ctx.handle, ctx.x_dtype = buffer, handle, x.dtype
         ctx.mark_non_differentiable(recv_count)
@@ -517,7 +521,8 @@ def low_latency_combine(buffer, y: torch.Tensor, topk_idx: torch.Tensor, topk_we
 
     Args:
         buffer: the Buffer that made ``handle``.
-        y: ``[E_local, R*N, H]`` expert outputs, row-aligned with the ``recv_x`` of the dispatch.
+        y: ``[E_local, R*N, H]`` expert outputs, row-aligned with the ``recv_x`` of the dispatch (bfloat16
+            for a :class:`ubep_torch.Buffer`, whose low-latency mode moves bf16 rows).
         topk_idx: ``[T, K]`` the routing given to the dispatch.
         topk_weights: ``[T, K]`` weights; gradients flow back to them.
         handle: the :class:`LowLatencyAutogradHandle` of :func:`low_latency_dispatch`.
@@ -528,6 +533,10 @@ def low_latency_combine(buffer, y: torch.Tensor, topk_idx: torch.Tensor, topk_we
         raise TypeError("ubep_torch.functional.low_latency_combine: handle must come from "
                         "ubep_torch.functional.low_latency_dispatch")
     _check_tensors("low_latency_combine", y=y, topk_idx=topk_idx, topk_weights=topk_weights)
+    from .buffer import Buffer
+    if isinstance(buffer, Buffer) and y.dtype != torch.bfloat16:
+        raise TypeError(f"ubep_torch.functional.low_latency_combine: y must be bfloat16 (a Buffer's low-latency "
+                        f"mode moves bf16 rows, as DeepEP's does), got {y.dtype}")
     if not (topk_idx.shape == handle.topk_idx.shape and torch.equal(topk_idx.to(torch.int64), handle.topk_idx)):
         raise ValueError("ubep_torch.functional.low_latency_combine: topk_idx differs from the one dispatched")
     if not topk_weights.dtype.is_floating_point:
