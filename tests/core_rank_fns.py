@@ -715,22 +715,26 @@ def peer_destroyed_its_buffer(ctx):
 
 def worst_tokens_too_small(ctx):
     """Rank 0 passes a num_worst_tokens below what it receives: the call completes on every rank (rank 0
-    cannot know before the exchange), rank 0 gets ValueError, the others their results, and the Buffer
-    stays usable on every rank."""
+    cannot know before the exchange), and every rank raises a ValueError naming rank 0, so that every rank
+    leaves the same step (former bug: only rank 0 raised; the others went on to their combine while rank 0
+    went on to its next step, and the call-order mismatch broke the Buffer on every rank). The Buffer stays
+    usable on every rank."""
     buf = get_buffer(ctx, "tff")
     E, T, H = 2 * ctx.world_size, 4, 64
     topk = torch.arange(T).remainder(E).view(T, 1).to(torch.int64)
     x = torch.randn(T, H)
-    err = None
-    try:
-        buf.dispatch(x, topk_idx=topk, num_experts=E, num_worst_tokens=1 if ctx.rank == 0 else 0)
-    except ValueError as e:
-        err = str(e)
-    assert (err is not None) == (ctx.rank == 0), err
-    assert err is None or "num_worst_tokens" in err
-    recv_x, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
-    out, _, _ = buf.combine(recv_x, h)
-    torch.testing.assert_close(out, x)           # every token went to exactly one rank
+    for worst in ([1] + [0] * (ctx.world_size - 1), [1] + [64] * (ctx.world_size - 1)):
+        err = None
+        try:
+            rx, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=E, num_worst_tokens=worst[ctx.rank])
+            buf.combine(rx, h)
+        except ValueError as e:
+            err = str(e)
+        assert err is not None and "rank 0 received" in err and "num_worst_tokens=1" in err, err
+        assert f"rank {ctx.world_size - 1} received" not in err, err
+        recv_x, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)    # the next step, on every rank
+        out, _, _ = buf.combine(recv_x, h)
+        torch.testing.assert_close(out, x)           # every token went to exactly one rank
     return True
 
 

@@ -1854,7 +1854,7 @@ class Buffer:
 
         def exchange(lists, staged):
             return self._exchange(P.REGION_DISPATCH, fmt, fields_data, meta, src_index, lists,
-                                  lambda d: [int(lists[d].numel()), sig, 0, 0, E, 0] + counts[d] + ntpr, T,
+                                  lambda d: [int(lists[d].numel()), sig, 0, num_worst_tokens, E, 0] + counts[d] + ntpr, T,
                                   n_counts=E_local, with_matrix=True, staged=staged)
 
         # ---------------- receive side: CalCumSum and Token-Reordering into the DeepEP layout
@@ -1870,6 +1870,11 @@ class Buffer:
         def allocate(recv: dict) -> Tuple[List[int], list, torch.Tensor, torch.Tensor]:
             rows_from = self._rows_from(recv, [row[self.rank] for row in recv["ntpr_matrix"]], cap)
             num_recv = sum(rows_from)
+            # every rank that receives more rows than its num_worst_tokens, as every rank sees it (the messages
+            # carry each sender's row counts and num_worst_tokens): each raises once the call has completed
+            out["overflow"] = {d: (n, worst) for d, (n, worst) in enumerate(
+                (sum(row[d] for row in recv["ntpr_matrix"]), recv["ctrl"][d][P.CTRL_WORST_TOKENS])
+                for d in range(R)) if worst and n > worst}
             # more rows than num_worst_tokens: the call completes (the peers' rows must be consumed), then
             # raises; a rank cannot know what it will receive before the exchange
             rows_out = max(num_worst_tokens, num_recv) if num_worst_tokens else num_recv
@@ -1902,9 +1907,11 @@ class Buffer:
         self._call_complete("dispatch")
         off_l = list(accumulate(rows_from, initial=0))
         num_recv, recv = off_l[-1], out["recv"]
-        if num_worst_tokens and num_recv > num_worst_tokens:
-            raise ValueError(f"rank {self.rank} received {num_recv} tokens, more than num_worst_tokens="
-                             f"{num_worst_tokens} (the call completed on every rank; the Buffer stays usable)")
+        if out["overflow"]:     # (raised on every rank alike, so that every rank leaves the same step)
+            each = "; ".join(f"rank {d} received {n} tokens, more than its num_worst_tokens={worst}"
+                             for d, (n, worst) in out["overflow"].items())
+            raise ValueError(f"{each} (the call completed on every rank, and every rank raises this error: the "
+                             f"Buffer stays usable)")
         recv_x, recv_scales, recv_meta, recv_src_idx = out["x"], out["scales"], out["meta"], out["src_idx"]
 
         recv_topk_idx = recv_topk_weights = None

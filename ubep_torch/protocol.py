@@ -130,7 +130,7 @@ REGION_NAMES = {
 #: int64 payload words per control block (each control block keeps a TFF head).
 CTRL_WORDS_PER_BLOCK = TFF_PAYLOAD_BYTES // 8
 # control message words: [0] rows sent, [1] layout signature, [2] DC checksum, [3] first return slot
-# (low-latency dispatch) or the dispatch a combine answers, [4] num_experts and [5]
+# (low-latency dispatch), the dispatch a combine answers, or a normal dispatch's num_worst_tokens, [4] num_experts and [5]
 # num_max_dispatch_tokens_per_rank of the call (0 where the call has none; every rank must have passed the
 # same), [6..] per-expert counts
 CTRL_NROWS = 0
@@ -143,6 +143,9 @@ CTRL_RETURN_SLOT = 3
 #: Combine (both modes), in the same word: the call number of the dispatch whose rows it returns (0: not
 #: known, for a handle rebuilt from a plain tuple). Every rank must combine the same dispatch's rows.
 CTRL_PAIRED_CALL = 3
+#: Normal dispatch, in the same word: the sender's ``num_worst_tokens`` (0: none). With the row counts every
+#: message carries, each rank learns which ranks received more rows than their own ``num_worst_tokens``.
+CTRL_WORST_TOKENS = 3
 CTRL_NUM_EXPERTS = 4
 CTRL_MAX_TOKENS = 5
 CTRL_COUNTS = 6
