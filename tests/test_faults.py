@@ -483,6 +483,20 @@ def test_settings_from_the_environment_are_checked_and_named(monkeypatch, tmp_pa
     assert P.spin_seconds() == 0.0
     monkeypatch.delenv("UBEP_SPIN_S")
     assert P.spin_seconds() == 0.002
+    # UBEP_NATIVE is a switch like the others (former bug: only "0" turned the C path off; "false", "no" and
+    # any typo left it on)
+    from ubep_torch import native_engine
+    from ubep_torch.engine import make_engine
+    for value in ("0", "false", "No", "off"):
+        monkeypatch.setenv("UBEP_NATIVE", value)
+        assert make_engine("auto").name == "torch", value
+    for value in ("2", "maybe"):
+        monkeypatch.setenv("UBEP_NATIVE", value)
+        with pytest.raises(ValueError, match="UBEP_NATIVE"):
+            make_engine("auto")
+    monkeypatch.setenv("UBEP_NATIVE", "yes")
+    assert make_engine("auto").name == ("native" if native_engine.available() else "torch")
+    monkeypatch.delenv("UBEP_NATIVE")
     d = str(tmp_path)
     assert ugas.shm_dir(d + "/") == ugas.shm_dir(pathlib.Path(d)) == d
     monkeypatch.setenv("UBEP_SHM_DIR", d + "//")

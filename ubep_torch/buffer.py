@@ -1854,8 +1854,8 @@ class Buffer:
 
         def exchange(lists, staged):
             return self._exchange(P.REGION_DISPATCH, fmt, fields_data, meta, src_index, lists,
-                                  lambda d: [int(lists[d].numel()), sig, 0, num_worst_tokens, E, 0] + counts[d] + ntpr, T,
-                                  n_counts=E_local, with_matrix=True, staged=staged)
+                                  lambda d: [int(lists[d].numel()), sig, 0, num_worst_tokens, E, 0] + counts[d]
+                                  + ntpr, T, n_counts=E_local, with_matrix=True, staged=staged)
 
         # ---------------- receive side: CalCumSum and Token-Reordering into the DeepEP layout
         out = {}

@@ -10,7 +10,6 @@ checked word withheld; step 2: the checked words), and :meth:`TorchEngine.write_
 """
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Union
@@ -18,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 
 from . import protocol as P
-from .utils import version_of
+from .utils import env_flag, version_of
 
 
 @dataclass
@@ -937,10 +936,11 @@ def _runs(sel: torch.Tensor, row_bytes: int):
 
 
 def make_engine(backend: str, num_count_aivs: Optional[int] = None):
-    """``"auto"``: the C data path when it was built (and ``UBEP_NATIVE`` is not ``0``), else torch."""
+    """``"auto"``: the C data path when it was built (and the switch ``UBEP_NATIVE`` is not off: ``0``,
+    ``false``, ``no`` or ``off``), else torch."""
     if backend == "auto":
         from . import native_engine
-        use = native_engine.available() and os.environ.get("UBEP_NATIVE", "1") != "0"
+        use = native_engine.available() and env_flag("UBEP_NATIVE", True)
         return native_engine.NativeEngine() if use else TorchEngine()
     if backend == "native":
         from .native_engine import NativeEngine

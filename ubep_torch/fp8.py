@@ -11,13 +11,12 @@ DeepEP rounds in two slightly different ways, and each is kept here bit for bit:
 """
 from __future__ import annotations
 
-import os
 from typing import Tuple
 
 import torch
 
 from .protocol import fresh
-from .utils import check_flag, share_memory
+from .utils import check_flag, env_flag, share_memory
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0           # the largest finite float8_e4m3fn value
@@ -56,9 +55,10 @@ def _ceil_pow2(s: torch.Tensor) -> torch.Tensor:
 
 
 def _native_module():
-    """The C module when it was built from these sources and ``UBEP_NATIVE`` is not 0, else None."""
+    """The C module when it was built from these sources and the switch ``UBEP_NATIVE`` is not off, else
+    None."""
     from . import native_engine
-    if native_engine.available() and os.environ.get("UBEP_NATIVE", "1") != "0":
+    if native_engine.available() and env_flag("UBEP_NATIVE", True):
         return native_engine._native
     return None
 

@@ -130,9 +130,9 @@ REGION_NAMES = {
 #: int64 payload words per control block (each control block keeps a TFF head).
 CTRL_WORDS_PER_BLOCK = TFF_PAYLOAD_BYTES // 8
 # control message words: [0] rows sent, [1] layout signature, [2] DC checksum, [3] first return slot
-# (low-latency dispatch), the dispatch a combine answers, or a normal dispatch's num_worst_tokens, [4] num_experts and [5]
-# num_max_dispatch_tokens_per_rank of the call (0 where the call has none; every rank must have passed the
-# same), [6..] per-expert counts
+# (low-latency dispatch), the dispatch a combine answers, or a normal dispatch's num_worst_tokens, [4]
+# num_experts and [5] num_max_dispatch_tokens_per_rank of the call (0 where the call has none; every rank
+# must have passed the same), [6..] per-expert counts
 CTRL_NROWS = 0
 CTRL_SIGNATURE = 1
 CTRL_CHECKSUM = 2

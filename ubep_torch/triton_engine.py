@@ -53,7 +53,7 @@ from .errors import UBEPKernelWaitError
 from .mapper import default_count_aivs
 from .mapper import quaternary_search as _search_in_torch
 from .topology import Topology
-from .utils import check_count
+from .utils import check_count, env_flag
 
 
 def _load_kernels() -> tuple[object, object, object, object]:
@@ -89,19 +89,6 @@ def _addr(t: torch.Tensor) -> int:
 
 #: most AIVs (programs of a send launch) a rank emulates: a CM384 die has 48
 _MAX_AIVS = 256
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    """Environment variable ``name`` as a switch: 1/true/yes/on or 0/false/no/off (any case), ``default``
-    when unset or empty; ValueError naming the variable otherwise."""
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name} must be 1 or 0 (true/false, yes/no, on/off), got {os.environ[name]!r}")
 
 
 def _env_int(name: str, least: int) -> int | None:
@@ -141,7 +128,7 @@ class TritonEngine(TorchEngine):
             raise ValueError(f"n_aivs must be in [2, {_MAX_AIVS}] (a token and a count group), got {self.n_aivs}")
         self.n_count = n_count if n_count is not None else _env_int("UBEP_TRITON_COUNT_AIVS", 1)
         if mapping is None:
-            mapping = _env_flag("UBEP_TRITON_MAPPING", True)
+            mapping = env_flag("UBEP_TRITON_MAPPING", True)
         self.mapping = bool(mapping)
         self.max_spins = int(max_spins)
         self._order_cache: dict = {}

@@ -108,6 +108,19 @@ def share_memory(a: torch.Tensor, b: torch.Tensor, elementwise: bool = False) ->
     return not element_bytes(a).isdisjoint(element_bytes(b))
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """Environment variable ``name`` as a switch: 1/true/yes/on or 0/false/no/off (any case), ``default``
+    when unset or empty; ValueError naming the variable otherwise."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1 or 0 (true/false, yes/no, on/off), got {os.environ[name]!r}")
+
+
 def check_count(name: str, value, minimum: int = 0) -> int:
     """``value`` as an int (a Python or numpy integer, or a one-element integer tensor) of at least
     ``minimum``; TypeError or ValueError naming ``name`` otherwise."""
