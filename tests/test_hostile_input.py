@@ -937,3 +937,13 @@ def test_argument_checks_without_a_process_group():
         moe.load_dense_state_dict({**moe.state_dict(), "experts.w_gate": torch.tensor(1.0)})
     with pytest.raises(ValueError, match="load_dense_state_dict: the state is not a dense MoE"):
         moe.load_dense_state_dict(nn.MoE(hidden=8, ffn_hidden=16, num_experts=4, top_k=1).state_dict())
+    # an expert-parallel rank's own state is refused on every rank, the one whose slice of it would fit too
+    # (former bug: rank 0 of 2 loaded a 2-expert shard as the first two of 4 experts; rank 1 refused it)
+    class Rank0Of2:          # (what MoE reads of its Buffer when it is built)
+        rank, group_size = 0, 2
+    ep = nn.MoE(hidden=8, ffn_hidden=16, num_experts=4, top_k=1, buffer=Rank0Of2())
+    with pytest.raises(ValueError, match="not a dense MoE of this layer's sizes: experts.w_gate has 2 rows"):
+        ep.load_dense_state_dict(ep.state_dict())
+    dense = nn.MoE(hidden=8, ffn_hidden=16, num_experts=4, top_k=1)
+    ep.load_dense_state_dict(dense.state_dict())
+    assert torch.equal(ep.experts.w_gate, dense.experts.w_gate[:2])

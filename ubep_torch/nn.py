@@ -343,6 +343,13 @@ class MoE(nn.Module):
             if name.startswith("experts.") and value.dim() == 0:
                 raise ValueError(f"ubep_torch.nn.MoE.load_dense_state_dict: {name} is a 0-dim tensor; a dense "
                                  f"MoE's expert tensors have one row per expert")
+            # (checked whole, not only this rank's slice of it: a shard of another world size must be refused
+            # on every rank alike, not loaded on the ranks whose slice happens to fit)
+            if name.startswith("experts.") and value.shape[0] != self.num_experts:
+                raise ValueError(f"ubep_torch.nn.MoE.load_dense_state_dict: the state is not a dense MoE of this "
+                                 f"layer's sizes: {name} has {value.shape[0]} rows, where a dense MoE of this layer "
+                                 f"has one per expert ({self.num_experts}) (the state_dict of an expert-parallel "
+                                 f"rank holds only that rank's experts)")
             own[name] = value[lo:hi] if name.startswith("experts.") else value
         try:
             self.load_state_dict(own)
