@@ -908,6 +908,12 @@ def exit_on_rank(ctx, rank: int, code: int) -> int:
     return ctx.rank
 
 
+def pid_after(ctx, seconds: float) -> int:
+    """This rank's process id, after ``seconds`` of sleep."""
+    time.sleep(seconds)
+    return os.getpid()
+
+
 def unpicklable_result(ctx):
     """A result the pool cannot send back (a lambda)."""
     return lambda: ctx.rank

@@ -609,6 +609,52 @@ def test_rank_pool_reports_a_rank_process_that_died_at_once():
         info.value.failures
 
 
+_KILLED_POOL = """
+import os, signal, threading, time
+from ubep_torch.testing import RankPool
+import fault_rank_fns as FR
+if __name__ == "__main__":
+    env = {"PYTHONPATH": os.environ["PYTHONPATH"]}
+    main = RankPool(1, env=env)                       # started from the main thread
+    other = []                                       # and one started from a thread that then ends
+    t = threading.Thread(target=lambda: other.append(RankPool(1, env=env)))
+    t.start()
+    t.join()
+    pids = main.run(FR.pid_after, 0) + other[0].run(FR.pid_after, 0)
+    print(*pids, flush=True)
+    threading.Thread(target=main.run, args=(FR.pid_after, 60), daemon=True).start()   # busy in a call
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_ranks_of_a_killed_pool_end_with_it(tmp_path):
+    """(former bug: the ranks of a RankPool whose process was killed, as ``timeout`` or a CI runner kills it,
+    lived on for good, reparented, holding their Buffers' memory.) A rank busy in a call dies with the pool
+    (its pool was started from the main thread), an idle one within about a second whatever thread started
+    its pool; and a pool started from a thread that has ended keeps its ranks."""
+    import signal
+    import time
+    script = tmp_path / "killed_pool.py"
+    script.write_text(_KILLED_POOL)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:      # (a file, not a pipe: ranks that outlive the script would hold a pipe open)
+        code = subprocess.run([sys.executable, str(script)], stdout=f, stderr=subprocess.STDOUT, timeout=120,
+                              env=env, cwd=str(tmp_path)).returncode
+    text = out.read_text()
+    assert code == -signal.SIGKILL, (code, text[-2000:])
+    pids = [int(p) for p in text.split()]
+    assert len(pids) == 2, text
+    deadline = time.monotonic() + 10
+    while any(FR._running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [p for p in pids if FR._running(p)]
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"rank processes {alive} outlived their pool"
+
+
 @pytest.mark.parametrize("sync", ["tff", "dc", "sp", "sw"])
 def test_a_call_refused_on_one_rank_is_cancelled_on_every_rank(sync):
     """Bad input on one rank only, then every rank makes the call again (the refusing one after a delay,

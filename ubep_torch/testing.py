@@ -10,9 +10,13 @@ within ``timeout_s``, fails the call and stops the pool (later calls raise Runti
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Mapping
@@ -61,7 +65,29 @@ def join_group(port: int, rank: int, world_size: int, **kwargs) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, **kwargs)
 
 
-def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str, str]) -> None:
+#: how often an idle rank checks that the pool's process is still there (seconds)
+_PARENT_CHECK_S = 1.0
+
+
+def _die_with_parent(parent: int, signal_on_death: bool) -> None:
+    """A rank outlives no pool: where the pool was started from the main thread, Linux kills the rank when
+    the pool's process dies (``PR_SET_PDEATHSIG``; it fires when the thread that started the rank ends, so
+    not for a pool started from another thread); an idle rank also checks every ``_PARENT_CHECK_S`` (see
+    ``_worker``). A rank whose parent is already gone exits now."""
+    if signal_on_death and sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)       # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str, str], parent: int = 0,
+            signal_on_death: bool = False) -> None:
+    if parent:
+        _die_with_parent(parent, signal_on_death)
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -69,8 +95,15 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str,
     torch.set_num_threads(1)
     join_group(port, rank, world_size)
     ctx = RankContext(rank, world_size, dist.group.WORLD)
+    orphan = False
     while True:
-        msg = inbox.get()
+        try:
+            msg = inbox.get(timeout=_PARENT_CHECK_S)
+        except queue.Empty:
+            if parent and os.getppid() != parent:     # (the pool's process died: its ranks end too)
+                orphan = True
+                break
+            continue
         if msg is None:
             break
         call, fn, args, kwargs = msg
@@ -88,6 +121,8 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str,
                 destroy()
             except Exception:
                 pass
+    if orphan:      # (the group's store lived in the pool's process: nothing to take down in order)
+        os._exit(0)
     try:
         dist.destroy_process_group()
     except Exception:
@@ -119,7 +154,8 @@ class RankPool:
         base_env = {"OMP_NUM_THREADS": "1"}
         base_env.update(env or {})
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._inboxes[r], self._outbox, base_env),
+            ctx.Process(target=_worker, args=(r, world_size, port, self._inboxes[r], self._outbox, base_env,
+                                              os.getpid(), threading.current_thread() is threading.main_thread()),
                         daemon=True)
             for r in range(world_size)
         ]
