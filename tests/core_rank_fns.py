@@ -572,6 +572,11 @@ def ll_two_in_flight(ctx, sync):
         raise AssertionError("a third in-flight call was accepted")
     except ValueError:
         pass
+    try:      # (a hook takes no argument, and says so by its own name, not that of a function inside the call)
+        a[4](1)
+        raise AssertionError("a recv hook took an argument")
+    except TypeError as e:
+        assert str(e).startswith("low_latency_dispatch recv hook() takes 0 positional arguments"), e
     a[4]()
     b[4]()
     oa, _, _ = buf.low_latency_combine(a[0], t1, w1, a[2])

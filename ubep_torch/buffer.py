@@ -496,6 +496,9 @@ def _collective(fn):
                 self._active_call, self._active_seq, self._hook_seq = outer
                 self._cancel_point = None
                 self._call_lock.release()
+        # (named for the user: an argument passed to it is refused as "low_latency_dispatch recv hook()
+        # takes 0 positional arguments", not by the name of the function inside the call)
+        guarded_hook.__name__ = guarded_hook.__qualname__ = f"{fn.__name__} recv hook"
         return out[:-1] + (guarded_hook,)
     return wrapper
 
