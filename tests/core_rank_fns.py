@@ -1360,9 +1360,14 @@ def local_buffer_tensor(ctx):
     """``get_local_buffer_tensor`` with DeepEP's arguments ``(dtype, size, offset, use_rdma_buffer)``: views
     of the normal and low-latency buffers, and bad arguments refused. Returns what each call gave."""
     import torch.distributed as dist
-    buf = Buffer(dist.group.WORLD, 1 << 20, Buffer.get_low_latency_rdma_size_hint(8, 128, ctx.world_size, 4),
-                 low_latency_mode=True)
-    out = [tuple(buf.get_local_buffer_tensor().shape),
+    rdma = Buffer.get_low_latency_rdma_size_hint(8, 128, ctx.world_size, 4)
+    buf = Buffer(dist.group.WORLD, (1 << 20) + 100, rdma, low_latency_mode=True)
+    # every byte of each buffer, as DeepEP's views give (former bug: the low-latency one was 4096 bytes short
+    # of num_rdma_bytes, and a normal one not a multiple of 4096 was cut to one)
+    assert buf.get_local_buffer_tensor().numel() == (1 << 20) + 100
+    assert buf.get_local_buffer_tensor(use_rdma_buffer=True).numel() == rdma
+    assert buf.get_local_buffer_tensor(torch.int32, offset=8, use_rdma_buffer=True).numel() == (rdma - 8) // 4
+    out = [tuple(buf.get_local_buffer_tensor()[:1 << 20].shape),
            tuple(buf.get_local_buffer_tensor(torch.bfloat16, (4, 8), 64).shape),
            buf.get_local_buffer_tensor(torch.int32, None, 0, True).numel() > 0]
     for bad in (dict(offset=-8), dict(offset=3, dtype=torch.int32), dict(size=(1 << 40,)), dict(dtype="x"),

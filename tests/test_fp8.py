@@ -120,6 +120,15 @@ def test_calc_diff_is_deepeps_measure():
     assert calc_diff(x.bfloat16(), x) < 5e-6 < calc_diff(x, y)
     with pytest.raises(ValueError, match="shapes differ"):
         calc_diff(x, y[:4])
+    # (former bug: NaN for a rank with no rows, failing DeepEP-style `assert calc_diff(a, b) < tol` there)
+    assert calc_diff(x[:0], y[:0]) == 0.0
+    assert calc_diff(-torch.ones(3, 4), -torch.ones(3, 4)) == 0.0
+
+
+def test_topk_idx_t_is_deepeps_routing_dtype():
+    # (DeepEP's tests and frameworks cast routings with `.to(deep_ep.topk_idx_t)`; it was missing)
+    import ubep_torch
+    assert ubep_torch.topk_idx_t is torch.int64 and "topk_idx_t" in ubep_torch.__all__
 
 
 def test_bad_arguments_are_named():

@@ -653,17 +653,19 @@ class Buffer:
         base = aux
         # normal dispatch and combine take turns in one region (see _Region): their rows never sit in the
         # slots together, and one set of slots stays warm in cache across a round trip
+        # (each buffer is mapped whole, up to its next page: get_local_buffer_tensor views all of its bytes, as
+        # DeepEP's does, though the regions use whole pages of it)
         nvl = self.num_nvl_bytes // 4096 * 4096
         normal = _Region(P.REGION_DISPATCH, base, nvl, R, R, halves=1)
         self._regions = {P.REGION_DISPATCH: normal, P.REGION_COMBINE: normal}
-        base += nvl
+        base += _round(self.num_nvl_bytes, 4096)
         if self.num_rdma_bytes:
             half_ll = self.num_rdma_bytes // 2 // 4096 * 4096
             k = self.low_latency_buffers
             self._regions[P.REGION_LL_DISPATCH] = _Region(P.REGION_LL_DISPATCH, base, half_ll, R, R, halves=k)
             self._regions[P.REGION_LL_COMBINE] = _Region(P.REGION_LL_COMBINE, base + half_ll, half_ll, R, 1,
                                                          halves=k)
-            base += 2 * half_ll
+            base += _round(self.num_rdma_bytes, 4096)
         # each region's memory once, if it can take calls at all (a region too small for one slot takes
         # none, and its control words may lie in the next region's memory): what _same_call looks at
         self._call_regions = [r for r in dict.fromkeys(self._regions.values()) if r.part_bytes]
@@ -869,10 +871,9 @@ class Buffer:
         _check_flags(use_rdma_buffer=use_rdma_buffer)
         if use_rdma_buffer:
             region = self._regions.get(P.REGION_LL_DISPATCH)
-            start, nbytes = (region.ctrl_base, 2 * region.nbytes) if region is not None else (0, 0)
+            start, nbytes = (region.ctrl_base, self.num_rdma_bytes) if region is not None else (0, 0)
         else:
-            region = self._regions[P.REGION_DISPATCH]
-            start, nbytes = region.ctrl_base, region.nbytes
+            start, nbytes = self._regions[P.REGION_DISPATCH].ctrl_base, self.num_nvl_bytes
         if isinstance(size, numbers.Integral) and not isinstance(size, bool):
             size = (size,)
         if size is not None and not isinstance(size, (tuple, list, torch.Size)):

@@ -239,9 +239,9 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """DeepEP's accuracy measure: ``1 - 2 * sum(x*y) / sum(x*x + y*y)`` over ``x + 1`` and ``y + 1`` in float64.
 
-    0 for equal tensors, growing with the mismatch; shifting by one keeps tensors near zero from dividing by
-    almost nothing. DeepEP's tests accept below 5e-6 for bf16 normal mode, 1e-5 for bf16 low-latency mode and
-    9e-4 with fp8 rows.
+    0 for equal tensors (empty ones included), growing with the mismatch; shifting by one keeps tensors near
+    zero from dividing by almost nothing. DeepEP's tests accept below 5e-6 for bf16 normal mode, 1e-5 for
+    bf16 low-latency mode and 9e-4 with fp8 rows.
     """
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise TypeError("calc_diff takes two tensors")
@@ -253,4 +253,6 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
         raise ValueError(f"calc_diff: shapes differ, {tuple(x.shape)} and {tuple(y.shape)}")
     a, b = x.detach().double() + 1, y.detach().double() + 1   # (detached: a float of a graph warns)
     den = (a * a + b * b).sum()
+    if den == 0:     # (no elements, or every one -1 in both: equal tensors, not NaN; a rank with no rows)
+        return 0.0
     return float(1 - 2 * (a * b).sum() / den)
