@@ -360,6 +360,22 @@ def dispatch_variants(ctx, sync, seed=1, backend="auto"):
                                                 topk_idx=topk, topk_weights=w)
     assert torch.equal(fx[0].view(torch.uint8), rq.view(torch.uint8)) and torch.equal(fx[1], rsc)
     assert torch.equal(fidx, recv_idx)
+    # scales of other layouts travel as DeepEP carries them, a payload of each row (former bug: only float32
+    # [T, H/128] was taken, and an fp8 hidden size had to be a multiple of 128): packed UE8M0 words (int32),
+    # per-token scales [T] (returned as [N]), three per row; an fp8 hidden size of 200
+    q200 = torch.randn(T, 200, generator=g).clamp(-4, 4).to(torch.float8_e4m3fn)
+    for xs, q_ in ((torch.randint(0, 1 << 30, (T, 1), generator=g, dtype=torch.int32), q),
+                   (torch.rand(T, generator=g), q), (torch.rand(T, 3, generator=g), q200)):
+        (sq, ss), *_ = buf.dispatch((q_, xs), handle=handle)            # cached
+        (fq, fs), fi, *_ = buf.dispatch((q_, xs), is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk,
+                                        topk_weights=w)
+        rows = buf.dispatch(q_.view(torch.uint8).float(), handle=handle)[0]   # the rows, through a float payload
+        per_row = buf.dispatch(xs.view(T, -1).view(torch.float32), handle=handle)[0]
+        for got_q, got_s in ((sq, ss), (fq, fs)):
+            assert got_s.dtype == xs.dtype and got_s.dim() == xs.dim() and got_s.shape[0] == rows.shape[0]
+            assert torch.equal(got_q.view(torch.uint8).float(), rows)
+            assert torch.equal(got_s.view(rows.shape[0], -1).view(torch.float32), per_row)
+        assert torch.equal(fi, recv_idx)
     # num_worst_tokens: fixed-size outputs, no count list, masked tail
     worst = T * R
     wx, widx, ww, wcounts, wh, _ = buf.dispatch(x, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk,
@@ -487,7 +503,7 @@ def bad_inputs(ctx, sync):
         "weights shape": (ValueError, lambda: buf.dispatch(x, topk_idx=topk, topk_weights=w[:, :1], num_experts=E)),
         "weights dtype": (TypeError, lambda: buf.dispatch(x, topk_idx=topk, topk_weights=w.half(), num_experts=E)),
         "scales shape": (ValueError, lambda: buf.dispatch((x.float().to(torch.float8_e4m3fn),
-                                                           torch.ones(T, 3)), topk_idx=topk, num_experts=E)),
+                                                           torch.ones(T + 1, 2)), topk_idx=topk, num_experts=E)),
         "scales dtype": (TypeError, lambda: buf.dispatch((x.float().to(torch.float8_e4m3fn),
                                                           torch.ones(T, 2).half()), topk_idx=topk, num_experts=E)),
         "row larger than the slots": (ValueError, lambda: buf.dispatch(

@@ -345,6 +345,14 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
                         f"dense (strided) tensor (.to_dense())")
 
 
+def _scales_as_given(out_x, x):
+    """A dispatch's received rows in the form of its ``x``: an fp8 pair whose scales were given as ``[T]`` gets
+    ``[N]`` scales back (as DeepEP returns them; the exchange carries them as ``[T, 1]``)."""
+    if isinstance(out_x, tuple) and isinstance(x, tuple) and x[1].dim() == 1:
+        return out_x[0], out_x[1].view(-1)
+    return out_x
+
+
 def _check_overlap(previous_event, async_finish, allocate_on_comm_stream) -> None:
     """The overlap arguments of a normal-mode call: flags (``_check_flags``), and a ``previous_event`` that is
     None or an ``EventOverlap`` (DeepEP reads its ``.event``; anything else is a mistake this data path would
@@ -1629,9 +1637,13 @@ class Buffer:
         return per_rank.view(E)
 
     def _parse_x(self, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(rows [T, H], scales [T, S] or None), contiguous. As in DeepEP, an fp8 tuple's scales are a payload
+        carried with each row: float32 (per-128-channel scales, or any other per-token layout) or int32
+        (packed UE8M0 exponents), [T, S] with any S, or [T] (one per token; the received scales are then 1-D
+        too)."""
         if isinstance(x, tuple):
             if len(x) != 2:
-                raise ValueError("x as a tuple must be (fp8 tensor [T, H], scales [T, H/128] float32)")
+                raise ValueError("x as a tuple must be (fp8 tensor [T, H], scales [T, S] float32 or int32)")
             data, scales = x
             if not isinstance(data, torch.Tensor) or not isinstance(scales, torch.Tensor):
                 raise TypeError("x tuple entries must be tensors")
@@ -1639,13 +1651,13 @@ class Buffer:
                 raise TypeError(f"x[0] must be torch.float8_e4m3fn, got {data.dtype}")
             if data.dim() != 2:
                 raise ValueError(f"x[0] must be [num_tokens, hidden], got {tuple(data.shape)}")
-            if scales.dtype != torch.float32:
-                raise TypeError(f"x[1] (scales) must be float32, got {scales.dtype}")
-            if data.shape[1] % 128:
-                raise ValueError(f"fp8 hidden size must be a multiple of 128, got {data.shape[1]}")
-            if tuple(scales.shape) != (data.shape[0], data.shape[1] // 128):
-                raise ValueError(f"x[1] (scales) must have shape {(data.shape[0], data.shape[1] // 128)}, "
-                                 f"got {tuple(scales.shape)}")
+            if scales.dtype not in (torch.float32, torch.int32):
+                raise TypeError(f"x[1] (scales) must be float32 (or int32: packed UE8M0 exponents), got "
+                                f"{scales.dtype}")
+            if scales.dim() not in (1, 2) or scales.shape[0] != data.shape[0]:
+                raise ValueError(f"x[1] (scales) must be [{data.shape[0]}, S] or [{data.shape[0]}] (a row of scales "
+                                 f"per token, e.g. [T, H/128] per-128-channel scales), got {tuple(scales.shape)}")
+            scales = scales.unsqueeze(1) if scales.dim() == 1 else scales
             return _resolved(data).contiguous(), _resolved(scales).contiguous()
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor or an (fp8, scales) tuple, got {type(x).__name__}")
@@ -1720,7 +1732,9 @@ class Buffer:
         """Send every token once to each rank that hosts at least one of its experts.
 
         Args:
-            x: [T, H] bf16/fp16/fp32/fp64, or ``(fp8_e4m3 [T, H], scales [T, H/128] float32)``.
+            x: [T, H] bf16/fp16/fp32/fp64, or ``(fp8_e4m3 [T, H], scales)``: the scales a payload of each
+                row, as in DeepEP: ``[T, H/128]`` float32 per-128-channel scales, any ``[T, S]`` float32 or
+                int32 (packed UE8M0), or ``[T]`` (received as ``[N]``).
             handle: a handle from an earlier dispatch: cached mode, reuses its layout, returns only recv_x.
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from ``get_dispatch_layout``
                 (``is_token_in_rank`` decides which ranks receive each token, as in DeepEP: given with
@@ -1836,7 +1850,8 @@ class Buffer:
             fields.append(("scales", scales.shape[1] * 4))
         # (the kind: ranks whose rows have the same sizes but other dtypes or top-k must not pair up)
         fmt = P.row_format(self.sync, tuple(fields), K + K * wsz,
-                           f"{xd.dtype}/{K}/{None if weights is None else weights.dtype}")
+                           f"{xd.dtype}/{K}/{None if weights is None else weights.dtype}"
+                           + ("" if scales is None else f"/{scales.dtype}"))
         fmt.check_fits()
         cap = self._normal_capacity(P.REGION_DISPATCH, fmt)
         E_local = E // R
@@ -1886,7 +1901,7 @@ class Buffer:
                 if num_worst_tokens else self._out.empty((num_recv, H), xd.dtype)
             out["scales"] = None
             if scales is not None:
-                out["scales"] = self._out.zeros((rows_out, scales.shape[1]), torch.float32)
+                out["scales"] = self._out.zeros((rows_out, scales.shape[1]), scales.dtype)
             # every received row's meta items and source token are written below (rows past num_recv, with
             # num_worst_tokens, are masked by local_topk)
             out["meta"] = torch.empty(rows_out, fmt.meta_words, dtype=torch.int32)
@@ -1960,7 +1975,7 @@ class Buffer:
         else:
             res = out_x, recv_topk_idx, recv_topk_weights, count_list, h, _event(async_finish)
         self._recent_handles.append(h)
-        return res
+        return (_scales_as_given(res[0], x),) + res[1:]
 
     def _gather_own_rows(self, src: torch.Tensor, sel: torch.Tensor, dst: torch.Tensor, o: int) -> None:
         """``dst[o + i] = src[sel[i]]``: this rank's own rows, straight from the source tensor (one C pass
@@ -2040,7 +2055,7 @@ class Buffer:
         fields = [("x", H * xd.element_size())]
         if scales is not None:
             fields.append(("scales", scales.shape[1] * 4))
-        fmt = P.row_format(self.sync, tuple(fields), 0, str(xd.dtype))
+        fmt = P.row_format(self.sync, tuple(fields), 0, str(xd.dtype) + ("" if scales is None else f"/{scales.dtype}"))
         cap = self._normal_capacity(P.REGION_DISPATCH, fmt)
         fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
         sig, src_index = fmt.signature(), self.engine.arange(T)
@@ -2052,7 +2067,7 @@ class Buffer:
         rows_out = base.num_worst_tokens or base.num_recv
         recv_x = self._out.zeros((rows_out, H), xd.dtype) if base.num_worst_tokens else \
             self._out.empty((rows_out, H), xd.dtype)
-        recv_scales = self._out.zeros((rows_out, scales.shape[1]), torch.float32) if scales is not None else None
+        recv_scales = self._out.zeros((rows_out, scales.shape[1]), scales.dtype) if scales is not None else None
         outs = [P.as_bytes(recv_x)] + ([P.as_bytes(recv_scales)] if scales is not None else [])
 
         def allocate(recv: dict):
@@ -2082,7 +2097,7 @@ class Buffer:
                 g.view(torch.uint8)[~valid] = 0
                 return g
             out_x = (gather(recv_x), gather(recv_scales)) if scales is not None else gather(recv_x)
-        return out_x, None, None, None, None, EventOverlap(None)
+        return _scales_as_given(out_x, x_orig), None, None, None, None, EventOverlap(None)
 
     # ------------------------------------------------------------------ the exchange (both normal ops)
     def _exchange(self, rid: int, fmt: P.RowFormat, fields_data, meta, src_index, send_idx,

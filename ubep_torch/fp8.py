@@ -1,6 +1,6 @@
 """FP8 rows as dispatch takes and returns them, and DeepEP's accuracy measure.
 
-Normal ``dispatch`` takes ``x`` as an ``(fp8_e4m3 [T, H], scales [T, H/128] float32)`` pair, and
+Normal ``dispatch`` takes ``x`` as an ``(fp8_e4m3 [T, H], scales [T, H/128] float32)`` pair (or other scales), and
 ``low_latency_dispatch(use_fp8=True)`` returns its rows in the same format: every run of 128 channels of a
 token has one float32 scale, and ``value = fp8 * scale``. These helpers make and undo that format, so code
 that quantizes its activations, or a test ported from DeepEP's suite, needs nothing of its own.
