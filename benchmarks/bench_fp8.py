@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ubep_torch.fp8 as fp8  # noqa: E402
 from ubep_torch import Buffer, native_engine  # noqa: E402
 from ubep_torch.testing import RankPool  # noqa: E402
-from ubep_torch.utils import int_at_least, memory_errors_as_usage_errors  # noqa: E402
+from ubep_torch.utils import env_flag, int_at_least, memory_errors_as_usage_errors  # noqa: E402
 
 
 def _median_ms(fn, iters: int) -> float:
@@ -87,7 +87,7 @@ def main() -> None:
     steps = (("per_token_cast_to_fp8", lambda: fp8.per_token_cast_to_fp8(x)),
              ("low_latency_cast_to_fp8", lambda: fp8.low_latency_cast_to_fp8(x)),
              ("per_token_cast_back", lambda: fp8.per_token_cast_back(q, sc)))
-    have_c = native_engine.available() and os.environ.get("UBEP_NATIVE", "1") != "0"
+    have_c = native_engine.available() and env_flag("UBEP_NATIVE", True)
     for name, fn in steps:
         t_torch = _median_ms(_torch_only(fn), a.iters)
         if have_c:

@@ -1359,6 +1359,10 @@ def same_bytes_other_rows(ctx, case: str):
             k4 = torch.tensor([[0, 1, -1, -1]] * T)
             buf.dispatch(x, topk_idx=k4 if r == 0 else topk, num_experts=E,
                          topk_weights=None if r == 0 else torch.ones(T, 2))
+        elif case == "scales":       # fp8 rows whose scales have the same bytes but another dtype
+            sc = torch.ones(T, 2)
+            buf.dispatch((x.float().to(torch.float8_e4m3fn), sc if r == 0 else sc.view(torch.int32)), topk_idx=topk,
+                         num_experts=E)
         else:
             rx, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
             if case == "combine":

@@ -736,8 +736,18 @@ def rank_routing_reused_before_backward(ctx, kind: str) -> dict:
         out.float().sum().backward()
         return x.grad, w.grad
 
+    def rank_major_ids(edit: bool):
+        # the received ids changed in place by the caller after the forward (former bug: backward read them
+        # again to mask the slots of other ranks' experts, and the weights' gradients changed)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        rx, ri, rw, handle = F.dispatch(buf, x, idx0.clone(), w, e_total)
+        col = ri.clamp_(min=0) if edit else ri.clamp(min=0)
+        out = F.combine(buf, (rx[:, None, :] * (rw * scale[col])[:, :, None]).sum(1), handle)
+        out.sum().backward()
+        return x.grad, w.grad
+
     res = {}
-    for name, fn in (("normal", normal), ("low_latency", low_latency)):
+    for name, fn in (("normal", normal), ("low_latency", low_latency), ("rank_major_ids", rank_major_ids)):
         (gx, gw), (gx2, gw2) = fn(False), fn(True)
         res[name] = bool(torch.equal(gx, gx2) and torch.equal(gw, gw2))
     # a combine given a routing written over since its dispatch

@@ -293,10 +293,11 @@ def test_mismatched_hidden_sizes_are_reported(pool2):
     assert any("different layout" in msg for _, msg in out)
 
 
-@pytest.mark.parametrize("case", ["dtype", "hidden", "topk", "combine", "cached"])
+@pytest.mark.parametrize("case", ["dtype", "hidden", "topk", "combine", "cached", "scales"])
 def test_rows_of_the_same_bytes_but_other_dtypes_or_top_k_are_reported(pool2, case):
     out = pool2.run(F.same_bytes_other_rows, case)
     assert all(name == "UBEPError" and "different layout" in msg for name, msg in out), out
+    assert case != "scales" or all("scales' dtype and width" in msg for _, msg in out), out
 
 
 @pytest.mark.parametrize("case", ["topk", "hidden"])

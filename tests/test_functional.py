@@ -113,7 +113,7 @@ def test_second_derivatives_raise(pool, kind, mode):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_routing_reused_before_backward(pool, kind):
-    want = {"normal": True, "low_latency": True, "changed routing refused": True}
+    want = {"normal": True, "low_latency": True, "rank_major_ids": True, "changed routing refused": True}
     if kind == "ubep":
         want["float y named"] = True
     for rank, res in enumerate(pool.run(M.rank_routing_reused_before_backward, kind)):

@@ -19,6 +19,7 @@ from ubep_torch import native_engine
 from ubep_torch import protocol as P
 from ubep_torch.engine import Destination, SendJob, TorchEngine
 from ubep_torch.testing import RankPool
+from ubep_torch.utils import env_flag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYNCS = ("tff", "dc", "sp", "sw")
@@ -34,8 +35,8 @@ def _c_compiler() -> Optional[str]:
 def test_native_module_is_built():
     """``make install`` compiles the C module wherever a C compiler exists (the module is optional: without
     one, or with ``UBEP_NATIVE=0``, everything runs on the torch path)."""
-    if os.environ.get("UBEP_NATIVE") == "0":
-        pytest.skip("UBEP_NATIVE=0")
+    if not env_flag("UBEP_NATIVE", True):
+        pytest.skip("UBEP_NATIVE is off")
     if not native_engine.available() and _c_compiler() is None:
         pytest.skip("no C compiler on PATH: the package runs on the torch path")
     assert native_engine.available(), "ubep_torch._native is missing: reinstall with a C compiler (make install)"

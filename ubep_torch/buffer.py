@@ -1144,7 +1144,8 @@ class Buffer:
         if other:
             self._broken = f"layout mismatch with rank(s) {other}"
             raise UBEPError(f"rank(s) {other} sent {op} rows of a different layout than rank {self.rank} expects "
-                            f"(hidden size, dtype, top-k, the weights' dtype, fp8 or sync mode differ between ranks; "
+                            f"(hidden size, dtype, top-k, the weights' dtype, fp8 (or its scales' dtype and width) or "
+                            f"sync mode differ between ranks; "
                             f"or the ranks are in different calls of the same operation, as in backward passes of "
                             f"ubep_torch.functional where topk_weights require grad on some ranks only)")
 

@@ -61,7 +61,8 @@ class AutogradHandle:
         rank, group_size: this rank and ``R``.
         topk_idx: ``[T, K]`` int64 routing of this rank's tokens (global expert ids, ``-1`` = none), a copy
             taken at the dispatch.
-        recv_topk_idx: ``[N_recv, K]`` (rank-major) or ``[rows]`` (expert-major) int64 local expert ids.
+        recv_topk_idx: ``[N_recv, K]`` (rank-major) or ``[rows]`` (expert-major) int64 local expert ids (a
+            copy of those the dispatch returned).
         num_recv_tokens_per_expert: ``E_local`` Python ints (rows per local expert in expert-major layout,
             including alignment padding; slots per local expert in rank-major layout, as DeepEP counts them).
     """
@@ -205,9 +206,10 @@ class _Dispatch(torch.autograd.Function):
             is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
             topk_idx=topk_idx, topk_weights=topk_weights.detach().float(),
             expert_alignment=expert_alignment, **kwargs)
-        # (a snapshot of the routing: backward reads it, and the caller may reuse its tensor before then)
+        # (copies of the routing and of the received ids: backward reads them, and the caller may reuse its
+        # tensor, or change the ids returned to it, before then)
         handle = AutogradHandle(bhandle, layout, num_experts, rank, group_size, topk_idx.detach().clone(),
-                                recv_topk_idx, list(counts))
+                                recv_topk_idx.clone(), list(counts))
         num_local = num_experts // group_size
         if exact:
             # Carry the weights bit-exactly as a payload of their own (the Buffer's weight field is float32).
