@@ -390,9 +390,11 @@ def main() -> None:
         ap.error(f"--experts {a.experts}: at most {P.MAX_CTRL_COUNTS - a.ranks - 1} per rank with {a.ranks} ranks")
     if a.topk > LL_MAX_TOPK:
         ap.error(f"--topk {a.topk}: the low-latency rows it times take top-k up to {LL_MAX_TOPK}")
-    if a.topk > a.experts or a.experts % a.ranks:
-        ap.error(f"--topk {a.topk} must not exceed --experts {a.experts}, and --experts must be a multiple of "
-                 f"--ranks {a.ranks}")
+    if a.topk > a.experts:
+        ap.error(f"--topk {a.topk} must not exceed --experts {a.experts}")
+    if a.experts % a.ranks:
+        ap.error(f"--experts {a.experts} must be a multiple of --ranks {a.ranks} (pass --experts with --ranks, "
+                 f"e.g. --ranks 3 --experts 15)")
     # every rank's shared memory (its Buffer) and its low-latency recv_x ([E_local, R * N, H] bf16), the largest
     # parts of what the run allocates: refused here rather than as a rank's allocation error
     row = 2 * a.hidden

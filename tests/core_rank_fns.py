@@ -1074,6 +1074,15 @@ def mismatched_buffer_args(ctx):
             out[name] = "built"
         except ValueError as e:
             out[name] = name in str(e)
+    # the sizing pair alone, halved, or beside num_nvl_bytes, on every rank (former behaviour: one of the two
+    # alone was ignored and 256 MiB reserved; beside num_nvl_bytes both were ignored)
+    for kw, says in (({"hidden": 512}, "num_max_tokens_per_rank"), ({"num_max_tokens_per_rank": 64}, "hidden"),
+                     ({"num_nvl_bytes": 1 << 20, "num_max_tokens_per_rank": 64, "hidden": 512}, "pass one")):
+        try:
+            Buffer(ctx.group, **kw).destroy()
+            raise AssertionError(f"Buffer(**{kw}) was built")
+        except ValueError as e:
+            assert says in str(e), e
     smoke(ctx, "tff", seed=21)
     return out
 

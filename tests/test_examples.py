@@ -205,6 +205,7 @@ BAD_OPTIONS = [
     (["examples/infer_moe.py", "--single", "--timeout", "0"], "--timeout"),
     (["benchmarks/bench_buffer.py", "--backends", "nope"], "--backends"),
     (["benchmarks/bench_buffer.py", "--topk", "17", "--experts", "32"], "--topk"),   # (failed on every rank)
+    (["benchmarks/bench_buffer.py", "--ranks", "3"], "--experts 16 must be a multiple"),   # (blamed --topk too)
     (["benchmarks/bench_buffer.py", "--tokens", "1" + "0" * 15], "memory"),   # (a rank's allocation error)
     (["benchmarks/sim_speed.py", "--ranks", "8"], "unrecognized"),              # (ran the whole benchmark)
     (["benchmarks/stress.py", "--parallel", "0"], "--parallel"),

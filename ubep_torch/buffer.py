@@ -620,6 +620,15 @@ class Buffer:
             num_max_tokens_per_rank = check_count("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
         if hidden is not None:
             hidden = check_count("hidden", hidden, 1)
+        # (one of the pair alone, or the pair beside num_nvl_bytes, would be ignored: 256 MiB reserved, say)
+        if (num_max_tokens_per_rank is None) != (hidden is None):
+            given, missing = ("num_max_tokens_per_rank", "hidden") if hidden is None else \
+                ("hidden", "num_max_tokens_per_rank")
+            raise ValueError(f"{given} sizes the normal region together with {missing}: pass both (or neither, "
+                             f"and num_nvl_bytes)")
+        if num_max_tokens_per_rank is not None and num_nvl_bytes:
+            raise ValueError(f"num_nvl_bytes={num_nvl_bytes} and num_max_tokens_per_rank/hidden both size the normal "
+                             f"region: pass one of the two")
         # held weakly: a Buffer that lives until interpreter exit must not keep the process group alive
         # past destroy_process_group (gloo's threads would then be torn down during finalization)
         self._group_ref = weakref.ref(group)
