@@ -580,3 +580,17 @@ def test_every_normal_call_reports() -> None:
         # (the warning said that the model's report failed)
         assert observer[0] and len(observer[1]) == 2, observer
         assert all("on_report raised ZeroDivisionError" in m and "report of" in m for m in observer[1]), observer
+
+
+def test_default_count_group_follows_the_sync_mode() -> None:
+    """(former bug: the default count group was sized with TFF's count-to-token cost ratio whatever the sync
+    mode, so an SP dispatch that two count AIVs serve best got one)"""
+    from ubep_torch.cost_model import count_cost_ratio, dispatch_bytes_per_token
+    from ubep_torch.mapper import default_count_aivs
+    from ubep_torch.sim import run_case
+    from ubep_torch.topology import CM384
+    for sync in ("tff", "sp", "dc", "sw"):
+        got = run_case("dispatch", 16, 48, 7168, 8, 32, sync=sync)["ubep"].n_count
+        ratio = count_cost_ratio(CM384, dispatch_bytes_per_token(7168), 16, 32, sync)
+        assert got == default_count_aivs(32, 8, 48, CM384.aivs_per_die, ratio), sync
+    assert run_case("dispatch", 16, 48, 7168, 8, 32, sync="sp")["ubep"].n_count == 2

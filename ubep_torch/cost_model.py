@@ -551,7 +551,7 @@ def simulate(
         nc = 0
         if "dispatch" in kind:
             nc = check_count("n_count", n_count, 1) if n_count is not None else default_count_aivs(
-                E, K, B, n, count_cost_ratio(params, bytes_per_token, R, E))
+                E, K, B, n, count_cost_ratio(params, bytes_per_token, R, E, sync))
             if not 1 <= nc < n:
                 raise ValueError(f"n_count must be in [1, {n - 1}], got {nc}")
         total, phases, sr, overlapped = _ubep(kind, c, B, K, R, E, bytes_per_token, topo, params, n,

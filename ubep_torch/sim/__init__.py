@@ -313,7 +313,7 @@ def sweep_count_aivs(counts: Sequence[int] = (1, 2, 4, 8, 12, 16), ranks: int = 
         r["best"] = r["extra_us"] == 0.0
     nbytes = kw.get("bytes_per_token") or dispatch_bytes_per_token(hidden)
     params = rest.get("params", CM384)
-    ratio = count_cost_ratio(params, nbytes, ranks, E)
+    ratio = count_cost_ratio(params, nbytes, ranks, E, rest.get("sync", "tff"))
     rows.append({"n_count": default_count_aivs(E, topk, batch, params.aivs_per_die, ratio), "appendix9": True})
     return rows
 
