@@ -1558,8 +1558,8 @@ class Buffer:
         A normal call whose routing is known only as ``token_in_rank`` ([T, R] bool: a dispatch given
         ``is_token_in_rank`` without ``topk_idx``, its combine, a handle rebuilt from its tuple) is modelled
         with one copy per (token, destination rank), to that rank's first expert: the rows normal mode
-        moves; with ``topk_idx``, one per (token, expert), as the paper's kernels move them. ``last_report`` becomes this call's report, or None where the call has none (no cost model, or
-        its report failed)."""
+        moves; with ``topk_idx``, one per (token, expert), as the paper's kernels move them. ``last_report``
+        becomes this call's report, or None where the call has none (no cost model, or its report failed)."""
         self.last_report = None       # (a recv hook's call reports when the hook runs, after other calls)
         if self.cost_model is None:
             return
