@@ -1901,9 +1901,9 @@ class Buffer:
             num_recv = sum(rows_from)
             # every rank that receives more rows than its num_worst_tokens, as every rank sees it (the messages
             # carry each sender's row counts and num_worst_tokens): each raises once the call has completed
-            out["overflow"] = {d: (n, worst) for d, (n, worst) in enumerate(
-                (sum(row[d] for row in recv["ntpr_matrix"]), recv["ctrl"][d][P.CTRL_WORST_TOKENS])
-                for d in range(R)) if worst and n > worst}
+            received = [sum(col) for col in zip(*recv["ntpr_matrix"])]
+            worst = [recv["ctrl"][d][P.CTRL_WORST_TOKENS] for d in range(R)]
+            out["overflow"] = {d: (received[d], worst[d]) for d in range(R) if 0 < worst[d] < received[d]}
             # more rows than num_worst_tokens: the call completes (the peers' rows must be consumed), then
             # raises; a rank cannot know what it will receive before the exchange
             rows_out = max(num_worst_tokens, num_recv) if num_worst_tokens else num_recv
