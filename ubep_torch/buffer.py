@@ -317,6 +317,9 @@ def _raise_if_destroyed(buf: "Buffer", e: BaseException, what: str) -> None:
         raise UBEPBrokenError(f"ubep_torch: rank {buf.rank}: this Buffer was destroyed during {what}") from e
 
 
+_SCALARS = (bool, int, float, str)     # (argument types _check_host_tensors passes over at once)
+
+
 def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
     """Every tensor among the arguments of ``fn`` (and inside tuple or list arguments: fp8 pairs, bias
     pairs, handles) is a dense (strided) tensor in host memory, where the UGAS and the C loops read it by
@@ -324,6 +327,8 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
     before anything is read. (One pass over the values; an argument's name is looked up only for the one
     that fails.)"""
     for k, value in enumerate(chain(args, kwargs.values())):
+        if value is None or value.__class__ in _SCALARS:
+            continue
         if isinstance(value, torch.Tensor):
             if value.is_cpu and value.layout == torch.strided and not value.is_nested:
                 continue
@@ -634,6 +639,8 @@ class Buffer:
         self._group_ref = weakref.ref(group)
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
+        # the order an exchange sends in: this rank first, then the next ranks round the ring
+        self._send_order = [(self.rank + i) % self.group_size for i in range(self.group_size)]
         self._global_ranks = _group_global_ranks(group)   # (errors on a sub-group name these too)
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = num_qps_per_rank
@@ -984,12 +991,12 @@ class Buffer:
         R = self.group_size
         half = region.half(epoch)
         base = self._ack_base(rid, half)
+        if self.delay_hook is None and min(words[base:base + R].tolist()) >= need:
+            return            # (the usual case: every peer consumed that half long ago)
 
         def poll():
             acks = words[base:base + R].tolist()
             return [r for r in range(R) if acks[r] < need]
-        if self.delay_hook is None and not poll():
-            return            # (the usual case: every peer consumed that half long ago)
         self._wait(f"{P.REGION_NAMES[rid]}: waiting for peers to consume the previous call's rows "
                    f"(buffer half {half})", poll)
 
@@ -1003,14 +1010,20 @@ class Buffer:
         """Wait (with the deadline) for every source's control message of this call; returns their words
         (``{source: [int, ...]}``: control data is read once, then handled as Python ints)."""
         local, eng, words = self._heap.local, self.engine, {}
-        ctrl = region.ctrl_sources(local, half)
+        # (the engine's poller of these blocks, made once: the memory is mapped for the Buffer's life)
+        key = (local.data_ptr(), half, "poller", nctrl)
+        poller = region._views.get(key, False)
+        if poller is False:
+            poller = region._views[key] = eng.ctrl_poller(region.ctrl_sources(local, half), nctrl)
+        if poller is not None:   # every source at once
+            got = [None] * self.group_size
+            if self.delay_hook is None and not self._destroyed and not poller(flag, got):
+                return dict(enumerate(got))       # (the usual case: every message is there at the first poll)
         polls = count()
 
         def same_call(missing):   # (the other regions too once the wait lasts: see _same_call)
             return self._same_call(region, half, flag, missing, next(polls) >= _POLLS_BEFORE_REGION_CHECK, phase)
-        poller = eng.ctrl_poller(ctrl, nctrl)
-        if poller is not None:   # every source at once
-            got = [None] * self.group_size
+        if poller is not None:
             self._wait(phase, lambda: same_call(poller(flag, got)))
             return dict(enumerate(got))
 
@@ -1426,10 +1439,12 @@ class Buffer:
         rank that comes late to such a call names the mismatch, as the ranks that were in it do, before it
         sends anything a peer could take for its call, and before it reads the aborts of those that failed
         on it."""
-        R = self.group_size
+        R, me = self.group_size, self.rank
         self._cancel_refused_hooks()        # (raises the mismatch for a pending hook's call)
         seq = self._seq + 1
-        if not any(self._refused_by(r, seq) for r in range(R)):
+        # (every peer's decision word on the coming attempt in one load: see _refused_by)
+        row = (_DECIDE_ROW + seq % self._decide_slots) * R
+        if not any(w >> 5 == seq and not w & 1 for r, w in enumerate(self._aux_words[row:row + R].tolist()) if r != me):
             return
         # a peer refused the coming call: the mismatch is the refusal's, or that of a peer that took part in
         # it as another kind of call than this one
@@ -1675,7 +1690,7 @@ class Buffer:
             raise TypeError(f"x must be bfloat16, float32, float16 or float64 (or an fp8 tuple), got {x.dtype}")
         if x.dim() != 2:
             raise ValueError(f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise ValueError("ubep_torch's shared-memory UGAS moves host tensors: pass CPU tensors")
         return _resolved(x).contiguous(), None
 
@@ -1901,9 +1916,10 @@ class Buffer:
             num_recv = sum(rows_from)
             # every rank that receives more rows than its num_worst_tokens, as every rank sees it (the messages
             # carry each sender's row counts and num_worst_tokens): each raises once the call has completed
-            received = [sum(col) for col in zip(*recv["ntpr_matrix"])]
             worst = [recv["ctrl"][d][P.CTRL_WORST_TOKENS] for d in range(R)]
-            out["overflow"] = {d: (received[d], worst[d]) for d in range(R) if 0 < worst[d] < received[d]}
+            received = [sum(col) for col in zip(*recv["ntpr_matrix"])] if any(worst) else None
+            out["overflow"] = {d: (received[d], worst[d]) for d in range(R) if 0 < worst[d] < received[d]} \
+                if received else {}
             # more rows than num_worst_tokens: the call completes (the peers' rows must be consumed), then
             # raises; a rank cannot know what it will receive before the exchange
             rows_out = max(num_worst_tokens, num_recv) if num_worst_tokens else num_recv
@@ -1950,9 +1966,7 @@ class Buffer:
         if num_worst_tokens or ntpe is None:   # (no routing and no per-expert counts: they are unknown)
             count_list: List[int] = []
         else:
-            per_expert = list(recv["counts"][0])
-            for row in recv["counts"][1:]:
-                per_expert = [a + b for a, b in zip(per_expert, row)]
+            per_expert = [sum(c) for c in zip(*recv["counts"])]
             count_list = per_expert if expert_alignment == 1 else \
                 [-(-c // expert_alignment) * expert_alignment for c in per_expert]
 
@@ -2133,11 +2147,11 @@ class Buffer:
         staging, checked, row_sums = staged
         self._wait_acks(rid, epoch)
         nctrl = P.ctrl_blocks(extra_ctrl)
-        order = [(me + i) % R for i in range(R)]
+        order = self._send_order
         words = [tuple(ctrl_payload(d)) + (num_tokens,) for d in order]
-        none = eng.span(0, 0)
         # rows for this rank itself skip the slots: the receive side copies them straight from the source
-        sels = [none if d == me else send_idx[d] for d in order]
+        sels = [send_idx[d] for d in order]
+        sels[0] = eng.span(0, 0)
         # (what the destinations' slots and control blocks are made of: the peers' memory is mapped for the
         # Buffer's life, and these name where in it and how many rows fit)
         key = (rid, half, nctrl, fmt.blocks)
@@ -2155,21 +2169,25 @@ class Buffer:
                                      f"{P.REGION_NAMES[rid]}: TokenCnt (waiting for the count messages)")
         if self.sync == "sw":
             self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after flag verification", rid)
-        self._check_layouts(ctrl_words, fmt, P.REGION_NAMES[rid])
-        self._check_call_words(ctrl_words, P.REGION_NAMES[rid])
-        nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
+        msgs = [ctrl_words[s] for s in range(R)]
+        mine, sig = msgs[me], fmt.signature()
+        if any(m[P.CTRL_SIGNATURE] != sig or m[P.CTRL_NUM_EXPERTS] != mine[P.CTRL_NUM_EXPERTS]
+               or m[P.CTRL_MAX_TOKENS] != mine[P.CTRL_MAX_TOKENS] for m in msgs):
+            self._check_layouts(ctrl_words, fmt, P.REGION_NAMES[rid])
+            self._check_call_words(ctrl_words, P.REGION_NAMES[rid])
+        nrows = [m[P.CTRL_NROWS] for m in msgs]
         cap = region.capacity(fmt)
         if max(nrows) > cap or min(nrows) < 0:
             self._broken = "peer announced more rows than fit"
             raise UBEPError(f"a peer announced {max(nrows) if max(nrows) > cap else min(nrows)} rows but slots "
                             f"hold [0, {cap}]")
-        out = {"epoch": epoch, "half": half, "flag": flag, "nrows": nrows, "ctrl": ctrl_words, "staged": staged,
-               "counts": [ctrl_words[s][P.CTRL_COUNTS:P.CTRL_COUNTS + n_counts] for s in range(R)]}
         c0 = P.CTRL_COUNTS + n_counts
+        out = {"epoch": epoch, "half": half, "flag": flag, "nrows": nrows, "ctrl": ctrl_words, "staged": staged,
+               "counts": [m[P.CTRL_COUNTS:c0] for m in msgs]}
         if with_matrix:
-            out["ntpr_matrix"] = [ctrl_words[s][c0:c0 + R] for s in range(R)]
+            out["ntpr_matrix"] = [m[c0:c0 + R] for m in msgs]
             c0 += R
-        out["num_tokens"] = [ctrl_words[s][c0] for s in range(R)]
+        out["num_tokens"] = [m[c0] for m in msgs]
         # how each source stored its rows, and what reading this rank's rows has cost it (its message's head
         # words 1..3; see native_engine.store_policy)
         notes = region.ctrl_notes(self._heap.local, half).tolist()
@@ -2276,9 +2294,43 @@ class Buffer:
         region = self._region(rid)
         half, flag, epoch = recv["half"], recv["flag"], recv["epoch"]
         local = self._heap.local
+        eng = self.engine
+        phase = f"{P.REGION_NAMES[rid]}: Token-Reordering (waiting for token blocks)"
+        step = None if reduce is not None else eng.reorder_sources(
+            fmt, outs, recv_meta if fmt.meta_words else None, recv_src_idx, _STREAM_ROWS,
+            None if own is None else own[0])
+        if step is not None:     # every source's newly complete rows in one engine call per poll
+            me, nrows = self.rank, recv["nrows"]
+            # (each source's slots from their first row: the exchange checked that its rows fit them)
+            pending = [[region.rows(local, half, s, fmt).data_ptr(), nrows[s], int(offsets[s]), 0, s,
+                        recv["ways"][s]] for s in range(R) if s != me]
+            # this rank's own rows, straight from the source: in the first poll
+            if not nrows[me]:
+                own_args = ()
+            elif own is not None and getattr(step, "copies_own", False):
+                own_args = ((own[1], int(offsets[me])),)
+            else:
+                own_args = ()
+                local_copy(int(offsets[me]), nrows[me])
+
+            first = [True]
+
+            def poll_sources():
+                if first[0]:
+                    completed = step(pending, flag, *own_args)
+                    first[0] = False
+                    self._send_ack(rid, me, epoch)
+                else:
+                    completed = step(pending, flag)
+                if completed:
+                    for s in completed:
+                        self._send_ack(rid, s, epoch)
+                    pending[:] = [p for p in pending if p[3] < p[1]]
+                return [p[4] for p in pending]
+            self._wait(phase, poll_sources)
+            return
         done = set()
         progress = {}                     # source -> rows already reordered (streaming)
-        eng = self.engine
         arrived = {}                      # reduce: source -> its rows (None: this rank's own)
 
         def reorder(s: int, rows: torch.Tensor, lo: int, hi: int) -> None:
@@ -2294,37 +2346,6 @@ class Buffer:
                     meta_part.copy_(meta)
                 if src_part is not None and hi > lo:
                     src_part.copy_(rows[:, 0, :].view(torch.int64)[:, 1])
-
-        step = None if reduce is not None else eng.reorder_sources(
-            fmt, outs, recv_meta if fmt.meta_words else None, recv_src_idx, _STREAM_ROWS,
-            None if own is None else own[0])
-        if step is not None:     # every source's newly complete rows in one engine call per poll
-            # (each source's slots from their first row: the exchange checked that its rows fit them)
-            pending = [[region.rows(local, half, s, fmt).data_ptr(), recv["nrows"][s], int(offsets[s]), 0, s,
-                        recv["ways"][s]] for s in range(R) if s != self.rank]
-            own_rows = True      # this rank's own rows, straight from the source: in the first poll
-            me = self.rank
-
-            def poll_sources():
-                nonlocal own_rows
-                own_args = ()
-                if own_rows:
-                    n = recv["nrows"][me]
-                    if n and own is not None and getattr(step, "copies_own", False):
-                        own_args = ((own[1], int(offsets[me])),)
-                    elif n:
-                        local_copy(int(offsets[me]), n)
-                completed = step(pending, flag, *own_args)
-                if own_rows:
-                    own_rows = False
-                    self._send_ack(rid, me, epoch)
-                if completed:
-                    for s in completed:
-                        self._send_ack(rid, s, epoch)
-                    pending[:] = [p for p in pending if p[3] < p[1]]
-                return [p[4] for p in pending]
-            self._wait(f"{P.REGION_NAMES[rid]}: Token-Reordering (waiting for token blocks)", poll_sources)
-            return
 
         def poll():
             missing = []
@@ -2365,7 +2386,7 @@ class Buffer:
                 for s in range(R):     # (the slots may be written again once acknowledged)
                     self._send_ack(rid, s, epoch)
             return missing
-        self._wait(f"{P.REGION_NAMES[rid]}: Token-Reordering (waiting for token blocks)", poll)
+        self._wait(phase, poll)
 
     # ================================================================== normal combine
     @_collective
@@ -2496,6 +2517,10 @@ class Buffer:
             # (the biases first, then the ranks' rows in rank order: DeepEP's order of additions)
             eng.reduce_sources(fmt, [(bias[a:b], None) for bias in biases] + list(zip(rows, tok)), out[a:b],
                                read)
+            settle(x_rows, toks, slot_rows)
+
+        def settle(x_rows, toks, slot_rows: List[Optional[torch.Tensor]]) -> None:
+            # the weights of every source's rows summed in the same order; SP slots re-armed
             for s, r in enumerate(slot_rows):
                 if K:
                     w = topk_weights[x_rows[s][0]:x_rows[s][1]] if r is None else \
@@ -2511,11 +2536,38 @@ class Buffer:
                 self._broken = "combine layout mismatch"
                 raise UBEPError(f"combine on rank {self.rank}: peers returned {recv['nrows']} rows, the handle "
                                 f"sent {expect} (was the handle from the latest matching dispatch?)")
-            self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None,
-                               reduce=functools.partial(reduce, x_rows, toks, a, b, recv))
+            # every token of this rank in this exchange: where the engine can, one C poll checks that the rows
+            # of every source are there and then sums them, reading the slots in place
+            poll = None if (a, b) != (0, T) or not hasattr(eng, "reduce_poller") else self._reduce_poller(
+                recv, fmt, out, biases, x, x_rows[me][0], toks)
+            if poll is None:
+                self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None,
+                                   reduce=functools.partial(reduce, x_rows, toks, a, b, recv))
+                continue
+            flag = recv["flag"]
+            self._wait(f"{P.REGION_NAMES[P.REGION_COMBINE]}: Token-Reordering (waiting for token blocks)",
+                       lambda: poll(flag))
+            if K:
+                settle(x_rows, toks, [None if s == me else self._region(P.REGION_COMBINE).rows(
+                    self._heap.local, recv["half"], s, fmt, expect[s]) for s in range(R)])
+            for s in range(R):     # (the slots may be written again once acknowledged)
+                self._send_ack(P.REGION_COMBINE, s, recv["epoch"])
         self._call_complete("combine")
         self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size(), token_in_rank=base[4])
         return out, wacc, _event(async_finish)
+
+    def _reduce_poller(self, recv: dict, fmt: P.RowFormat, out: torch.Tensor, biases: list, x: torch.Tensor,
+                       first: int, toks: list):
+        """The engine's C poll-and-sum of a one-exchange combine (``NativeEngine.reduce_poller``): the biases,
+        then every rank's rows in rank order, this rank's own from ``x[first:]``; ``toks[s]`` are the tokens
+        of rank s's rows. None where the engine cannot take these sources."""
+        region, local, half, me = self._region(P.REGION_COMBINE), self._heap.local, recv["half"], self.rank
+        sources = [(bias, 0, bias.shape[0], None) for bias in biases]
+        for s, tok in enumerate(toks):
+            n = recv["nrows"][s]
+            sources.append((x, first, n, tok) if s == me else
+                           (s, region.rows(local, half, s, fmt).data_ptr(), n, tok, recv["ways"][s]))
+        return self.engine.reduce_poller(fmt, out, sources)
 
     # ================================================================== low-latency dispatch
     @_collective
@@ -3238,7 +3290,7 @@ def _next_run(eng, fmt: P.RowFormat, rows: torch.Tensor, flag: int, start: int, 
 
 def _equal_values(given: torch.Tensor, expected: torch.Tensor) -> bool:
     """Same shape and values, whatever the device and integer dtype of ``given``."""
-    if given.device.type != "cpu":
+    if not given.is_cpu:
         given = given.cpu()
     if given.dtype != expected.dtype:
         given, expected = given.to(torch.int64), expected.to(torch.int64)
@@ -3293,7 +3345,7 @@ def _token_slices(lists: List[torch.Tensor], a: int, b: int) -> List[torch.Tenso
 
 def _same_routing(topk_idx, snapshot: torch.Tensor) -> bool:
     """Is ``topk_idx`` a CPU int64 tensor equal to ``snapshot`` (a routing checked earlier)?"""
-    return (isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int64 and topk_idx.device.type == "cpu"
+    return (isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int64 and topk_idx.is_cpu
             and topk_idx.shape == snapshot.shape and torch.equal(topk_idx, snapshot))
 
 

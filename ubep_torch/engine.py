@@ -246,6 +246,14 @@ class TorchEngine:
         # head words and meta blocks that depend only on (token, block, rank): kept between calls; a kept
         # block with meta items gets all of them rewritten by every call (the stores copy it synchronously)
         reusable = src_index is self._spans.get((0, n))
+        plan_key = (fmt, n, rank, meta is not None)
+        plan = self._scratch.get(plan_key) if reusable and sync == "tff" else None
+        if plan is not None:      # (TFF rows of this format staged before: the kept blocks, each field's place)
+            meta_blk, meta_items, places, hdr = plan
+            if meta is not None:
+                meta_items.copy_(meta)
+            return DirectRows(n, [(off, full, fields[i], rem) for i, off, full, rem in places], meta_blk, hdr,
+                              rank), None, None
         keep = reusable and sync != "sp"
         items = fmt.meta_words if meta is not None else 0
         key = ("meta", n, nb, rank, sync, fmt.meta_words, items)
@@ -285,6 +293,10 @@ class TorchEngine:
                     hdr[:, :, 2] = rank
                     if reusable:
                         self._scratch[key] = hdr
+            if reusable:
+                self._scratch[plan_key] = (meta_blk, meta_items, [
+                    (i, fmt.field_offset_blocks(i), fmt.fields[i][1] // pay, fmt.fields[i][1] % pay)
+                    for i in range(len(fields)) if fmt.field_blocks[i]], hdr)
         elif sync in ("sp", "dc"):
             # the leading 32 B of every block, read from where the payload lives
             mw = meta_blk.view(torch.int64)

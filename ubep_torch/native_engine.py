@@ -352,12 +352,14 @@ class NativeEngine(TorchEngine):
         if fields is None:
             return False
         dests = []
+        int64 = torch.int64
         for (rows_p, room, ctrl_p, nctrl), sel, w in zip(plan[0], sels, words):
-            if not (isinstance(sel, torch.Tensor) and sel.dim() == 1 and sel.dtype == torch.int64
-                    and sel.is_contiguous() and sel.shape[0] <= room):
+            if not (isinstance(sel, torch.Tensor) and sel.dtype is int64 and sel.dim() == 1 and sel.is_contiguous()):
                 return False
             n = sel.shape[0]
-            dests.append((rows_p, n, sel.data_ptr() if n else 0, ctrl_p, nctrl, tuple(w), 0, 0))
+            if n > room:
+                return False
+            dests.append((rows_p, n, sel.data_ptr() if n else 0, ctrl_p, nctrl, w, 0, 0))
         # (the C loop checks every staging row and the control words' size before it stores anything)
         _native.send_exchange(fmt.blocks, staging.meta.shape[0], staging.meta.data_ptr(), int(staging.rank),
                               int(flag), fields, tuple(dests))
@@ -623,6 +625,62 @@ class NativeEngine(TorchEngine):
                 _native.combine_rows_bf16(T, H, tuple(spec), out.data_ptr(), *(read or ()))
                 return
         super().reduce_sources(fmt, sources, out)
+
+    def reduce_poller(self, fmt: P.RowFormat, out: torch.Tensor, sources: Sequence[tuple]
+                      ) -> Optional[Callable[[int], list]]:
+        """The receive side of a one-exchange normal combine in C: returns ``poll(flag)``, which checks which
+        peers' rows carry ``flag`` in every block and, once all do, sums every source into ``out`` as
+        ``reduce_sources`` does, in one pass; it returns the ranks still missing. None where the C loops
+        cannot address a source (``reduce_sources`` then does the work).
+
+        ``sources``, in the order of the sum (biases, then the ranks in rank order): ``(rows, first, n, tok)``
+        for plain rows (``rows[first:first + n]``, bf16 [.., H]: a bias, this rank's own), ``(rank, address,
+        n, tok, way)`` for a peer's rows in this rank's slots (``way``: how the peer stored them, as its control
+        message says; see ``store_policy``). ``tok``: contiguous int64 token of each row, or None (row r is
+        token r)."""
+        T, H = out.shape
+        if not (fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.is_contiguous() and fmt.fields[0][1] == H * 2):
+            return None
+        spec, alive, waiting, ways, read_bytes = [], [out], [], set(), 0
+        payload = fmt.field_offset_blocks(0) * P.BLOCK_BYTES + P.FLAG_BYTES
+        nb, row_bytes = fmt.blocks, fmt.row_bytes
+        for src in sources:
+            tok, n = src[3], src[2]
+            if n == 0:
+                continue
+            if not (tok is None or _contiguous_int64(tok)):
+                return None
+            tok_p = 0 if tok is None else tok.data_ptr()
+            if len(src) == 4:     # plain rows
+                rows, first = src[0], src[1]
+                if not (rows.dtype == torch.bfloat16 and _rowwise(rows) and rows.shape[1] == H
+                        and 0 <= first and first + n <= rows.shape[0]):
+                    return None
+                stride = rows.stride(0) * 2
+                spec.append((rows.data_ptr() + first * stride, stride, P.TFF_PAYLOAD_BYTES, tok_p, n))
+                alive.append(rows)
+            else:
+                rank, base, _, _, way = src
+                spec.append((base + payload, row_bytes, P.BLOCK_BYTES, tok_p, n))
+                waiting.append((rank, base, n))
+                ways.add(way)
+                read_bytes += n * row_bytes
+            alive.append(tok)
+        spec = tuple(spec)
+        out_p, arrived, combine = out.data_ptr(), _native.arrived, _native.combine_rows_bf16
+        way = ways.pop() if len(ways) == 1 else 0
+
+        def poll(flag: int, _alive=alive) -> list:
+            # (_alive: the tensors whose addresses ``spec`` holds live as long as the poller does)
+            waiting[:] = [w for w in waiting if not arrived(w[1], w[2], nb, flag)]
+            if waiting:
+                return [w[0] for w in waiting]
+            if way:         # (the sum timed for the store policy: rows stored one way by every peer)
+                combine(T, H, spec, out_p, flag, way, read_bytes)
+            else:
+                combine(T, H, spec, out_p)
+            return []
+        return poll
 
     combines_local_rows = True
 

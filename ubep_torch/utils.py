@@ -310,15 +310,22 @@ class TensorCache:
 
     def empty(self, shape, dtype: "torch.dtype") -> "torch.Tensor":
         shape = tuple(map(int, shape))
-        n, strides = 1, []
-        for d in reversed(shape):
-            strides.insert(0, n)
-            n *= d
+        if len(shape) == 2:
+            n, strides = shape[0] * shape[1], [shape[1], 1]
+        else:
+            n, strides = 1, []
+            for d in reversed(shape):
+                strides.insert(0, n)
+                n *= d
         if n == 0 or self._use_count is None:
             return torch.empty(*shape, dtype=dtype)
-        pool = self._entries.setdefault(dtype, [])      # kept in ascending size: the first free fit is the best
-        for i in range(len(pool)):
-            if pool[i].numel() >= n and self._free(pool, i):
+        pool = self._entries.get(dtype)
+        if pool is None:
+            pool = self._entries[dtype] = []            # kept in ascending size: the first free fit is the best
+        refs, uses, use_count = self._base_refs, self._base_uses, self._use_count
+        for i in range(len(pool)):     # (``_free``, inlined)
+            if pool[i].numel() >= n and sys.getrefcount(pool[i]) <= refs and \
+                    use_count(pool[i].untyped_storage()._cdata) <= uses:
                 return self._on(pool[i], shape, strides)
         if len(pool) >= self.max_entries:
             victims = [i for i in range(len(pool)) if self._free(pool, i)]
