@@ -1446,3 +1446,14 @@ def deepep_event_idioms(ctx):
     kinds.append(type(ll.low_latency_combine(recv, topk, w, ll_handle, async_finish=True)[1].event).__name__)
     dist.barrier()
     return float((combined - x * itr.sum(1, keepdim=True)).abs().max()), kinds
+
+
+def results_sent_away(ctx, v: float, T=64, H=1024):
+    """A normal dispatch and combine whose outputs (128 KiB each, so the Buffer draws them from its output
+    cache) are returned from the rank: RankPool sends them to the pool's process, which keeps them."""
+    buf = get_buffer(ctx, H=H)
+    x = torch.full((T, H), float(v)).bfloat16()
+    idx = torch.zeros(T, 1, dtype=torch.int64)          # every token to expert 0, on rank 0
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, num_experts=8)
+    combined, _, _ = buf.combine(recv_x, handle)
+    return recv_x, combined

@@ -571,3 +571,13 @@ def test_deepeps_event_idioms_run_unchanged(pool2):
     for err, kinds in pool2.run(F.deepep_event_idioms):
         assert err < 1e-5
         assert kinds == ["EventHandle"] * 4 + ["NoneType"] + ["EventHandle"] * 2
+
+
+def test_results_sent_to_another_process_are_never_overwritten(pool2):
+    """(former bug: the output cache reused a result's memory once the rank dropped it, though the pool's
+    process still held it: torch had moved it to shared memory to send it, and later calls overwrote it)"""
+    kept = [pool2.run(F.results_sent_away, float(v)) for v in (1, 2, 3)]
+    for v, per_rank in zip((1, 2, 3), kept):
+        for rank, (recv_x, combined) in enumerate(per_rank):
+            assert combined.eq(v).all(), (v, rank)
+            assert recv_x.shape[0] == (128 if rank == 0 else 0) and recv_x.eq(v).all(), (v, rank)

@@ -9,7 +9,7 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 def test_held_results_are_never_handed_out_again():
-    cache = TensorCache()
+    cache = TensorCache(min_bytes=0)
     a = cache.empty((4, 8), torch.float32)
     b = cache.empty((4, 8), torch.float32)
     assert _ptr(a) != _ptr(b)
@@ -23,7 +23,7 @@ def test_held_results_are_never_handed_out_again():
 
 
 def test_dropped_results_are_reused_smallest_fit_first():
-    cache = TensorCache()
+    cache = TensorCache(min_bytes=0)
     big = cache.empty((1000,), torch.bfloat16)
     small = cache.empty((100,), torch.bfloat16)
     ptr_big, ptr_small = _ptr(big), _ptr(small)
@@ -36,7 +36,7 @@ def test_dropped_results_are_reused_smallest_fit_first():
 
 
 def test_a_full_cache_evicts_a_free_entry_or_allocates_outside():
-    cache = TensorCache(max_entries=2)
+    cache = TensorCache(max_entries=2, min_bytes=0)
     held = [cache.empty((10,), torch.int32), cache.empty((20,), torch.int32)]
     extra = cache.empty((30,), torch.int32)          # both entries held: a tensor of its own
     assert _ptr(extra) not in [_ptr(t) for t in held]
@@ -46,6 +46,16 @@ def test_a_full_cache_evicts_a_free_entry_or_allocates_outside():
     assert _ptr(cache.empty((35,), torch.int32)) not in (_ptr(held[0]), _ptr(extra))
     assert len(cache._entries[torch.int32]) == 2
 
+
+
+def test_only_tensors_of_min_bytes_or_more_are_cached():
+    cache = TensorCache(min_bytes=1024)
+    small = cache.empty((16, 8), torch.float32)      # 512 bytes: a plain tensor, never kept
+    assert small.shape == (16, 8) and small.dtype == torch.float32 and torch.float32 not in cache._entries
+    big = cache.empty((16, 16), torch.float32)       # 1024 bytes: kept, and handed out again once dropped
+    ptr = _ptr(big)
+    del big
+    assert _ptr(cache.empty((16, 16), torch.float32)) == ptr
 
 def test_config_repr_names_every_argument_and_rebuilds_the_same_config():
     """(former bug: the repr left out the RDMA chunk sizes and num_count_aivs, so a logged Config could not

@@ -287,11 +287,17 @@ class TensorCache:
     the cache refers to it any more: no Python reference to the tensor object and no other tensor (view,
     detach, numpy array) on its storage. That is exact under CPython reference counting, so a result the
     caller still holds is never overwritten, and any number of results can be alive at once. (A Python
-    ``untyped_storage()`` object or a raw ``data_ptr()`` alone does not count as a reference.)
+    ``untyped_storage()`` object or a raw ``data_ptr()`` alone does not count as a reference.) A result
+    sent to another process is not reused at all: torch moves its memory to shared memory to send it, and
+    the other process's hold on it shows in no count here.
+
+    Tensors of fewer than ``min_bytes`` bytes are plain ``torch.empty`` ones: the allocator serves them from
+    memory it keeps mapped, so there is nothing to gain, and the checks cost more than the allocation.
     """
 
-    def __init__(self, max_entries: int = 6):
+    def __init__(self, max_entries: int = 6, min_bytes: int = 64 << 10):
         self.max_entries = max_entries
+        self.min_bytes = min_bytes
         self._entries: dict = {}   # dtype -> list of flat tensors
         self._use_count = getattr(torch._C, "_storage_Use_Count", None)
         probe = [torch.empty(1)]
@@ -305,6 +311,13 @@ class TensorCache:
     def _uses(self, pool: list, i: int) -> int:
         return self._use_count(pool[i].untyped_storage()._cdata)
 
+    @staticmethod
+    def _shared(pool: list, i: int) -> bool:
+        """The entry's memory was moved to shared memory, as torch does to a tensor it sends to another process
+        (``torch.multiprocessing``, or a ``RankPool`` rank's result): that process may hold it, and no count
+        in this one says so. Such an entry is never handed out again (only dropped to make room)."""
+        return pool[i].untyped_storage().is_shared()
+
     def _free(self, pool: list, i: int) -> bool:
         return self._refs(pool, i) <= self._base_refs and self._uses(pool, i) <= self._base_uses
 
@@ -317,7 +330,7 @@ class TensorCache:
             for d in reversed(shape):
                 strides.insert(0, n)
                 n *= d
-        if n == 0 or self._use_count is None:
+        if n == 0 or self._use_count is None or n * dtype.itemsize < self.min_bytes:
             return torch.empty(*shape, dtype=dtype)
         pool = self._entries.get(dtype)
         if pool is None:
@@ -325,7 +338,7 @@ class TensorCache:
         refs, uses, use_count = self._base_refs, self._base_uses, self._use_count
         for i in range(len(pool)):     # (``_free``, inlined)
             if pool[i].numel() >= n and sys.getrefcount(pool[i]) <= refs and \
-                    use_count(pool[i].untyped_storage()._cdata) <= uses:
+                    use_count(pool[i].untyped_storage()._cdata) <= uses and not self._shared(pool, i):
                 return self._on(pool[i], shape, strides)
         if len(pool) >= self.max_entries:
             victims = [i for i in range(len(pool)) if self._free(pool, i)]
