@@ -2313,12 +2313,13 @@ class Buffer:
                 own_args = ()
                 local_copy(int(offsets[me]), nrows[me])
 
-            first = [True]
+            first = True
 
             def poll_sources():
-                if first[0]:
+                nonlocal first
+                if first:
                     completed = step(pending, flag, *own_args)
-                    first[0] = False
+                    first = False
                     self._send_ack(rid, me, epoch)
                 else:
                     completed = step(pending, flag)
@@ -2544,9 +2545,8 @@ class Buffer:
                 self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None,
                                    reduce=functools.partial(reduce, x_rows, toks, a, b, recv))
                 continue
-            flag = recv["flag"]
             self._wait(f"{P.REGION_NAMES[P.REGION_COMBINE]}: Token-Reordering (waiting for token blocks)",
-                       lambda: poll(flag))
+                       functools.partial(poll, recv["flag"]))
             if K:
                 settle(x_rows, toks, [None if s == me else self._region(P.REGION_COMBINE).rows(
                     self._heap.local, recv["half"], s, fmt, expect[s]) for s in range(R)])

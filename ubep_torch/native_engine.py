@@ -639,7 +639,8 @@ class NativeEngine(TorchEngine):
         message says; see ``store_policy``). ``tok``: contiguous int64 token of each row, or None (row r is
         token r)."""
         T, H = out.shape
-        if not (fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.is_contiguous() and fmt.fields[0][1] == H * 2):
+        if not (fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.is_contiguous()
+                and fmt.fields[0][1] == H * 2):
             return None
         spec, alive, waiting, ways, read_bytes = [], [out], [], set(), 0
         payload = fmt.field_offset_blocks(0) * P.BLOCK_BYTES + P.FLAG_BYTES
