@@ -194,6 +194,24 @@ def test_best_count_group_shrinks_with_batch_and_grows_with_ranks() -> None:
     assert best(128, 16) > best(128, 128) or best(256, 16) > best(64, 16)
 
 
+
+def test_default_count_group_follows_the_copies_sent_not_the_masked_slots() -> None:
+    """(former bug: the default count group was sized from K * B, -1 slots included, so a routing with most
+    slots masked got the small count group of a full batch; its count work then outlasted the little
+    sending, and the report had UBEP slower than CANN EP while the same copies in fewer tokens cost a
+    quarter of it)"""
+    R, E = 64, 256
+    g = torch.Generator().manual_seed(0)
+    full = torch.stack([torch.randperm(E, generator=g)[:8] for _ in range(128)])
+    masked = torch.full_like(full, -1)
+    masked[:, 0] = full[:, 0]                    # 128 copies in 128 tokens ...
+    fewer = full[:16]                            # ... and 128 copies in 16 tokens
+    rep = {name: CostModel().report("dispatch", 0, R, t, E, 7168, bytes_per_token=7392)
+           for name, t in (("masked", masked), ("fewer", fewer))}
+    assert rep["masked"]["ubep"].n_count == rep["fewer"]["ubep"].n_count
+    assert rep["masked"]["ubep"].total_us <= 1.2 * rep["fewer"]["ubep"].total_us
+    assert rep["masked"]["ubep"].total_us < rep["masked"]["cann_ep"].total_us
+
 # ----------------------------------------------------------------------------- speed
 def test_384_rank_simulation_is_fast() -> None:
     tk = make_routing(384, 128, 8, 384, seed=0)

@@ -480,7 +480,8 @@ def simulate(
         topology: defaults to 16 dies per node (CM384).
         params: the constants; :data:`ubep_torch.topology.CM384` by default.
         sync, mapping, n_count: UBEP's Data-as-Flag variant, topology-aware mapping and count-group
-            size (``None``: :func:`ubep_torch.mapper.default_count_aivs`). Ignored for CANN EP.
+            size (``None``: :func:`ubep_torch.mapper.default_count_aivs` of the copies the busiest rank
+            sends, its slots in use). Ignored for CANN EP.
         n_aivs: AIVs per die (default ``params.aivs_per_die``).
         cann_sending: which AIV sends each dispatch copy in CANN EP (ignored for UBEP): ``"tokens"``
             (the calibrated default: token ``i`` of a die and all its copies go to AIV ``i mod n``) or
@@ -550,8 +551,11 @@ def simulate(
     else:
         nc = 0
         if "dispatch" in kind:
+            # (Appendix 9's K * B is the copies a rank's token group sends: the slots in use, -1 slots
+            # send nothing; the busiest rank's, whose sending the count group must not outlast)
+            copies = int((tk >= 0).sum(axis=(1, 2)).max()) if tk.size else 0
             nc = check_count("n_count", n_count, 1) if n_count is not None else default_count_aivs(
-                E, K, B, n, count_cost_ratio(params, bytes_per_token, R, E, sync))
+                E, 1, max(1, copies), n, count_cost_ratio(params, bytes_per_token, R, E, sync))
             if not 1 <= nc < n:
                 raise ValueError(f"n_count must be in [1, {n - 1}], got {nc}")
         total, phases, sr, overlapped = _ubep(kind, c, B, K, R, E, bytes_per_token, topo, params, n,
