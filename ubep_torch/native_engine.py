@@ -62,20 +62,20 @@ STORE_KINDS = {P.REGION_DISPATCH: "dispatch", P.REGION_COMBINE: "combine", P.REG
 def store_policy(policy: Optional[str] = None) -> dict:
     """How this process stores rows into its peers' slots (the C path's TFF stores), and what it measured.
 
-    ``"plain"`` stores go through the cache; ``"streaming"`` stores write whole lines around it (x86-64
-    only; elsewhere every store is plain), each block's flag written after an sfence; ``"auto"`` (the
-    default, or ``UBEP_STORES``) measures both on sends of 256 KiB or more, for each kind of send apart, and
-    keeps the cheaper, trying the other now and then (native.c says when). Which one wins depends on where
-    the cores of the ranks sit: plain stores take every line from the core that last read it, which costs
-    several times more when the two cores are far apart; streaming stores leave the lines in memory, where
-    the receiver must fetch them, instead of in the writer's cache. So for normal dispatch and combine a
-    way's cost also counts the receive side: every control message names the way its rows were stored, the
-    receivers time their copies out of the slots and their sums per way (``plain_read_ns_per_kib``,
-    ``streaming_read_ns_per_kib``) and report those in their next control messages, and a way's cost is the
-    sender's store estimate plus, once its peers have reported both ways, their read estimate
-    (``peers_plain_read_ns_per_kib``, ``peers_streaming_read_ns_per_kib``). Low-latency sends, whose rows a
-    recv hook may read much later, are weighed by their stores. Outputs are the same either way, and so are
-    the memory contents but for three head words of the control messages.
+    ``"plain"`` stores go through the cache; ``"streaming"`` stores write whole lines around it (x86-64 only;
+    elsewhere every store is plain), each block's flag written after an sfence; ``"auto"`` (the default, or
+    ``UBEP_STORES``) measures both on sends of 32 KiB or more, for each kind of send apart, and keeps the cheaper,
+    trying the other now and then (native.c says when); smaller sends take the way in use for their kind. Which one
+    wins depends on where the cores of the ranks sit: plain stores take every line from the core that last read it,
+    which costs several times more when the two cores are far apart; streaming stores leave the lines in memory,
+    where the receiver must fetch them, instead of in the writer's cache. So for normal dispatch and combine a way's
+    cost also counts the receive side: every control message names the way its rows were stored, the receivers time
+    their copies out of the slots and their sums per way (``plain_read_ns_per_kib``, ``streaming_read_ns_per_kib``)
+    and report those in their next control messages, and a way's cost is the sender's store estimate plus, once its
+    peers have reported both ways, their read estimate (``peers_plain_read_ns_per_kib``,
+    ``peers_streaming_read_ns_per_kib``). Low-latency sends, whose rows a recv hook may read much later, are weighed
+    by their stores. Outputs are the same either way, and so are the memory contents but for three head words of the
+    control messages.
 
     Passing ``policy`` sets it for the whole process (counts and estimates start afresh), over
     ``UBEP_STORES`` (which the process's first native engine applies unless a policy was set). Returns

@@ -231,8 +231,9 @@ store_rows_way(int stream, uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int6
  * Which stores put rows into a peer's slots: POLICY_AUTO measures both and keeps the cheaper, per process
  * and per kind of send (the region in the flag word: normal dispatch and combine, low-latency dispatch and
  * combine store different row mixes; the placement of this core and the peers' cores decides, and it can
- * change while a job runs). Sends of fewer than AUTO_MIN_BYTES take plain stores unmeasured, and so do the
- * first WARM_SENDS sends of a kind (first touches of the slots). Each measured send of the way in use
+ * change while a job runs). Sends of fewer than AUTO_MIN_BYTES go unmeasured and take the way of their kind
+ * in use (plain until a larger send of the kind measured otherwise); the first WARM_SENDS measured sends of
+ * a kind take plain stores (first touches of the slots). Each measured send of the way in use
  * updates that way's estimate in ns per KiB (see store_measured); the way with the lower cost is used,
  * and the other is tried again after ``probe_every`` sends, an interval that doubles (to PROBE_MAX) each
  * time the try confirms the choice and falls back to PROBE_MIN when the choice flips.
@@ -255,7 +256,7 @@ store_rows_way(int stream, uint8_t *dst, Py_ssize_t n, Py_ssize_t nb, const int6
  * weighs its stores alone.) Low-latency sends, whose rows a recv hook may read much later, count their
  * stores only. */
 enum { POLICY_AUTO = 0, POLICY_PLAIN = 1, POLICY_STREAM = 2 };
-#define AUTO_MIN_BYTES (256 << 10)
+#define AUTO_MIN_BYTES (32 << 10)
 #define PROBE_MIN 16
 #define PROBE_MAX 256
 #define WARM_SENDS 2
@@ -304,7 +305,8 @@ static int store_way(long long flag, Py_ssize_t bytes) {
     if (stores.policy == POLICY_PLAIN) return 0;
     if (stores.policy == POLICY_STREAM) return 1;
     const store_kind_t *k = &stores.kind[flag & (STORE_KINDS - 1)];
-    if (bytes < AUTO_MIN_BYTES || k->seen < WARM_SENDS) return 0;
+    if (bytes < AUTO_MIN_BYTES) return k->current;
+    if (k->seen < WARM_SENDS) return 0;
     if (k->est[1] == 0.0 && k->est[0] > 0.0 && k->since_probe >= 2) return 1;    /* the first try of streaming */
     if (k->since_probe >= k->probe_every) return !k->current;
     return k->current;
