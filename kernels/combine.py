@@ -135,9 +135,18 @@ def combine_accumulate(fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor
     hidden = fmt.fields[0][1] // es
     has_w = wacc is not None and wacc.shape[1] > 0
     k = wacc.shape[1] if has_w else 0
+    # (the kernel addresses by these indices unchecked: a bad one would read or write outside the tensors)
+    index = index.to(torch.int64).reshape(-1).contiguous()
+    if index.numel() != n or int(index.min()) < 0 or int(index.max()) >= acc.shape[0]:
+        raise IndexError(f"combine_accumulate: index must give each of the {n} rows an accumulator row in "
+                         f"[0, {acc.shape[0]})")
+    if acc.dim() != 2 or acc.shape[1] != hidden or acc.dtype not in (torch.float32, torch.float64) or \
+            (has_w and (wacc.shape[0] != acc.shape[0] or not wacc.is_contiguous())):
+        raise ValueError(f"combine_accumulate: acc must be a contiguous [T, {hidden}] float32 or float64 tensor "
+                         f"(and wacc a contiguous [T, K] one)")
     with _ieee():
         combine_accumulate_kernel[(n,)](
-            torch.tensor([rows.data_ptr()], dtype=torch.int64), index.to(torch.int64).contiguous(), acc,
+            torch.tensor([rows.data_ptr()], dtype=torch.int64), index, acc,
             wacc if has_w else acc, fmt.blocks, hidden, k, fmt.meta_words, fmt.field_offset_blocks(0),
             SYNC=daf.SYNC_CODE[fmt.sync], X_DTYPE=_TL_DTYPE[x_dtype], ELEM_BYTES=es,
             W_DTYPE=_TL_DTYPE[wacc.dtype] if has_w else tl.float32,
@@ -156,11 +165,22 @@ def weighted_combine(fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tenso
         pos: ``[T, K]`` int64 row of slot (t, k) (default ``t*K + k``).
     """
     T, K = topk_idx.shape
+    hidden = fmt.fields[0][1] // 2
+    if weights.dtype != torch.float32 or tuple(weights.shape) != (T, K):
+        raise TypeError(f"weighted_combine: weights must be a [{T}, {K}] float32 tensor, got {weights.dtype} "
+                        f"{tuple(weights.shape)}")
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (T, hidden):
+        raise TypeError(f"weighted_combine: out must be a [{T}, {hidden}] bfloat16 tensor, got {out.dtype} "
+                        f"{tuple(out.shape)}")
     if T == 0:
         return
     if pos is None:
         pos = torch.arange(T * K, dtype=torch.int64).view(T, K)
-    hidden = fmt.fields[0][1] // 2
+    # (the kernel addresses by these rows unchecked: one past the rows would read outside them)
+    used = pos[topk_idx >= 0]
+    if tuple(pos.shape) != (T, K) or (used.numel() and (int(used.min()) < 0 or int(used.max()) >= rows.shape[0])):
+        raise IndexError(f"weighted_combine: pos must be [{T}, {K}] with every unmasked slot's row in "
+                         f"[0, {rows.shape[0]})")
     # (the kernel stores token t's row at t * hidden: any other layout of ``out`` gets the rows through a copy)
     dense = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
     with _ieee():

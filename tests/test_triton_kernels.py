@@ -230,6 +230,38 @@ def test_weighted_combine_equals_torch_formula():
     assert torch.equal(out, ref)
 
 
+
+def test_kernel_launchers_refuse_what_their_kernels_cannot_take():
+    """(former bugs: a hop class outside the topology's four gave a permutation with a repeated position and
+    one never written; combine launchers wrote bf16 bits into a float32 ``out``, summed bf16 weights as
+    something else, and crashed the process on a row index past the rows)"""
+    from ubep_torch.kernels import combine as KC
+    with pytest.raises(ValueError, match="hop classes must be in"):
+        TE.remap_experts(3, torch.tensor([0, 5, 1]))
+    with pytest.raises(ValueError, match="hop classes must be in"):
+        TE.remap_experts(3, torch.tensor([0, -1, 1]))
+    hops = torch.tensor([0, 3, 1])
+    assert TE.remap_experts(3, hops).tolist() == M.remap_experts(3, 1, hops).tolist()
+    T, K, H = 3, 2, 200
+    fmt = P.RowFormat("tff", (("x", H * 2),), 0)
+    x = torch.randn(T * K, H, generator=torch.Generator().manual_seed(0)).bfloat16()
+    staging, checked, _ = TorchEngine().pack_rows(fmt, [P.as_bytes(x)], None, torch.arange(T * K), 0)
+    rows = torch.zeros(T * K, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    TorchEngine().write_rows(fmt, staging, checked, None, rows, P.flag_word(1, P.REGION_LL_COMBINE))
+    topk, w = torch.tensor([[0, 1], [2, -1], [3, 1]]), torch.rand(T, K)
+    with pytest.raises(TypeError, match="out must be"):
+        KC.weighted_combine(fmt, rows, topk, w, torch.zeros(T, H, dtype=torch.float32))
+    for bad in (w.bfloat16(), w.double()):
+        with pytest.raises(TypeError, match="weights must be"):
+            KC.weighted_combine(fmt, rows, topk, bad, torch.zeros(T, H, dtype=torch.bfloat16))
+    with pytest.raises(IndexError, match="pos must be"):
+        KC.weighted_combine(fmt, rows, topk, w, torch.zeros(T, H, dtype=torch.bfloat16),
+                            pos=torch.tensor([[0, 1], [2, 3], [10 ** 7, 5]]))
+    with pytest.raises(IndexError, match="index must give"):
+        KC.combine_accumulate(fmt, rows[:2], torch.tensor([0, 1_000_000]), torch.zeros(4, H), torch.bfloat16)
+    with pytest.raises(ValueError, match="acc must be"):
+        KC.combine_accumulate(fmt, rows[:2], torch.tensor([0, 1]), torch.zeros(4, H + 1), torch.bfloat16)
+
 # ----------------------------------------------------------------------------- decomposed LL receive
 def ll_receive_case(sync: str, R: int = 3, El: int = 4, N: int = 4, H: int = 256, seed: int = 7,
                     nctrl: int = 0):

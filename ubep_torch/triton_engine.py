@@ -52,7 +52,7 @@ from .engine import SendJob, TorchEngine, payload_tensor
 from .errors import UBEPKernelWaitError
 from .mapper import default_count_aivs
 from .mapper import quaternary_search as _search_in_torch
-from .topology import Topology
+from .topology import NUM_HOP_CLASSES, Topology
 from .utils import check_count, env_flag
 
 
@@ -342,12 +342,17 @@ def _ctrl_words(payload: torch.Tensor, nctrl: int) -> torch.Tensor:
 
 
 def remap_experts(num: int, hop: torch.Tensor | None = None, mapping: bool = True) -> torch.Tensor:
-    """Launcher of ``kernels.mapper.remap_experts_kernel``; equal to ``ubep_torch.mapper.remap_experts``."""
+    """Launcher of ``kernels.mapper.remap_experts_kernel``; equal to ``ubep_torch.mapper.remap_experts`` for
+    the topology's hop classes, 0 to ``NUM_HOP_CLASSES - 1`` (others are a ValueError: the kernel sorts those
+    classes only)."""
     num = int(num)
     order = torch.empty(max(num, 1), dtype=torch.int64)
     if num == 0:
         return order[:0]
     hop_t = torch.as_tensor(hop, dtype=torch.int64).reshape(num).contiguous() if hop is not None else order
+    if hop is not None and (int(hop_t.min()) < 0 or int(hop_t.max()) >= NUM_HOP_CLASSES):
+        raise ValueError(f"remap_experts: hop classes must be in [0, {NUM_HOP_CLASSES}), got "
+                         f"[{int(hop_t.min())}, {int(hop_t.max())}]")
     kmapper.remap_experts_kernel[(1,)](hop_t, order, num, HAS_HOP=hop is not None, MAPPING=bool(mapping),
                                        BLOCK_E=_p2(num, 2))
     return order
