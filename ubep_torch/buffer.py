@@ -161,6 +161,12 @@ class _Region:
     def forget_views(self) -> None:
         self._views = {}
 
+    def kept(self, key: tuple, make: Callable):
+        """What ``make()`` returns, made once per ``key`` and kept with the views (for the Buffer's life)."""
+        if key not in self._views:
+            self._views[key] = make()
+        return self._views[key]
+
     def half(self, epoch: int) -> int:
         return int(epoch) % self.halves
 
@@ -1011,10 +1017,8 @@ class Buffer:
         (``{source: [int, ...]}``: control data is read once, then handled as Python ints)."""
         local, eng, words = self._heap.local, self.engine, {}
         # (the engine's poller of these blocks, made once: the memory is mapped for the Buffer's life)
-        key = (local.data_ptr(), half, "poller", nctrl)
-        poller = region._views.get(key, False)
-        if poller is False:
-            poller = region._views[key] = eng.ctrl_poller(region.ctrl_sources(local, half), nctrl)
+        poller = region.kept((local.data_ptr(), half, "poller", nctrl),
+                             lambda: eng.ctrl_poller(region.ctrl_sources(local, half), nctrl))
         if poller is not None:   # every source at once
             got = [None] * self.group_size
             if self.delay_hook is None and not self._destroyed and not poller(flag, got):
@@ -1302,6 +1306,14 @@ class Buffer:
         w = self._decision(r, seq) if r != self.rank else None
         return w is not None and not w & 1
 
+    def _refused_by_any(self, seq: int) -> bool:
+        """Whether a peer refused attempt ``seq`` (``_refused_by`` of every peer, their words read in one
+        load)."""
+        R, me = self.group_size, self.rank
+        row = (_DECIDE_ROW + seq % self._decide_slots) * R
+        return seq > 0 and any(w >> 5 == seq and not w & 1
+                               for r, w in enumerate(self._aux_words[row:row + R].tolist()) if r != me)
+
     def _settle_refusal(self) -> None:
         """Before this rank's next call (or refusal) after refusing attempt S: wait until every peer has
         decided on S, refused it too or taken part and left it (``_post_decision``). If any peer took part,
@@ -1439,12 +1451,9 @@ class Buffer:
         rank that comes late to such a call names the mismatch, as the ranks that were in it do, before it
         sends anything a peer could take for its call, and before it reads the aborts of those that failed
         on it."""
-        R, me = self.group_size, self.rank
         self._cancel_refused_hooks()        # (raises the mismatch for a pending hook's call)
         seq = self._seq + 1
-        # (every peer's decision word on the coming attempt in one load: see _refused_by)
-        row = (_DECIDE_ROW + seq % self._decide_slots) * R
-        if not any(w >> 5 == seq and not w & 1 for r, w in enumerate(self._aux_words[row:row + R].tolist()) if r != me):
+        if not self._refused_by_any(seq):
             return
         # a peer refused the coming call: the mismatch is the refusal's, or that of a peer that took part in
         # it as another kind of call than this one

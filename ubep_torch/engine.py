@@ -272,14 +272,10 @@ class TorchEngine:
         meta_blk, meta_items = kept
         if items:
             meta_items.copy_(meta)
-        parts = []          # per field: (first block, full blocks, data, bytes in the last partial block)
-        for i, data in enumerate(fields):
-            fb = fmt.field_blocks[i]
-            if fb == 0:
-                continue
-            nbytes = fmt.fields[i][1]
-            full = nbytes // pay
-            parts.append((fmt.field_offset_blocks(i), full, data, nbytes - full * pay))
+        # per field: (first block, full blocks, data, bytes in the last partial block)
+        places = [(i, fmt.field_offset_blocks(i), fmt.fields[i][1] // pay, fmt.fields[i][1] % pay)
+                  for i in range(len(fields)) if fmt.field_blocks[i]]
+        parts = [(off, full, fields[i], rem) for i, off, full, rem in places]
         hdr = checked = row_sums = None
         if sync == "tff":
             if nb > 1:
@@ -294,9 +290,7 @@ class TorchEngine:
                     if reusable:
                         self._scratch[key] = hdr
             if reusable:
-                self._scratch[plan_key] = (meta_blk, meta_items, [
-                    (i, fmt.field_offset_blocks(i), fmt.fields[i][1] // pay, fmt.fields[i][1] % pay)
-                    for i in range(len(fields)) if fmt.field_blocks[i]], hdr)
+                self._scratch[plan_key] = (meta_blk, meta_items, places, hdr)
         elif sync in ("sp", "dc"):
             # the leading 32 B of every block, read from where the payload lives
             mw = meta_blk.view(torch.int64)

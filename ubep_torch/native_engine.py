@@ -140,12 +140,22 @@ def _source_spec(fmt: P.RowFormat, rows: torch.Tensor, tok: Optional[torch.Tenso
         raise ValueError(f"{tok.numel()} tokens for {n} combine rows")
     tok_p = 0 if tok is None or n == 0 else tok.data_ptr()
     if rows.dim() == 2 and rows.dtype == torch.bfloat16 and _rowwise(rows) and rows.shape[1] == H:
-        # a plain row: pieces of 240 elements, 480 B apart
-        return rows.data_ptr(), rows.stride(0) * 2, P.TFF_PAYLOAD_BYTES, tok_p, n
+        return _plain_spec(rows, 0, tok_p, n)
     if _slots(rows, fmt):
-        return (rows.data_ptr() + fmt.field_offset_blocks(0) * P.BLOCK_BYTES + P.FLAG_BYTES, fmt.row_bytes,
-                P.BLOCK_BYTES, tok_p, n)
+        return _slot_spec(fmt, rows.data_ptr(), tok_p, n)
     return None
+
+
+def _plain_spec(rows: torch.Tensor, first: int, tok_p: int, n: int) -> tuple:
+    """The source spec of plain bf16 rows ``rows[first:first + n]``: pieces of 240 elements, 480 B apart."""
+    stride = rows.stride(0) * 2
+    return rows.data_ptr() + first * stride, stride, P.TFF_PAYLOAD_BYTES, tok_p, n
+
+
+def _slot_spec(fmt: P.RowFormat, base: int, tok_p: int, n: int) -> tuple:
+    """The source spec of ``n`` TFF rows of ``fmt`` in slots at address ``base``: the payload of field 0,
+    480 B past each block's flag."""
+    return base + fmt.field_offset_blocks(0) * P.BLOCK_BYTES + P.FLAG_BYTES, fmt.row_bytes, P.BLOCK_BYTES, tok_p, n
 
 
 #: destinations of one ``send_exchange`` call at most (native.c's MAX_DESTS)
@@ -643,7 +653,6 @@ class NativeEngine(TorchEngine):
                 and fmt.fields[0][1] == H * 2):
             return None
         spec, alive, waiting, ways, read_bytes = [], [out], [], set(), 0
-        payload = fmt.field_offset_blocks(0) * P.BLOCK_BYTES + P.FLAG_BYTES
         nb, row_bytes = fmt.blocks, fmt.row_bytes
         for src in sources:
             tok, n = src[3], src[2]
@@ -657,12 +666,11 @@ class NativeEngine(TorchEngine):
                 if not (rows.dtype == torch.bfloat16 and _rowwise(rows) and rows.shape[1] == H
                         and 0 <= first and first + n <= rows.shape[0]):
                     return None
-                stride = rows.stride(0) * 2
-                spec.append((rows.data_ptr() + first * stride, stride, P.TFF_PAYLOAD_BYTES, tok_p, n))
+                spec.append(_plain_spec(rows, first, tok_p, n))
                 alive.append(rows)
             else:
                 rank, base, _, _, way = src
-                spec.append((base + payload, row_bytes, P.BLOCK_BYTES, tok_p, n))
+                spec.append(_slot_spec(fmt, base, tok_p, n))
                 waiting.append((rank, base, n))
                 ways.add(way)
                 read_bytes += n * row_bytes

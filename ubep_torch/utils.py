@@ -335,10 +335,8 @@ class TensorCache:
         pool = self._entries.get(dtype)
         if pool is None:
             pool = self._entries[dtype] = []            # kept in ascending size: the first free fit is the best
-        refs, uses, use_count = self._base_refs, self._base_uses, self._use_count
-        for i in range(len(pool)):     # (``_free``, inlined)
-            if pool[i].numel() >= n and sys.getrefcount(pool[i]) <= refs and \
-                    use_count(pool[i].untyped_storage()._cdata) <= uses and not self._shared(pool, i):
+        for i in range(len(pool)):
+            if pool[i].numel() >= n and self._free(pool, i) and not self._shared(pool, i):
                 return self._on(pool[i], shape, strides)
         if len(pool) >= self.max_entries:
             victims = [i for i in range(len(pool)) if self._free(pool, i)]
