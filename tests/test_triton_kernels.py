@@ -388,3 +388,13 @@ def test_bad_engine_variables_are_named(monkeypatch, name, value):
 def test_the_mapping_switch_takes_the_usual_spellings(monkeypatch, value, mapping):
     monkeypatch.setenv("UBEP_TRITON_MAPPING", value)
     assert TE.TritonEngine().mapping is mapping
+
+
+def test_engine_refuses_an_empty_count_group():
+    """(former bug: ``TritonEngine(n_count=0)`` or a negative count was taken, and ran as one AIV)"""
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="n_count must be at least 1"):
+            TE.TritonEngine(n_count=bad)
+    with pytest.raises(TypeError, match="n_aivs must be an integer"):
+        TE.TritonEngine(n_aivs=4.5)
+    assert TE.TritonEngine(n_aivs=4, n_count=9).count_aivs(1, 1) == 3     # (capped: the token group needs one)

@@ -123,9 +123,12 @@ class TritonEngine(TorchEngine):
     def __init__(self, n_aivs: int | None = None, n_count: int | None = None, mapping: bool | None = None,
                  max_spins: int = _DEFAULT_SPINS):
         super().__init__()
-        self.n_aivs = int(n_aivs if n_aivs is not None else _env_int("UBEP_TRITON_AIVS", 2) or 8)
+        self.n_aivs = check_count("n_aivs", n_aivs) if n_aivs is not None else \
+            _env_int("UBEP_TRITON_AIVS", 2) or 8
         if not 2 <= self.n_aivs <= _MAX_AIVS:
             raise ValueError(f"n_aivs must be in [2, {_MAX_AIVS}] (a token and a count group), got {self.n_aivs}")
+        if n_count is not None:     # (at least one AIV; more than n_aivs - 1 run as n_aivs - 1: see count_aivs)
+            n_count = check_count("n_count", n_count, 1)
         self.n_count = n_count if n_count is not None else _env_int("UBEP_TRITON_COUNT_AIVS", 1)
         if mapping is None:
             mapping = env_flag("UBEP_TRITON_MAPPING", True)
