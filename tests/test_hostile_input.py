@@ -947,3 +947,20 @@ def test_argument_checks_without_a_process_group():
     dense = nn.MoE(hidden=8, ffn_hidden=16, num_experts=4, top_k=1)
     ep.load_dense_state_dict(dense.state_dict())
     assert torch.equal(ep.experts.w_gate, dense.experts.w_gate[:2])
+
+
+def test_a_rebuilt_handle_holds_host_tensors_only():
+    """A call passes over the tensors of a handle object in its host-memory check (they are the Buffer's own):
+    a handle rebuilt from a tuple with a tensor outside host memory, or of another layout, is refused where
+    it is rebuilt."""
+    from ubep_torch.buffer import DispatchHandle
+
+    def items(last):
+        return (torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
+                torch.zeros(2, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                torch.zeros(0, 2, dtype=torch.bool), last)
+    assert DispatchHandle.from_tuple(items(torch.zeros(0, 2, dtype=torch.int32)), 0, 2).num_recv == 0
+    with pytest.raises(ValueError, match=r"handle\[5\] is a meta tensor"):
+        DispatchHandle.from_tuple(items(torch.zeros(0, 2, dtype=torch.int32, device="meta")), 0, 2)
+    with pytest.raises(TypeError, match=r"handle\[5\] is a tensor of layout torch.sparse_coo"):
+        DispatchHandle.from_tuple(items(torch.zeros(1, 2, dtype=torch.int32).to_sparse()), 0, 2)

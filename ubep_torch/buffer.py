@@ -82,6 +82,9 @@ _RECENT_HANDLES = 16      # handles recognised from their plain-tuple copies (pe
 _DISPATCH_LAYOUT_KEYS = ("num_experts", "layout", "row_index")
 _LL_LAYOUT_KEYS = ("K", "num_tokens", "return_slot", "sent_counts", "pos", "n_pairs", "topk_snapshot", "src_k")
 _DEFAULT_NVL_BYTES = 256 << 20
+# the phases of a call's waits, as its errors name them
+_TOKENCNT_PHASE = {rid: f"{name}: TokenCnt (waiting for the count messages)" for rid, name in P.REGION_NAMES.items()}
+_REORDER_PHASE = {rid: f"{name}: Token-Reordering (waiting for token blocks)" for rid, name in P.REGION_NAMES.items()}
 _POLLS_BEFORE_REGION_CHECK = 16   # polls of a control-message wait before it also looks at the other regions
 _STREAM_ROWS = 32         # fewest arrived rows of a source that streaming Token-Reordering copies at once
 
@@ -259,6 +262,8 @@ class DispatchHandle(tuple):
         if len(items) not in (6, 7) or not all(isinstance(t, torch.Tensor) for t in items):
             raise TypeError("a dispatch handle is the tuple of six tensors returned by Buffer.dispatch (seven for "
                             "layout='expert_major')")
+        for i, t in enumerate(items):    # (a DispatchHandle holds host tensors only: see _check_host_tensors)
+            _refuse_tensor(f"handle[{i}]", t)
         if len(items) == 7:
             base = cls.from_tuple(items[:6], rank, num_ranks)
             row_index = items[6]
@@ -324,6 +329,8 @@ def _raise_if_destroyed(buf: "Buffer", e: BaseException, what: str) -> None:
 
 
 _SCALARS = (bool, int, float, str)     # (argument types _check_host_tensors passes over at once)
+# handles hold host tensors: the Buffer's own, or (``DispatchHandle.from_tuple``) ones checked as these are
+_OWN_HANDLES = (DispatchHandle, LowLatencyHandle)
 
 
 def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
@@ -340,6 +347,8 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
                 continue
             where = ""
         elif isinstance(value, (tuple, list)):
+            if value.__class__ in _OWN_HANDLES:     # (a handle a call returned: its tensors are the Buffer's own)
+                continue
             bad = [i for i, t in enumerate(value) if isinstance(t, torch.Tensor)
                    and not (t.is_cpu and t.layout == torch.strided and not t.is_nested)]
             if not bad:
@@ -348,12 +357,19 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
         else:
             continue
         name = fn.__code__.co_varnames[1 + k] if k < len(args) else list(kwargs)[k - len(args)]
-        check_host(f"{fn.__name__}: {name}{where}", value)
-        if value.is_nested:
-            raise TypeError(f"ubep_torch: {fn.__name__}: {name}{where} is a nested tensor; pass a dense tensor "
-                            f"(rows of one size)")
-        raise TypeError(f"ubep_torch: {fn.__name__}: {name}{where} is a tensor of layout {value.layout}; pass a "
-                        f"dense (strided) tensor (.to_dense())")
+        _refuse_tensor(f"{fn.__name__}: {name}{where}", value)
+
+
+def _refuse_tensor(what: str, value: torch.Tensor) -> None:
+    """ValueError for a tensor on another device than the host, TypeError for one of another layout than a
+    dense (strided) one, naming ``what``; nothing for a dense host tensor."""
+    if value.is_cpu and value.layout == torch.strided and not value.is_nested:
+        return
+    check_host(what, value)
+    if value.is_nested:
+        raise TypeError(f"ubep_torch: {what} is a nested tensor; pass a dense tensor (rows of one size)")
+    raise TypeError(f"ubep_torch: {what} is a tensor of layout {value.layout}; pass a dense (strided) tensor "
+                    f"(.to_dense())")
 
 
 def _scales_as_given(out_x, x):
@@ -368,7 +384,8 @@ def _check_overlap(previous_event, async_finish, allocate_on_comm_stream) -> Non
     """The overlap arguments of a normal-mode call: flags (``_check_flags``), and a ``previous_event`` that is
     None or an ``EventOverlap`` (DeepEP reads its ``.event``; anything else is a mistake this data path would
     otherwise ignore)."""
-    _check_flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+    if async_finish is not False or allocate_on_comm_stream is not False:     # (the usual False: nothing to check)
+        _check_flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
     if previous_event is not None and not isinstance(previous_event, EventOverlap):
         raise TypeError(f"previous_event must be None or an EventOverlap (from a call or Buffer.capture()), got "
                         f"{type(previous_event).__name__}")
@@ -456,12 +473,12 @@ def _collective(fn):
         grad = torch.is_grad_enabled()
         try:
             _check_host_tensors(fn, args, kwargs)
-            if not self._destroyed and self._broken is None:
+            if not self._destroyed and self._broken is None and not self._nothing_to_settle():
                 # (a refusal of this rank's is settled first: a peer that was in another kind of call has
                 # posted its decision, then failed, and the mismatch, not its abort, is the cause to name)
                 self._settle_refusal()
                 self._refused_as_other_ahead(fn.__name__)
-                self._check_peers(f"{fn.__name__}: start of the call", self._calls + 1)
+                self._check_peers(fn.__name__, self._calls + 1, "start of the call")
             torch._C._set_grad_enabled(False)      # (torch.no_grad() without its context-manager objects)
             out = fn(self, *args, **kwargs)
         except BaseException as e:
@@ -1207,12 +1224,12 @@ class Buffer:
     def _call_complete(self, op: str) -> None:
         """This rank has sent and consumed everything of the current call: an error in the local work that
         follows (layout conversion, output checks) is raised without breaking the Buffer or the peers."""
-        self._check_peers(f"{op}: end of the call", self._calls)
+        self._check_peers(op, self._calls)
         self._in_call = False
 
-    def _check_peers(self, phase: str, call: int) -> None:
-        """Raise ``UBEPPeerAbortedError`` if a peer has failed or given up in call number ``call`` of this
-        Buffer (see ``_next_epoch``) or an earlier one. Waits see that while they wait; this is for a rank
+    def _check_peers(self, op: str, call: int, where: str = "end of the call") -> None:
+        """Raise ``UBEPPeerAbortedError`` (phase ``"{op}: {where}"``) if a peer has failed or given up in call
+        number ``call`` of this Buffer (see ``_next_epoch``) or an earlier one. Waits see that while they wait; this is for a rank
         too slow for its peers' deadline that still finds everything it needs there: it fails at the end of
         that call or at the start of its next one instead of returning results its peers have abandoned."""
         R = self.group_size
@@ -1226,7 +1243,17 @@ class Buffer:
             self._mismatch_in_left_call()
             when = self._abort_when(aborted, call)
             self._broken = f"peer rank(s) {aborted} aborted {when}"
-            raise UBEPPeerAbortedError(phase, self.rank, [], aborted, when=when)
+            raise UBEPPeerAbortedError(f"{op}: {where}", self.rank, [], aborted, when=when)
+
+    def _nothing_to_settle(self) -> bool:
+        """The usual start of a call: no refusal of this rank's to settle, no recv hook pending, no peer
+        that refused the coming attempt and no peer's abort word, so that ``_settle_refusal``,
+        ``_refused_as_other_ahead`` and ``_check_peers`` have nothing to do (each word read in one load)."""
+        if self._refusal is not None or self._pending:
+            return False
+        base = _ABORT_ROW * self.group_size
+        return not any(self._aux_words[base:base + self.group_size].tolist()) and \
+            not self._refused_by_any(self._seq + 1)
 
     def _abort_when(self, ranks: List[int], call: int) -> str:
         """Which calls the abort words of ``ranks`` name, as seen from call number ``call`` of this rank."""
@@ -2175,7 +2202,7 @@ class Buffer:
             eng.send_phase(job, key)
         # receive the control messages of every source (verification of flags and counts)
         ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
-                                     f"{P.REGION_NAMES[rid]}: TokenCnt (waiting for the count messages)")
+                                     _TOKENCNT_PHASE[rid])
         if self.sync == "sw":
             self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after flag verification", rid)
         msgs = [ctrl_words[s] for s in range(R)]
@@ -2304,7 +2331,7 @@ class Buffer:
         half, flag, epoch = recv["half"], recv["flag"], recv["epoch"]
         local = self._heap.local
         eng = self.engine
-        phase = f"{P.REGION_NAMES[rid]}: Token-Reordering (waiting for token blocks)"
+        phase = _REORDER_PHASE[rid]
         step = None if reduce is not None else eng.reorder_sources(
             fmt, outs, recv_meta if fmt.meta_words else None, recv_src_idx, _STREAM_ROWS,
             None if own is None else own[0])
@@ -2554,7 +2581,7 @@ class Buffer:
                 self._receive_rows(P.REGION_COMBINE, fmt, recv, None, None, None, None,
                                    reduce=functools.partial(reduce, x_rows, toks, a, b, recv))
                 continue
-            self._wait(f"{P.REGION_NAMES[P.REGION_COMBINE]}: Token-Reordering (waiting for token blocks)",
+            self._wait(_REORDER_PHASE[P.REGION_COMBINE],
                        functools.partial(poll, recv["flag"]))
             if K:
                 settle(x_rows, toks, [None if s == me else self._region(P.REGION_COMBINE).rows(
@@ -2881,7 +2908,7 @@ class Buffer:
                     place_source_info(s, rows)
                     eng.rearm(fmt, rows)
                     self._send_ack(rid, s, epoch)
-            self._check_peers("low_latency_dispatch: end of the call", pending.call)
+            self._check_peers("low_latency_dispatch", pending.call)
             if cumulative_local_expert_recv_stats is not None:
                 _add_stats(cumulative_local_expert_recv_stats, recv_count.tolist())
             if dispatch_wait_recv_cost_stats is not None:
@@ -3176,7 +3203,7 @@ class Buffer:
             eng.rearm(fmt, rows)
             for s in range(R):
                 self._send_ack(rid, s, epoch)
-            self._check_peers("low_latency_combine: end of the call", pending.call)
+            self._check_peers("low_latency_combine", pending.call)
             pending.done = True
             self._pending = [p for p in self._pending if not p.done]
             self._report("low_latency_combine", topk_idx, E, H, H * 2)

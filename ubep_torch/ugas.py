@@ -569,6 +569,15 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
     if missing:
         _IN_FLIGHT.append(in_flight)
         consequence = "No Buffer was created."
+        # this rank's message reaches the peers that are still there before it raises: a rank that leaves the
+        # set-up at once (and exits) would otherwise close its connections with the message unsent, and they
+        # would name it as lost too, though it only gave up on the same lost peer (a second at most)
+        for r in peers:
+            if r not in missing:
+                try:
+                    _wait_work(sends[r], min(deadline, time.monotonic() + 1.0), in_flight)
+                except RuntimeError:
+                    pass
         if lost:
             # (gloo closes a connection whose wait timed out: a peer whose deadline ran out first, alive,
             # looks the same from here as one whose process exited)
