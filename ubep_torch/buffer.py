@@ -1229,9 +1229,10 @@ class Buffer:
 
     def _check_peers(self, op: str, call: int, where: str = "end of the call") -> None:
         """Raise ``UBEPPeerAbortedError`` (phase ``"{op}: {where}"``) if a peer has failed or given up in call
-        number ``call`` of this Buffer (see ``_next_epoch``) or an earlier one. Waits see that while they wait; this is for a rank
-        too slow for its peers' deadline that still finds everything it needs there: it fails at the end of
-        that call or at the start of its next one instead of returning results its peers have abandoned."""
+        number ``call`` of this Buffer (see ``_next_epoch``) or an earlier one. Waits see that while they
+        wait; this is for a rank too slow for its peers' deadline that still finds everything it needs there:
+        it fails at the end of that call or at the start of its next one instead of returning results its
+        peers have abandoned."""
         R = self.group_size
         base = _ABORT_ROW * R
         words = self._aux_words[base:base + R].tolist()
