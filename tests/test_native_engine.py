@@ -956,6 +956,46 @@ def test_kept_send_phases_take_new_row_lists_and_store_the_same_bytes():
 
 
 @needs_native
+def test_stage_and_send_stores_what_staging_then_sending_stores():
+    """``stage_and_send`` (the usual exchange: rows of a format staged before, to a kept send phase) stores
+    the bytes ``stage_rows`` then ``send_again`` store, with new meta items and payload every call; where
+    either step would take its general path (no kept phase or staging, another source index, a field the C
+    stores cannot address) it returns False and stores nothing."""
+    eng = native_engine.NativeEngine()
+    fmt, data, meta, _, _ = _rows_case((("x", 1000),), 1, n=3, T=4)
+    flag = P.flag_word(2, P.REGION_DISPATCH)
+
+    def memory():
+        return (torch.zeros(4, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8),
+                torch.zeros(1, P.BLOCK_BYTES, dtype=torch.uint8))
+    sel, (slots, ctrl) = torch.tensor([2, 0, 3]), memory()
+    assert not eng.stage_and_send(("k",), fmt, data, meta, eng.arange(4), 0, flag, [sel], [[3, 7]])   # nothing kept
+    st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(4), 0)
+    job = SendJob(fmt, st, None, None, flag)
+    job.dests.append(Destination(1, sel, slots, ctrl, [3, 7]))
+    eng.send_phase(job, ("k",))
+    for _ in range(3):
+        data2 = [torch.randint(0, 256, d.shape, dtype=torch.uint8) for d in data]
+        meta2 = torch.randint(-9, 9, meta.shape, dtype=torch.int32)
+        ref_slots, ref_ctrl = memory()
+        ref_st, _, _ = eng.stage_rows(fmt, data2, meta2, eng.arange(4), 0)
+        ref_job = SendJob(fmt, ref_st, None, None, flag)
+        ref_job.dests.append(Destination(1, sel, ref_slots, ref_ctrl, [3, 7]))
+        eng.send_phase(ref_job)
+        slots.zero_(), ctrl.zero_()
+        assert eng.stage_and_send(("k",), fmt, data2, meta2, eng.arange(4), 0, flag, [sel], [[3, 7]])
+        assert torch.equal(slots, ref_slots) and torch.equal(ctrl, ref_ctrl)
+    slots.zero_(), ctrl.zero_()
+    for args in ((("other",), fmt, data, meta, eng.arange(4)),           # no send phase kept under this key
+                 (("k",), fmt, data, meta, torch.arange(4)),             # not the engine's shared source index
+                 (("k",), fmt, data, None, eng.arange(4)),               # no staging of rows without meta kept
+                 (("k",), fmt, [data[0][:, ::2]], meta, eng.arange(4)),  # a field that is not row by row
+                 (("k",), fmt, [data[0][:2]], meta, eng.arange(4))):     # fewer rows than staged
+        assert not eng.stage_and_send(*args, 0, flag, [sel], [[3, 7]])
+    assert int(slots.count_nonzero()) == 0 and int(ctrl.count_nonzero()) == 0
+
+
+@needs_native
 def test_fields_outside_their_rows_are_refused_before_any_store():
     """The C loops address a row's fields by (first block, bytes): a field reaching past its rows' blocks, or
     into the meta block, or rows of no blocks, raise ValueError before anything is stored or read; payload

@@ -1029,6 +1029,13 @@ class Buffer:
         P.memory_fence()
         peer_words[self._ack_base(rid, self._regions[rid].half(epoch)) + self.rank] = epoch
 
+    def _send_acks(self, rid: int, sources, epoch: int) -> None:
+        """``_send_ack`` to every rank in ``sources``, after one fence."""
+        at = self._ack_base(rid, self._regions[rid].half(epoch)) + self.rank
+        P.memory_fence()
+        for src in sources:
+            self._peer_words[src][at] = epoch
+
     def _wait_ctrl(self, region: "_Region", half: int, nctrl: int, flag: int, phase: str) -> dict:
         """Wait (with the deadline) for every source's control message of this call; returns their words
         (``{source: [int, ...]}``: control data is read once, then handled as Python ints)."""
@@ -2169,7 +2176,8 @@ class Buffer:
         ``send_idx[d]`` lists the staging rows for destination ``d`` in slot order; ``ctrl_payload(d)`` the
         control words for ``d`` up to its counts (and rank matrix row), after which every message carries
         ``num_tokens``, the token count of this rank's side of the call (see ``_more_rounds``). Rows are
-        staged once per call: ``staged`` is the ``"staged"`` entry an earlier exchange of the call returned.
+        staged once per call: ``staged`` is the ``"staged"`` entry an earlier exchange of the call returned
+        (None where the engine staged and sent them in one step, ``stage_and_send``: each exchange then does).
         """
         R, me = self.group_size, self.rank
         region = self._region(rid)
@@ -2180,8 +2188,6 @@ class Buffer:
         half = region.half(epoch)
         flag = P.flag_word(epoch, rid)
         eng = self.engine
-        staged = staged or eng.stage_rows(fmt, fields_data, meta, src_index, me)
-        staging, checked, row_sums = staged
         self._wait_acks(rid, epoch)
         nctrl = P.ctrl_blocks(extra_ctrl)
         order = self._send_order
@@ -2192,18 +2198,23 @@ class Buffer:
         # (what the destinations' slots and control blocks are made of: the peers' memory is mapped for the
         # Buffer's life, and these name where in it and how many rows fit)
         key = (rid, half, nctrl, fmt.blocks)
-        if not eng.send_again(key, fmt, staging, flag, sels, words):
-            job = SendJob(fmt, staging, checked, row_sums, flag,
-                          sync_all=lambda: self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after Token-Sending", rid))
-            for d, sel, w in zip(order, sels, words):
-                peer = self._peer_mem[d]
-                job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt),
-                                             region.ctrl(peer, half, me, nctrl), list(w)))
-            self._note_send(job)
-            eng.send_phase(job, key)
+        # the usual call: rows staged and sent as before, in one step (staging is private to this rank: the
+        # meta blocks it writes are read by this call's stores only)
+        if staged is not None or not eng.stage_and_send(key, fmt, fields_data, meta, src_index, me, flag, sels,
+                                                        words):
+            staged = staged or eng.stage_rows(fmt, fields_data, meta, src_index, me)
+            staging, checked, row_sums = staged
+            if not eng.send_again(key, fmt, staging, flag, sels, words):
+                job = SendJob(fmt, staging, checked, row_sums, flag, sync_all=lambda: self._sync_all(
+                    f"{P.REGION_NAMES[rid]}: SyncAll after Token-Sending", rid))
+                for d, sel, w in zip(order, sels, words):
+                    peer = self._peer_mem[d]
+                    job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt),
+                                                 region.ctrl(peer, half, me, nctrl), list(w)))
+                self._note_send(job)
+                eng.send_phase(job, key)
         # receive the control messages of every source (verification of flags and counts)
-        ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
-                                     _TOKENCNT_PHASE[rid])
+        ctrl_words = self._wait_ctrl(region, half, nctrl, flag, _TOKENCNT_PHASE[rid])
         if self.sync == "sw":
             self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after flag verification", rid)
         msgs = [ctrl_words[s] for s in range(R)]
@@ -2355,14 +2366,12 @@ class Buffer:
             def poll_sources():
                 nonlocal first
                 if first:
-                    completed = step(pending, flag, *own_args)
+                    completed = [*step(pending, flag, *own_args), me]     # (this rank's own rows are done too)
                     first = False
-                    self._send_ack(rid, me, epoch)
                 else:
                     completed = step(pending, flag)
                 if completed:
-                    for s in completed:
-                        self._send_ack(rid, s, epoch)
+                    self._send_acks(rid, completed, epoch)
                     pending[:] = [p for p in pending if p[3] < p[1]]
                 return [p[4] for p in pending]
             self._wait(phase, poll_sources)
@@ -2587,8 +2596,7 @@ class Buffer:
             if K:
                 settle(x_rows, toks, [None if s == me else self._region(P.REGION_COMBINE).rows(
                     self._heap.local, recv["half"], s, fmt, expect[s]) for s in range(R)])
-            for s in range(R):     # (the slots may be written again once acknowledged)
-                self._send_ack(P.REGION_COMBINE, s, recv["epoch"])
+            self._send_acks(P.REGION_COMBINE, range(R), recv["epoch"])    # (the slots may be written again)
         self._call_complete("combine")
         self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size(), token_in_rank=base[4])
         return out, wacc, _event(async_finish)

@@ -232,6 +232,13 @@ class TorchEngine:
                 row_sums = P.wrapping_sum(words[:, :, :4].reshape(n, nb * 4))
         return staging, checked, row_sums
 
+    def stage_and_send(self, key: tuple, fmt: P.RowFormat, fields: Sequence[torch.Tensor],
+                       meta: Optional[torch.Tensor], src_index: torch.Tensor, rank: int, flag: int,
+                       sels: Sequence[torch.Tensor], words: Sequence[Sequence[int]]) -> bool:
+        """``stage_rows`` and the send phase of a call in one step, where the engine has it (the C path: see
+        ``NativeEngine.stage_and_send``); False here: the caller stages and sends."""
+        return False
+
     def stage_rows(self, fmt: P.RowFormat, fields: Sequence[Optional[torch.Tensor]], meta: Optional[torch.Tensor],
                    src_index: torch.Tensor, rank: int) -> tuple:
         """Like :meth:`pack_rows`, without the packed copy: returns a :class:`DirectRows` that keeps the

@@ -375,6 +375,45 @@ class NativeEngine(TorchEngine):
                               int(flag), fields, tuple(dests))
         return True
 
+    def stage_and_send(self, key: tuple, fmt: P.RowFormat, fields: Sequence[torch.Tensor],
+                       meta: Optional[torch.Tensor], src_index: torch.Tensor, rank: int, flag: int,
+                       sels: Sequence[torch.Tensor], words: Sequence[Sequence[int]]) -> bool:
+        """``stage_rows`` then ``send_again`` in one step, for TFF rows of a format staged before (with the same
+        ``src_index``, ``rank`` and presence of ``meta``) to destinations of a kept send phase: the kept meta
+        blocks take ``meta``, and the payload is stored straight from ``fields``. False, with nothing written,
+        where either step would take its general path (the caller then stages and sends)."""
+        plan = self._send_plans.get(key)
+        n = src_index.shape[0]
+        staged = self._scratch.get((fmt, n, rank, meta is not None)) \
+            if src_index is self._spans.get((0, n)) else None
+        if plan is None or staged is None or plan[2] != fmt.blocks or fmt.sync != "tff" \
+                or not len(sels) == len(words) == len(plan[0]):
+            return False
+        meta_blk, meta_items, places, _ = staged
+        uint8, int64 = torch.uint8, torch.int64
+        payload = []
+        for i, off, full, rem in places:      # (as _payload_fields checks DirectRows' fields)
+            data = fields[i]
+            nbytes = full * P.TFF_PAYLOAD_BYTES + rem
+            if not (data.dtype is uint8 and data.dim() == 2 and (data.shape[1] <= 1 or data.stride(1) == 1)
+                    and data.shape[0] >= n and data.shape[1] >= nbytes):
+                return False
+            payload.append((data.data_ptr(), data.stride(0), nbytes, off))
+        dests = []
+        for (rows_p, room, ctrl_p, nctrl), sel, w in zip(plan[0], sels, words):
+            if not (isinstance(sel, torch.Tensor) and sel.dtype is int64 and sel.dim() == 1 and sel.is_contiguous()):
+                return False
+            m = sel.shape[0]
+            if m > room:
+                return False
+            dests.append((rows_p, m, sel.data_ptr() if m else 0, ctrl_p, nctrl, w, 0, 0))
+        if meta is not None:
+            meta_items.copy_(meta)
+        self._send_plans.move_to_end(key)
+        # (the C loop checks every staging row and the control words' size before it stores anything)
+        _native.send_exchange(fmt.blocks, n, meta_blk.data_ptr(), int(rank), int(flag), tuple(payload), tuple(dests))
+        return True
+
     def ctrl_poller(self, ctrl: torch.Tensor, nctrl: int) -> Optional[Callable[[int, list], list]]:
         """``poll(flag, words)``: one poll of every source's control message, where ``ctrl`` is every
         source's control blocks, [R, max blocks, 512] uint8 contiguous (``_Region.ctrl_sources``), of which
