@@ -184,6 +184,22 @@ def _payload_fields(st: DirectRows) -> Optional[tuple]:
     return tuple(fields)
 
 
+def _kept_dests(plan: tuple, sels: Sequence[torch.Tensor], words: Sequence[Sequence[int]]) -> Optional[tuple]:
+    """The destinations of ``send_exchange`` for a kept send phase ``plan`` (see ``NativeEngine.send_again``):
+    destination i gets rows ``sels[i]`` and control words ``words[i]``; None where a row list is not a 1-D
+    contiguous int64 tensor or has more rows than its slots hold."""
+    dests = []
+    int64 = torch.int64
+    for (rows_p, room, ctrl_p, nctrl), sel, w in zip(plan[0], sels, words):
+        if not (isinstance(sel, torch.Tensor) and sel.dtype is int64 and sel.dim() == 1 and sel.is_contiguous()):
+            return None
+        n = sel.shape[0]
+        if n > room:
+            return None
+        dests.append((rows_p, n, sel.data_ptr() if n else 0, ctrl_p, nctrl, w, 0, 0))
+    return tuple(dests)
+
+
 def _patch_rows(fmt: P.RowFormat, patch: Optional[torch.Tensor], n: int) -> Optional[tuple]:
     """``(patch, items)``: the meta patch of n rows as the C stores take it, int32 [n, items] (``(0, 0)``
     when there is none), or None when it does not fit the rows' meta items."""
@@ -359,20 +375,12 @@ class NativeEngine(TorchEngine):
             return False
         self._send_plans.move_to_end(key)
         fields = _payload_fields(staging)
-        if fields is None:
+        dests = _kept_dests(plan, sels, words)
+        if fields is None or dests is None:
             return False
-        dests = []
-        int64 = torch.int64
-        for (rows_p, room, ctrl_p, nctrl), sel, w in zip(plan[0], sels, words):
-            if not (isinstance(sel, torch.Tensor) and sel.dtype is int64 and sel.dim() == 1 and sel.is_contiguous()):
-                return False
-            n = sel.shape[0]
-            if n > room:
-                return False
-            dests.append((rows_p, n, sel.data_ptr() if n else 0, ctrl_p, nctrl, w, 0, 0))
         # (the C loop checks every staging row and the control words' size before it stores anything)
         _native.send_exchange(fmt.blocks, staging.meta.shape[0], staging.meta.data_ptr(), int(staging.rank),
-                              int(flag), fields, tuple(dests))
+                              int(flag), fields, dests)
         return True
 
     def stage_and_send(self, key: tuple, fmt: P.RowFormat, fields: Sequence[torch.Tensor],
@@ -390,7 +398,7 @@ class NativeEngine(TorchEngine):
                 or not len(sels) == len(words) == len(plan[0]):
             return False
         meta_blk, meta_items, places, _ = staged
-        uint8, int64 = torch.uint8, torch.int64
+        uint8 = torch.uint8
         payload = []
         for i, off, full, rem in places:      # (as _payload_fields checks DirectRows' fields)
             data = fields[i]
@@ -399,19 +407,14 @@ class NativeEngine(TorchEngine):
                     and data.shape[0] >= n and data.shape[1] >= nbytes):
                 return False
             payload.append((data.data_ptr(), data.stride(0), nbytes, off))
-        dests = []
-        for (rows_p, room, ctrl_p, nctrl), sel, w in zip(plan[0], sels, words):
-            if not (isinstance(sel, torch.Tensor) and sel.dtype is int64 and sel.dim() == 1 and sel.is_contiguous()):
-                return False
-            m = sel.shape[0]
-            if m > room:
-                return False
-            dests.append((rows_p, m, sel.data_ptr() if m else 0, ctrl_p, nctrl, w, 0, 0))
+        dests = _kept_dests(plan, sels, words)
+        if dests is None:
+            return False
         if meta is not None:
             meta_items.copy_(meta)
         self._send_plans.move_to_end(key)
         # (the C loop checks every staging row and the control words' size before it stores anything)
-        _native.send_exchange(fmt.blocks, n, meta_blk.data_ptr(), int(rank), int(flag), tuple(payload), tuple(dests))
+        _native.send_exchange(fmt.blocks, n, meta_blk.data_ptr(), int(rank), int(flag), tuple(payload), dests)
         return True
 
     def ctrl_poller(self, ctrl: torch.Tensor, nctrl: int) -> Optional[Callable[[int, list], list]]:
