@@ -96,6 +96,21 @@ def bad_case(ctx, sync, kind):
     def flip_first(t):
         t[0] = ~t[0]
 
+    def hand_built(i, ll=False):
+        # a handle object built by hand from a call's handle, one entry moved to the meta device (former bug:
+        # handle objects passed the host-memory check unlooked-at, though only the Buffer's own are its own)
+        from ubep_torch import DispatchHandle, LowLatencyHandle
+        if ll:
+            h = ll_handle()
+            items = list(h)
+            items[i] = items[i].to(meta)
+            return buf.low_latency_combine(bad_case.pending[0], topk, torch.rand(T, K),
+                                           LowLatencyHandle(tuple(items), **h.__dict__))
+        recv_x, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+        items = list(h)
+        items[i] = items[i].to(meta)
+        return buf.combine(recv_x, DispatchHandle(tuple(items), **h.__dict__))
+
     meta = torch.device("meta")
     stats_of = {"recv": E // ctx.world_size, "wait": ctx.world_size}
     def count_group_past_the_model():
@@ -159,6 +174,8 @@ def bad_case(ctx, sync, kind):
         "meta ll x": lambda: buf.low_latency_dispatch(x.to(meta), topk, S.N_LL, E),
         "meta ll weights": lambda: ll_combine(w=torch.rand(T, K, device=meta)),
         "meta ll out": lambda: ll_combine(out=torch.empty(T, H, dtype=torch.bfloat16, device=meta)),
+        "meta in a hand-built handle": lambda: hand_built(3),
+        "meta in a hand-built ll handle": lambda: hand_built(1, ll=True),
         # sparse tensors (former bug: a sparse low-latency weight or combine bias passed the checks and broke the
         # Buffer once the call had reached the peers)
         "sparse ll weights": lambda: ll_combine(w=torch.rand(T, K).to_sparse()),
@@ -360,7 +377,7 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
              "ll combine handle", "ll wait stats shape", "ll wait stats list", "ll recv stats bool",
              "counts as lists", "rank mask as list", "float rank counts", "expert counts as list", "ll out list",
              "meta weights", "meta fp8", "meta combine x", "meta combine bias", "meta layout ids", "meta ll x",
-             "meta ll weights", "meta ll out", "ll recv stats expanded", "ll wait stats expanded", "ll out expanded",
+             "meta ll weights", "meta ll out", "meta in a hand-built handle", "meta in a hand-built ll handle", "ll recv stats expanded", "ll wait stats expanded", "ll out expanded",
              "ll out overlapping", "ll stats overlap", "worst huge", "worst past int64", "layout event str",
              "dispatch event str",
              "combine event str", "rdma counts str", "E huge", "ll experts per rank", "experts per rank",
@@ -376,7 +393,9 @@ BAD_KINDS = ["id too large", "id < -1", "float ids", "3-d ids", "E not divisible
 # what the error of some kinds must say (an earlier check could refuse them for another reason)
 BAD_SAYS = {**{k: "must be True or False" for k in ("layout async str", "dispatch async str",
                                                    "dispatch comm stream None", "combine async str")},
-            "meta combine x": "meta tensor", "meta ll out": "meta tensor", "ll out overlapping": "share memory",
+            "meta combine x": "meta tensor", "meta ll out": "meta tensor",
+            "meta in a hand-built handle": "combine: handle[3] is a meta tensor",
+            "meta in a hand-built ll handle": "low_latency_combine: handle[1] is a meta tensor", "ll out overlapping": "share memory",
             "ll experts per rank": "control message", "nested x": "nested tensor", "nested ll weights": "nested tensor",
             "experts per rank": "control message", "ll layout edited": "changed after",
             "ll clean too big": "too small for", "worst past int64": "num_worst_tokens",

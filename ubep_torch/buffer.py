@@ -262,7 +262,7 @@ class DispatchHandle(tuple):
         if len(items) not in (6, 7) or not all(isinstance(t, torch.Tensor) for t in items):
             raise TypeError("a dispatch handle is the tuple of six tensors returned by Buffer.dispatch (seven for "
                             "layout='expert_major')")
-        for i, t in enumerate(items):    # (a DispatchHandle holds host tensors only: see _check_host_tensors)
+        for i, t in enumerate(items):    # (the C loops read the handle's tensors by address)
             _refuse_tensor(f"handle[{i}]", t)
         if len(items) == 7:
             base = cls.from_tuple(items[:6], rank, num_ranks)
@@ -329,16 +329,15 @@ def _raise_if_destroyed(buf: "Buffer", e: BaseException, what: str) -> None:
 
 
 _SCALARS = (bool, int, float, str)     # (argument types _check_host_tensors passes over at once)
-# handles hold host tensors: the Buffer's own, or (``DispatchHandle.from_tuple``) ones checked as these are
-_OWN_HANDLES = (DispatchHandle, LowLatencyHandle)
 
 
-def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
+def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict, buf: Optional["Buffer"] = None) -> None:
     """Every tensor among the arguments of ``fn`` (and inside tuple or list arguments: fp8 pairs, bias
     pairs, handles) is a dense (strided) tensor in host memory, where the UGAS and the C loops read it by
     address; else ValueError (another device) or TypeError (a sparse or other layout) naming the argument,
     before anything is read. (One pass over the values; an argument's name is looked up only for the one
-    that fails.)"""
+    that fails; a handle object that one of ``buf``'s recent calls returned holds the Buffer's own tensors
+    and is passed over.)"""
     for k, value in enumerate(chain(args, kwargs.values())):
         if value is None or value.__class__ in _SCALARS:
             continue
@@ -347,7 +346,7 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
                 continue
             where = ""
         elif isinstance(value, (tuple, list)):
-            if value.__class__ in _OWN_HANDLES:     # (a handle a call returned: its tensors are the Buffer's own)
+            if buf is not None and _returned_by(buf, value):
                 continue
             bad = [i for i, t in enumerate(value) if isinstance(t, torch.Tensor)
                    and not (t.is_cpu and t.layout == torch.strided and not t.is_nested)]
@@ -358,6 +357,14 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
             continue
         name = fn.__code__.co_varnames[1 + k] if k < len(args) else list(kwargs)[k - len(args)]
         _refuse_tensor(f"{fn.__name__}: {name}{where}", value)
+
+
+def _returned_by(buf: "Buffer", handle) -> bool:
+    """Is ``handle`` the very handle object one of ``buf``'s recent calls returned (not one built from its
+    entries or its attributes)?"""
+    recent = buf._recent_handles if handle.__class__ is DispatchHandle else \
+        buf._recent_ll_handles if handle.__class__ is LowLatencyHandle else ()
+    return any(h is handle for h in reversed(recent))
 
 
 def _refuse_tensor(what: str, value: torch.Tensor) -> None:
@@ -472,7 +479,7 @@ def _collective(fn):
         begun = self._begun
         grad = torch.is_grad_enabled()
         try:
-            _check_host_tensors(fn, args, kwargs)
+            _check_host_tensors(fn, args, kwargs, self)
             if not self._destroyed and self._broken is None and not self._nothing_to_settle():
                 # (a refusal of this rank's is settled first: a peer that was in another kind of call has
                 # posted its decision, then failed, and the mismatch, not its abort, is the cause to name)
