@@ -1032,9 +1032,7 @@ class Buffer:
 
     def _send_ack(self, rid: int, src: int, epoch: int) -> None:
         """Tell ``src`` that this rank has consumed its call-``epoch`` rows (that half may be reused)."""
-        peer_words = self._peer_words[src]
-        P.memory_fence()
-        peer_words[self._ack_base(rid, self._regions[rid].half(epoch)) + self.rank] = epoch
+        self._send_acks(rid, (src,), epoch)
 
     def _send_acks(self, rid: int, sources, epoch: int) -> None:
         """``_send_ack`` to every rank in ``sources``, after one fence."""
@@ -1247,9 +1245,7 @@ class Buffer:
         wait; this is for a rank too slow for its peers' deadline that still finds everything it needs there:
         it fails at the end of that call or at the start of its next one instead of returning results its
         peers have abandoned."""
-        R = self.group_size
-        base = _ABORT_ROW * R
-        words = self._aux_words[base:base + R].tolist()
+        words = self._abort_words()
         if not any(words):
             return
         aborted = P.blamed({r: P.abort_how(w) for r, w in enumerate(words)
@@ -1266,9 +1262,12 @@ class Buffer:
         ``_refused_as_other_ahead`` and ``_check_peers`` have nothing to do (each word read in one load)."""
         if self._refusal is not None or self._pending:
             return False
+        return not any(self._abort_words()) and not self._refused_by_any(self._seq + 1)
+
+    def _abort_words(self) -> List[int]:
+        """Every rank's abort word (see ``_signal_abort``), read in one load."""
         base = _ABORT_ROW * self.group_size
-        return not any(self._aux_words[base:base + self.group_size].tolist()) and \
-            not self._refused_by_any(self._seq + 1)
+        return self._aux_words[base:base + self.group_size].tolist()
 
     def _abort_when(self, ranks: List[int], call: int) -> str:
         """Which calls the abort words of ``ranks`` name, as seen from call number ``call`` of this rank."""
@@ -1422,8 +1421,7 @@ class Buffer:
         Acknowledge every source's rows of that epoch (this rank will not read them: the peers may reuse
         that half)."""
         if epoch is not None:
-            for s in range(self.group_size):
-                self._send_ack(rid, s, epoch)
+            self._send_acks(rid, range(self.group_size), epoch)
 
     def _next_epoch(self, rid: int) -> int:
         """The next epoch of region ``rid`` (see ``_begin_call``)."""
@@ -2437,8 +2435,7 @@ class Buffer:
                 self._send_ack(rid, s, epoch)
             if reduce is not None and not missing:
                 reduce([arrived[s] for s in range(R)])
-                for s in range(R):     # (the slots may be written again once acknowledged)
-                    self._send_ack(rid, s, epoch)
+                self._send_acks(rid, range(R), epoch)     # (the slots may be written again once acknowledged)
             return missing
         self._wait(phase, poll)
 
@@ -3217,8 +3214,7 @@ class Buffer:
                 else:
                     eng.weighted_combine(fmt, rows, topk_idx, weights, result, pos)
             eng.rearm(fmt, rows)
-            for s in range(R):
-                self._send_ack(rid, s, epoch)
+            self._send_acks(rid, range(R), epoch)
             self._check_peers("low_latency_combine", pending.call)
             pending.done = True
             self._pending = [p for p in self._pending if not p.done]

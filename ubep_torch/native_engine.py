@@ -177,11 +177,21 @@ def _payload_fields(st: DirectRows) -> Optional[tuple]:
         return None
     fields = []
     for off, full, data, rem in st.parts:
-        if not _rowwise(data) or data.dtype != torch.uint8 or data.shape[0] < st.meta.shape[0] \
-                or data.shape[1] < full * P.TFF_PAYLOAD_BYTES + rem:
+        spec = _field_spec(data, st.meta.shape[0], off, full, rem)
+        if spec is None:
             return None
-        fields.append((data.data_ptr(), data.stride(0), full * P.TFF_PAYLOAD_BYTES + rem, off))
+        fields.append(spec)
     return tuple(fields)
+
+
+def _field_spec(data: torch.Tensor, n: int, off: int, full: int, rem: int) -> Optional[tuple]:
+    """One payload field of ``n`` TFF rows as the C stores take it, ``(address, row stride, bytes, first
+    block)``: ``full`` whole blocks and ``rem`` bytes from block ``off`` on; None when ``data`` is not [n or
+    more, bytes or more] uint8 rows, addressable row by row."""
+    nbytes = full * P.TFF_PAYLOAD_BYTES + rem
+    if not (_rowwise(data) and data.dtype is torch.uint8 and data.shape[0] >= n and data.shape[1] >= nbytes):
+        return None
+    return data.data_ptr(), data.stride(0), nbytes, off
 
 
 def _kept_dests(plan: tuple, sels: Sequence[torch.Tensor], words: Sequence[Sequence[int]]) -> Optional[tuple]:
@@ -398,15 +408,12 @@ class NativeEngine(TorchEngine):
                 or not len(sels) == len(words) == len(plan[0]):
             return False
         meta_blk, meta_items, places, _ = staged
-        uint8 = torch.uint8
         payload = []
-        for i, off, full, rem in places:      # (as _payload_fields checks DirectRows' fields)
-            data = fields[i]
-            nbytes = full * P.TFF_PAYLOAD_BYTES + rem
-            if not (data.dtype is uint8 and data.dim() == 2 and (data.shape[1] <= 1 or data.stride(1) == 1)
-                    and data.shape[0] >= n and data.shape[1] >= nbytes):
+        for i, off, full, rem in places:
+            spec = _field_spec(fields[i], n, off, full, rem)
+            if spec is None:
                 return False
-            payload.append((data.data_ptr(), data.stride(0), nbytes, off))
+            payload.append(spec)
         dests = _kept_dests(plan, sels, words)
         if dests is None:
             return False
