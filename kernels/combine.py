@@ -114,6 +114,18 @@ def _ieee():
     return np.errstate(all="ignore")
 
 
+def _check_rows(who: str, fmt: P.RowFormat, rows) -> None:
+    """``rows`` is a contiguous ``[n, fmt.blocks, 512]`` uint8 tensor: the kernels address a row's blocks from
+    the format alone, so rows of another geometry would be read past their end."""
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8:
+        raise TypeError(f"{who}: rows must be a uint8 tensor (the rows' bytes), got "
+                        f"{rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__}")
+    if rows.dim() != 3 or tuple(rows.shape[1:]) != (fmt.blocks, P.BLOCK_BYTES) or not rows.is_contiguous():
+        raise ValueError(f"{who}: rows must be a contiguous [n, {fmt.blocks}, {P.BLOCK_BYTES}] tensor (the format's "
+                         f"rows of {fmt.blocks} blocks), got shape {tuple(rows.shape)}"
+                         + ("" if rows.is_contiguous() else ", not contiguous"))
+
+
 def combine_accumulate(fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor, acc: torch.Tensor,
                        x_dtype: torch.dtype, wacc: torch.Tensor | None = None) -> None:
     """Launcher of :func:`combine_accumulate_kernel` for one source's arrived rows.
@@ -126,24 +138,34 @@ def combine_accumulate(fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor
         x_dtype: dtype of the rows' payload.
         wacc: optional ``[T, K]`` accumulator of the weights carried in the meta items.
     """
+    _check_rows("combine_accumulate", fmt, rows)
     n = rows.shape[0]
-    if n == 0:
-        return
-    if not (rows.is_contiguous() and acc.is_contiguous()):
-        raise ValueError("combine_accumulate needs contiguous rows and accumulator")
     es = torch.empty(0, dtype=x_dtype).element_size()
     hidden = fmt.fields[0][1] // es
+    if acc.dim() != 2 or acc.shape[1] != hidden or acc.dtype not in (torch.float32, torch.float64) or \
+            not acc.is_contiguous():
+        raise ValueError(f"combine_accumulate: acc must be a contiguous [T, {hidden}] float32 or float64 tensor, got "
+                         f"{acc.dtype} {tuple(acc.shape)}")
+    if wacc is not None:
+        # (the weights are the rows' meta items: K of them, each one or two 4-byte words)
+        words = wacc.element_size() // 4 if wacc.dtype in (torch.float32, torch.float64) else 0
+        if wacc.dim() != 2 or not words or wacc.shape[0] != acc.shape[0] or \
+                wacc.shape[1] * words != fmt.meta_words or not wacc.is_contiguous():
+            raise ValueError(f"combine_accumulate: wacc must be a contiguous [{acc.shape[0]}, K] float32 or float64 "
+                             f"tensor whose K weights fill the format's {fmt.meta_words} meta words, got "
+                             f"{wacc.dtype} {tuple(wacc.shape)}")
+    if index.dim() != 1 or index.numel() != n:
+        raise ValueError(f"combine_accumulate: index must be [{n}] (an accumulator row per row), got shape "
+                         f"{tuple(index.shape)}")
+    if n == 0:
+        return
     has_w = wacc is not None and wacc.shape[1] > 0
     k = wacc.shape[1] if has_w else 0
     # (the kernel addresses by these indices unchecked: a bad one would read or write outside the tensors)
-    index = index.to(torch.int64).reshape(-1).contiguous()
-    if index.numel() != n or int(index.min()) < 0 or int(index.max()) >= acc.shape[0]:
+    index = index.to(torch.int64).contiguous()
+    if int(index.min()) < 0 or int(index.max()) >= acc.shape[0]:
         raise IndexError(f"combine_accumulate: index must give each of the {n} rows an accumulator row in "
                          f"[0, {acc.shape[0]})")
-    if acc.dim() != 2 or acc.shape[1] != hidden or acc.dtype not in (torch.float32, torch.float64) or \
-            (has_w and (wacc.shape[0] != acc.shape[0] or not wacc.is_contiguous())):
-        raise ValueError(f"combine_accumulate: acc must be a contiguous [T, {hidden}] float32 or float64 tensor "
-                         f"(and wacc a contiguous [T, K] one)")
     with _ieee():
         combine_accumulate_kernel[(n,)](
             torch.tensor([rows.data_ptr()], dtype=torch.int64), index, acc,
@@ -164,6 +186,9 @@ def weighted_combine(fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tenso
         topk_idx: ``[T, K]`` int64 (-1 = masked). weights: ``[T, K]`` float32. out: ``[T, H]`` bf16.
         pos: ``[T, K]`` int64 row of slot (t, k) (default ``t*K + k``).
     """
+    _check_rows("weighted_combine", fmt, rows)
+    if topk_idx.dim() != 2:
+        raise ValueError(f"weighted_combine: topk_idx must be [T, K], got shape {tuple(topk_idx.shape)}")
     T, K = topk_idx.shape
     hidden = fmt.fields[0][1] // 2
     if weights.dtype != torch.float32 or tuple(weights.shape) != (T, K):
@@ -177,8 +202,8 @@ def weighted_combine(fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tenso
     if pos is None:
         pos = torch.arange(T * K, dtype=torch.int64).view(T, K)
     # (the kernel addresses by these rows unchecked: one past the rows would read outside them)
-    used = pos[topk_idx >= 0]
-    if tuple(pos.shape) != (T, K) or (used.numel() and (int(used.min()) < 0 or int(used.max()) >= rows.shape[0])):
+    used = pos[topk_idx >= 0] if tuple(pos.shape) == (T, K) else None
+    if used is None or (used.numel() and (int(used.min()) < 0 or int(used.max()) >= rows.shape[0])):
         raise IndexError(f"weighted_combine: pos must be [{T}, {K}] with every unmasked slot's row in "
                          f"[0, {rows.shape[0]})")
     # (the kernel stores token t's row at t * hidden: any other layout of ``out`` gets the rows through a copy)

@@ -261,6 +261,34 @@ def test_kernel_launchers_refuse_what_their_kernels_cannot_take():
         KC.combine_accumulate(fmt, rows[:2], torch.tensor([0, 1_000_000]), torch.zeros(4, H), torch.bfloat16)
     with pytest.raises(ValueError, match="acc must be"):
         KC.combine_accumulate(fmt, rows[:2], torch.tensor([0, 1]), torch.zeros(4, H + 1), torch.bfloat16)
+    # (rows of another geometry than the format's were read past their end; a wacc of another width than the
+    # format's weights took meta words past them; misshapen pos/topk_idx/index gave torch's indexing errors)
+    out = torch.zeros(T, H, dtype=torch.bfloat16)
+    short = rows[:, :1].contiguous()
+    with pytest.raises(ValueError, match="rows must be a contiguous"):
+        KC.weighted_combine(fmt, short, topk, w, out)
+    with pytest.raises(ValueError, match="rows must be a contiguous"):
+        KC.combine_accumulate(fmt, short[:2], torch.tensor([0, 1]), torch.zeros(4, H), torch.bfloat16)
+    with pytest.raises(ValueError, match="rows must be a contiguous"):
+        KC.weighted_combine(fmt, rows.transpose(1, 2), topk, w, out)
+    with pytest.raises(TypeError, match="rows must be a uint8"):
+        KC.combine_accumulate(fmt, rows[:2].float(), torch.tensor([0, 1]), torch.zeros(4, H), torch.bfloat16)
+    with pytest.raises(ValueError, match="wacc must be"):
+        KC.combine_accumulate(fmt, rows[:2], torch.tensor([0, 1]), torch.zeros(4, H), torch.bfloat16,
+                              torch.zeros(4, 5))
+    fmt_w = P.RowFormat("tff", (("x", H * 2),), 1)
+    rows_w = torch.zeros(2, fmt_w.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    for bad in (torch.zeros(4, 4), torch.zeros(4, 1, dtype=torch.float64), torch.zeros(3, 1)):
+        with pytest.raises(ValueError, match="wacc must be"):
+            KC.combine_accumulate(fmt_w, rows_w, torch.tensor([0, 1]), torch.zeros(4, H), torch.bfloat16, bad)
+    with pytest.raises(ValueError, match="index must be"):
+        KC.combine_accumulate(fmt, rows[:2], torch.tensor([[0], [1]]), torch.zeros(4, H), torch.bfloat16)
+    for bad_pos in (torch.zeros(T, K + 1, dtype=torch.long), torch.arange(T * K)):
+        with pytest.raises(IndexError, match="pos must be"):
+            KC.weighted_combine(fmt, rows, topk, w, out, pos=bad_pos)
+    with pytest.raises(ValueError, match="topk_idx must be"):
+        KC.weighted_combine(fmt, rows, topk.reshape(-1), w, out)
+    assert not out.any()     # (nothing written by a refused call)
 
 # ----------------------------------------------------------------------------- decomposed LL receive
 def ll_receive_case(sync: str, R: int = 3, El: int = 4, N: int = 4, H: int = 256, seed: int = 7,
