@@ -707,10 +707,14 @@ def second_thread_and_fork(ctx):
     return refused, errors
 
 
-def swapped_combines(ctx, mode):
-    """Two dispatches of the same routing, combined in call order on rank 0 and in the other order on rank 1
-    (``mode`` "normal" or "ll"): the combines must fail naming the mismatch, not sum the wrong rows.
-    Returns what each rank's first combine raised (type and message), or how far its result was off."""
+def swapped_combines(ctx, mode, how="object"):
+    """Two dispatches of the same shapes and row counts, combined in call order on rank 0 and in the other
+    order on rank 1 (``mode`` "normal" or "ll"): the combines must fail naming the mismatch, not sum the
+    wrong rows. ``how``: the handle passed as the object, as a plain tuple of its own tensors ("tuple"), or
+    (normal mode, "cached") to a cached dispatch instead of a combine (the two normal dispatches route
+    tokens 4 and 5 to other ranks, with the same counts: swapped layouts would place the wrong tokens' rows).
+    Returns what each rank's first combine (or cached dispatch) raised (type and message), or how far its
+    result was off."""
     import torch
     import torch.distributed as dist
 
@@ -721,17 +725,22 @@ def swapped_combines(ctx, mode):
     topk = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1], [2, 3]])
     xs = [torch.randn(T, H).bfloat16() for _ in range(2)]
     if mode == "normal":
-        calls = [buf.dispatch(x, topk_idx=topk, num_experts=E) for x in xs]
+        topks = [topk, topk[[0, 1, 2, 3, 5, 4]]]
+        calls = [buf.dispatch(x, topk_idx=t, num_experts=E) for x, t in zip(xs, topks)]
         ranks = torch.tensor([2, 2, 2, 2, 1, 1]).unsqueeze(1)
 
         def combine(i):
-            return float((buf.combine(calls[i][0], calls[i][4])[0].float() - ranks * xs[i].float()).abs().max())
+            handle = tuple(calls[i][4]) if how == "tuple" else calls[i][4]
+            if how == "cached":     # (xs[i] again: the rows dispatch i received)
+                return float((buf.dispatch(xs[i], handle=handle)[0].float() - calls[i][0].float()).abs().max())
+            return float((buf.combine(calls[i][0], handle)[0].float() - ranks * xs[i].float()).abs().max())
     else:
         calls = [buf.low_latency_dispatch(x, topk, N, E, use_fp8=False) for x in xs]
         w = torch.rand(T, 2)
 
         def combine(i):
-            out = buf.low_latency_combine(calls[i][0], topk, w, calls[i][2])[0]
+            handle = tuple(calls[i][2]) if how == "tuple" else calls[i][2]
+            out = buf.low_latency_combine(calls[i][0], topk, w, handle)[0]
             return float((out.float() - xs[i].float() * w.sum(1, keepdim=True)).abs().max())
     first = 0 if ctx.rank == 0 else 1
     try:
@@ -740,6 +749,57 @@ def swapped_combines(ctx, mode):
         result = (type(e).__name__, str(e))
     buf.destroy()
     return result
+
+
+def edited_handles(ctx):
+    """Handles changed after their call. Normal mode, rows in several exchanges (a small buffer): a handle
+    object whose recv_src_idx and is_token_in_rank entries the caller rewrote in place still combines by its
+    dispatch's layout (former bug: the several-exchange path read the rewritten entry, and every rank raised
+    and broke the Buffer). Low-latency mode: a cloned plain-tuple copy of the latest handle, on a rank that
+    received nothing in that call and the one before (equal handles), is told apart by the combine's
+    topk_idx (former bug: refused as ambiguous); a cloned copy with a rewritten src_info is refused naming
+    what may be wrong. Returns {case: result}."""
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    R, me = ctx.world_size, ctx.rank
+    out = {}
+    T, H, K, E = 64, 1024, 2, 2 * R
+    buf = Buffer(dist.group.WORLD, 262144, timeout_s=20.0)
+    g = torch.Generator().manual_seed(me)
+    topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    x = torch.randint(-8, 9, (T, H), generator=g).float()
+    recv_x, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=E)
+    want = x * h[4].sum(1, keepdim=True)
+    h[3].add_(1000 * (me + 1))
+    h[4][:, me] = ~h[4][:, me]
+    out["normal edited in place"] = bool(torch.equal(buf.combine(recv_x, h)[0], want))
+    again = buf.dispatch(x, topk_idx=topk, num_experts=E)
+    out["normal next call"] = bool(torch.equal(buf.combine(again[0], again[4])[0], want))
+    buf.destroy()
+
+    N, H = 8, 128
+    buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(N, H, R, E), low_latency_mode=True,
+                 timeout_s=20.0)
+    x = torch.full((4, H), float(me + 1), dtype=torch.bfloat16)
+    w = torch.ones(4, 1)
+    ta, tb = torch.tensor([[0], [1], [0], [1]]), torch.tensor([[1], [0], [1], [0]])   # (rank 0's experts only)
+    rxa, _, ha, _, _ = buf.low_latency_dispatch(x, ta, N, E, use_fp8=False)
+    buf.low_latency_combine(rxa, ta, w, ha)
+    rxb, _, hb, _, _ = buf.low_latency_dispatch(x, tb, N, E, use_fp8=False)
+    copy = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in hb)
+    out["ll clone of equal handles"] = bool(torch.equal(buf.low_latency_combine(rxb, tb, w, copy)[0], x))
+    rxc, _, hc, _, _ = buf.low_latency_dispatch(x, ta, N, E, use_fp8=False)
+    edited = (hc[0].clone() + 1,) + tuple(hc[1:])
+    try:
+        buf.low_latency_combine(rxc, ta, w, edited)
+        out["ll edited clone"] = "no error"
+    except TypeError as e:
+        out["ll edited clone"] = str(e)
+    out["ll next call"] = bool(torch.equal(buf.low_latency_combine(rxc, ta, w, hc)[0], x))
+    buf.destroy()
+    return out
 
 
 def handles_of_another_buffer(ctx, mode, case):

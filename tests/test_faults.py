@@ -543,14 +543,30 @@ def test_second_thread_and_forked_child_are_refused():
     assert refused0["peer"][0] == "UBEPPeerAbortedError" and refused0["peer"][1] < 5, refused0
 
 
-@pytest.mark.parametrize("mode", ["normal", "ll"])
-def test_combines_of_different_dispatches_fail_instead_of_mixing_rows(mode):
+@pytest.mark.parametrize("mode,how", [("normal", "object"), ("ll", "object"), ("normal", "tuple"),
+                                      ("ll", "tuple"), ("normal", "cached")])
+def test_combines_of_different_dispatches_fail_instead_of_mixing_rows(mode, how):
     """Ranks that combine the handles of two different dispatches (of the same shapes) raise an error that
-    names the mismatch instead of summing each other's rows of the wrong tokens."""
+    names the mismatch instead of summing each other's rows of the wrong tokens; so do ranks that pass them
+    as plain tuples of the handles' own tensors, or to cached dispatches (former bugs: both went unchecked
+    and gave the wrong rows)."""
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with RankPool(2, env=env) as pool:
-        out = pool.run(FR.swapped_combines, mode, timeout_s=60)
+        out = pool.run(FR.swapped_combines, mode, how, timeout_s=60)
     assert all(name == "UBEPError" and "same dispatch" in msg for name, msg in out), out
+
+
+def test_handles_changed_after_their_call():
+    """A handle object's entries rewritten in place change nothing (its layout is its dispatch's), also when
+    a combine runs in several exchanges; a cloned low-latency copy equal to several recent handles is told
+    apart by the combine's topk_idx; a copy with rewritten entries is refused saying so."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        out = pool.run(FR.edited_handles, timeout_s=90)
+    for res in out:
+        assert res["normal edited in place"] and res["normal next call"], res
+        assert res["ll clone of equal handles"] and res["ll next call"], res
+        assert "entries were changed" in res["ll edited clone"], res
 
 
 @pytest.mark.parametrize("mode", ["normal", "ll"])

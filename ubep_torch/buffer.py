@@ -240,7 +240,10 @@ class DispatchHandle(tuple):
     handle has a seventh entry, ``row_index`` [rows] int64: the rank-major row of each expert-major row (-1
     for padding), so a plain-tuple copy of it keeps its order. Attributes carry the rest of the layout: send
     lists per destination, and the rows received from each source and where they begin in recv_x
-    (``recv_counts`` [R], ``recv_offsets`` [R + 1], as Python ints)."""
+    (``recv_counts`` [R], ``recv_offsets`` [R + 1], as Python ints), and the received rows' source tokens
+    (``src_tokens``, int64). A handle object's layout is fixed when its dispatch returns it: the Buffer reads
+    these attributes, not its tensors, so writing into them changes nothing (a plain-tuple copy is read from
+    its entries: see ``from_tuple``)."""
 
     def __new__(cls, items, **attrs):
         obj = super().__new__(cls, items)
@@ -308,7 +311,7 @@ class DispatchHandle(tuple):
         send_idx = [itr[:, d].nonzero().squeeze(1) for d in range(R)]
         return cls(items, send_idx=send_idx, recv_counts=counts.tolist(), recv_offsets=offsets, num_recv=num_recv,
                    num_tokens=itr.shape[0], num_experts=0, num_worst_tokens=worst, layout="rank_major",
-                   topk_idx=None, peer_tokens=None, pair=0)
+                   topk_idx=None, peer_tokens=None, pair=0, src_tokens=src[:num_recv])
 
 
 class LowLatencyHandle(tuple):
@@ -2037,7 +2040,8 @@ class Buffer:
             (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank.clone(), send_head),
             send_idx=send_idx, recv_counts=rows_from, recv_offsets=off_l, num_recv=num_recv, num_tokens=T,
             num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=routed,
-            peer_tokens=recv["num_tokens"], pair=self._pair_tag | self._calls)
+            peer_tokens=recv["num_tokens"], pair=self._pair_tag | self._calls,
+            src_tokens=recv_src_idx[:num_recv].to(torch.int64))
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         self._report("dispatch", routed, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0),
                      token_in_rank=is_token_in_rank)
@@ -2119,7 +2123,18 @@ class Buffer:
                 DispatchHandle.from_tuple(handle, self.rank, self.group_size)
         raise TypeError(f"handle must be the handle returned by Buffer.dispatch, got {type(handle).__name__}")
 
+    def _dispatch_pair(self, handle) -> int:
+        """The dispatch a handle names (``DispatchHandle.pair``), for the peers to check that every rank
+        passes the handle of the same one: known for the handle object dispatch returned and for a plain
+        tuple of its own tensors; 0 (not checked) for a copy of its tensors, which may equal the handles of
+        other calls (every layer routing alike) while the peers' copies resolve to another of them."""
+        if isinstance(handle, DispatchHandle):
+            return handle.pair
+        original = _recent_original(handle, self._recent_handles)
+        return 0 if original is None else original.pair
+
     def _cached_dispatch(self, xd, scales, handle, x_orig):
+        paired = self._dispatch_pair(handle)
         handle = self._as_dispatch_handle(handle)
         base = getattr(handle, "base_handle", None) or handle
         T, H = xd.shape
@@ -2133,9 +2148,11 @@ class Buffer:
         fields_data = [P.as_bytes(xd)] + ([P.as_bytes(scales)] if scales is not None else [])
         sig, src_index = fmt.signature(), self.engine.arange(T)
 
+        # (a cached dispatch's control word 3 names the handle's dispatch, as a combine's does: ranks that pass
+        # the handles of different dispatches with the same row counts would get each other's wrong rows)
         def exchange(lists, staged):
             return self._exchange(P.REGION_DISPATCH, fmt, fields_data, None, src_index, lists,
-                                  lambda d: [int(lists[d].numel()), sig, 0, 0, 0, 0], T, staged=staged)
+                                  lambda d: [int(lists[d].numel()), sig, 0, paired, 0, 0], T, staged=staged)
 
         rows_out = base.num_worst_tokens or base.num_recv
         recv_x = self._out.zeros((rows_out, H), xd.dtype) if base.num_worst_tokens else \
@@ -2144,6 +2161,7 @@ class Buffer:
         outs = [P.as_bytes(recv_x)] + ([P.as_bytes(recv_scales)] if scales is not None else [])
 
         def allocate(recv: dict):
+            self._check_pairing("cached dispatch", recv["ctrl"], paired)
             if any(t <= cap and n != c for t, n, c in zip(recv["num_tokens"], recv["nrows"], base.recv_counts)):
                 self._broken = "cached dispatch layout mismatch"
                 raise UBEPError(f"cached dispatch on rank {self.rank}: peers sent {recv['nrows']} rows, the "
@@ -2463,7 +2481,7 @@ class Buffer:
         self._apply_config(config)
         # the dispatch this combine answers, for the peers to check: known for the handle object dispatch
         # returned, not for a plain-tuple copy (it may match a newer handle of the same content)
-        paired = handle.pair if isinstance(handle, DispatchHandle) else 0
+        paired = self._dispatch_pair(handle)
         handle = self._as_dispatch_handle(handle)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor, got {type(x).__name__}")
@@ -2534,8 +2552,8 @@ class Buffer:
             if a == 0 and peer_tokens is not None and max(peer_tokens) <= cap:
                 rows = whole
             else:
-                if not ids:
-                    ids["src"] = base[3].to(torch.int64)
+                if not ids:     # (the handle's own copy: writes into its recv_src_idx entry change nothing)
+                    ids["src"] = base.src_tokens
                 rows = []
                 for d in range(R):
                     lo, hi = _token_range(ids["src"][bounds[d]:bounds[d + 1]], a, b)
@@ -2969,9 +2987,10 @@ class Buffer:
                              f"one first")
 
     # ================================================================== low-latency combine
-    def _as_ll_handle(self, handle) -> "LowLatencyHandle":
+    def _as_ll_handle(self, handle, prefer: Optional[Callable] = None) -> "LowLatencyHandle":
         """The handle itself, or the one of a recent call that a plain tuple or list was made from (DeepEP's
-        low-latency handle is a plain tuple; its entries are this call's own tensors)."""
+        low-latency handle is a plain tuple; its entries are this call's own tensors). ``prefer``: see
+        ``_recent_copy_of``."""
         if isinstance(handle, LowLatencyHandle):
             ranks = handle[1].shape[1]
             if ranks != self.group_size:
@@ -2979,11 +2998,12 @@ class Buffer:
                                  f"group has {self.group_size}")
             return handle
         if isinstance(handle, (tuple, list)) and len(handle) == 5:
-            found = _recent_copy_of(handle, self._recent_ll_handles, _LL_LAYOUT_KEYS)
+            found = _recent_copy_of(handle, self._recent_ll_handles, _LL_LAYOUT_KEYS, prefer=prefer)
             if found is not None:
                 return found
-            raise TypeError(f"this plain-tuple handle does not come from one of this Buffer's last "
-                            f"{_RECENT_HANDLES} low_latency_dispatch calls; pass the handle object itself")
+            raise TypeError(f"this plain-tuple handle equals no handle of this Buffer's last {_RECENT_HANDLES} "
+                            f"low_latency_dispatch calls: it is older, from another Buffer, or its entries were "
+                            f"changed (a copy's entries must equal its call's); pass the handle object itself")
         raise TypeError(f"handle must come from low_latency_dispatch, got {type(handle).__name__}")
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
@@ -3051,8 +3071,10 @@ class Buffer:
                      return_recv_hook=return_recv_hook)
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook are exclusive")
-        exact = isinstance(handle, LowLatencyHandle)    # (see combine: a plain-tuple copy's dispatch is not sure)
-        handle = self._as_ll_handle(handle)
+        # (see _dispatch_pair: a copy of the handle's tensors may equal the handles of other calls)
+        exact = isinstance(handle, LowLatencyHandle) or _recent_original(handle, self._recent_ll_handles) is not None
+        # (copies equal to several recent handles: those of a dispatch of this routing first)
+        handle = self._as_ll_handle(handle, prefer=lambda h: _same_routing(topk_idx, h.topk_snapshot))
         paired = handle.pending.pair if exact else 0
         if not handle.pending.done:
             raise ValueError("low_latency_combine got the handle of a low_latency_dispatch whose recv hook has "
@@ -3345,22 +3367,37 @@ def _equal_values(given: torch.Tensor, expected: torch.Tensor) -> bool:
     return torch.equal(given, expected)
 
 
-def _recent_copy_of(items, recent, layout_keys: Sequence[str], loose_keys: Sequence[str] = ()) -> Optional[tuple]:
-    """The handle in ``recent`` that a plain tuple ``items`` was made from, else None.
-
-    First by identity (the handle's own tensors, entry for entry, and equal other entries), then by
-    content (copies of them: equal entries). Several recent handles can have equal entries (the same
-    routing on every layer); the newest is taken when they also agree on every attribute in
-    ``layout_keys`` (what the entries do not say), else the tuple is ambiguous and TypeError asks for the
-    handle object. An attribute in ``loose_keys`` on which they differ is set to None (unknown) in a copy
-    of the newest."""
+def _recent_original(items, recent) -> Optional[tuple]:
+    """The handle in ``recent`` whose own tensors the plain tuple or list ``items`` holds, entry for entry
+    (``tuple(handle)``; its other entries equal), else None. Only that handle has those tensors: a copy made
+    this way names its call as surely as the handle object does."""
+    if not isinstance(items, (tuple, list)):
+        return None
     for h in reversed(recent):
         if len(items) == len(h) and all(a is b if isinstance(b, torch.Tensor) else _same_value(a, b)
                                         for a, b in zip(items, h)):
             return h
+    return None
+
+
+def _recent_copy_of(items, recent, layout_keys: Sequence[str], loose_keys: Sequence[str] = (),
+                    prefer: Optional[Callable] = None) -> Optional[tuple]:
+    """The handle in ``recent`` that a plain tuple ``items`` was made from, else None.
+
+    First by identity (``_recent_original``), then by content (copies of them: equal entries). Several
+    recent handles can have equal entries (the same routing on every layer); those for which ``prefer``
+    (when given) holds are taken alone if there are any, and the newest is taken when they also agree on
+    every attribute in ``layout_keys`` (what the entries do not say), else the tuple is ambiguous and
+    TypeError asks for the handle object. An attribute in ``loose_keys`` on which they differ is set to None
+    (unknown) in a copy of the newest."""
+    h = _recent_original(items, recent)
+    if h is not None:
+        return h
     same = [h for h in reversed(recent) if len(items) == len(h) and all(_same_value(a, b) for a, b in zip(items, h))]
     if not same:
         return None
+    if prefer is not None and len(same) > 1:
+        same = [h for h in same if prefer(h)] or same
     newest, unknown = same[0], {}
     for h in same[1:]:
         if not all(_same_value(getattr(newest, k, None), getattr(h, k, None)) for k in layout_keys):
