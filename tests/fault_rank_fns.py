@@ -802,6 +802,42 @@ def edited_handles(ctx):
     return out
 
 
+def interrupted_setup_then_retry(ctx, retry=True):
+    """Rank 0's Buffer set-up is interrupted by Ctrl-C (a SIGINT 0.5 s in) while it waits for rank 1, which
+    comes 1.5 s late; then (``retry``) both ranks build a Buffer again on the same group. Rank 0's receives
+    of the interrupted set-up are still posted and would take rank 1's messages: rank 0 must refuse at once
+    saying so, instead of waiting for its deadline and naming rank 1, which delivered (former bug). Without
+    ``retry`` rank 1 builds nothing, and rank 0's wait on its message is still running when the call returns.
+    Returns [(what the first set-up raised, if anything), (what the retry raised, its message, seconds)]."""
+    import signal
+    import threading
+
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    out = []
+    if ctx.rank == 0:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            Buffer(dist.group.WORLD, 1 << 20, timeout_s=20.0).destroy()
+            out.append(None)
+        except KeyboardInterrupt:
+            out.append("KeyboardInterrupt")
+    else:
+        time.sleep(1.5)
+        out.append(None)
+    if not retry:
+        return out
+    t0 = time.monotonic()
+    try:
+        Buffer(dist.group.WORLD, 1 << 20, timeout_s=3.0).destroy()
+        out.append(("built", "", time.monotonic() - t0))
+    except Exception as e:  # noqa: BLE001
+        out.append((type(e).__name__, str(e), time.monotonic() - t0))
+    return out
+
+
 def handles_of_another_buffer(ctx, mode, case):
     """Two Buffers A and B of one group, each with one dispatch of the same routing (call 1 of each) and
     other tokens. ``case`` "mixed": rank 0 combines A's handle on B, the others B's own: the combines must

@@ -187,6 +187,28 @@ def test_ctrl_c_ends_a_setup_wait_at_once(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
 
 
+def test_a_setup_again_after_an_interrupted_one_refuses_at_once():
+    """After Ctrl-C ended a set-up's wait, a set-up on the same group refuses at once, saying why (former bug:
+    it waited for its deadline and named a peer that had delivered: the interrupted set-up's receives took
+    its messages), the peer fails naming the rank that did not deliver, and the pool's ranks exit cleanly
+    (former bug: the rank with the interrupted wait aborted with SIGABRT at exit)."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        (first0, (name0, msg0, took0)), (_, (name1, msg1, took1)) = pool.run(FR.interrupted_setup_then_retry,
+                                                                             timeout_s=90)
+        procs = pool._procs
+    assert first0 == "KeyboardInterrupt", first0
+    assert name0 == "UBEPError" and "interrupted" in msg0 and "new process group" in msg0 and took0 < 1.0, \
+        (name0, msg0, took0)
+    assert name1 in ("UBEPTimeoutError", "UBEPPeerLostError") and "[0]" in msg1 and took1 < 30, (name1, msg1)
+    assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]
+    # the pool closes while rank 0's interrupted wait still runs (rank 1 sends nothing)
+    with RankPool(2, env=env) as pool:
+        assert pool.run(FR.interrupted_setup_then_retry, False, timeout_s=60) == [["KeyboardInterrupt"], [None]]
+        procs = pool._procs
+    assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]
+
+
 def test_a_rank_stalled_in_setup_and_killed_later_leaves_nothing(tmp_path):
     """The victim stalls in set-up after creating its segment; the survivor times out and exits, then the
     victim is killed (as a launcher does once a rank failed): its segment is gone too (the survivor's failed

@@ -123,6 +123,13 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str,
                 pass
     if orphan:      # (the group's store lived in the pool's process: nothing to take down in order)
         os._exit(0)
+    from .ugas import pending_setup_waits
+    if pending_setup_waits():
+        # (a Buffer set-up interrupted here, by Ctrl-C say, left a wait on a gloo receive running until its
+        # deadline: taking the group down under it, or exiting the interpreter around it, aborts the process)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     try:
         dist.destroy_process_group()
     except Exception:

@@ -461,6 +461,8 @@ def _free_bytes(directory: str) -> int:
 _MSG_BYTES = 4096
 _TAG = 0x5542   # bootstrap messages
 _IN_FLIGHT: list = []   # works abandoned at a deadline: their buffers must outlive them
+#: process groups on which a set-up was interrupted (Ctrl-C, another exception) while its messages were in flight
+_INTERRUPTED: list = []
 
 
 def _closed_connection(e: RuntimeError, phase: str, me: int, r: int) -> UBEPError:
@@ -475,6 +477,9 @@ def _closed_connection(e: RuntimeError, phase: str, me: int, r: int) -> UBEPErro
     return UBEPPeerLostError(phase, me, [r], [r], f"No Buffer was created (gloo: {e}).",
                              cause=f"closed its connection to this rank (its process exited, or a Buffer set-up "
                                    f"of its own on this group timed out: then {again})")
+
+
+_WAIT_THREAD = "ubep-setup-wait"
 
 
 def _wait_work(work, deadline: float, in_flight: tuple) -> None:
@@ -495,7 +500,7 @@ def _wait_work(work, deadline: float, in_flight: tuple) -> None:
             failed.append(e)
         finally:
             done.set()
-    threading.Thread(target=wait, name="ubep-setup-wait", daemon=True).start()
+    threading.Thread(target=wait, name=_WAIT_THREAD, daemon=True).start()
     try:
         ended = done.wait(max(deadline - time.monotonic(), 0.0) + 5.0)
     except BaseException:
@@ -505,6 +510,12 @@ def _wait_work(work, deadline: float, in_flight: tuple) -> None:
         raise RuntimeError("the wait timed out")
     if failed:
         raise failed[0]
+
+
+def pending_setup_waits() -> int:
+    """How many waits on set-up messages an interrupted Buffer set-up left running (each ends at its set-up's
+    deadline; see ``_wait_work``)."""
+    return sum(t.name == _WAIT_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 _FIRST_STEP = "Buffer set-up: waiting for every rank to create its Buffer"
@@ -537,6 +548,13 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
         dist.all_gather_object(out, obj, group=group)
         return out
     me = dist.get_rank(group)
+    if any(g is group for g in _INTERRUPTED):
+        # (its receives are still posted: they would take the peers' messages of this set-up, which would
+        # then wait for them until its deadline and name ranks that did deliver)
+        raise UBEPError(f"ubep_torch: rank {me} in phase '{phase}': an earlier Buffer set-up on this process group "
+                        f"was interrupted (Ctrl-C or another exception) while its messages were in flight, and "
+                        f"they would be taken for this set-up's: build the Buffer on a new process group. No "
+                        f"Buffer was created.")
     # every step has its own tag and names itself: a message left over from an earlier set-up that failed
     # on this process group is recognised instead of being taken for this step's
     tag = _TAG + zlib.crc32(phase.encode()) % 4096
@@ -559,13 +577,17 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
             raise _closed_connection(e, phase, me, r) from e
     deadline = time.monotonic() + timeout_s
     missing, lost = [], []
-    for r in peers:
-        try:
-            _wait_work(recvs[r], deadline, in_flight)
-        except RuntimeError as e:
-            missing.append(r)
-            if "timed out" not in str(e).lower():
-                lost.append(r)      # the connection broke: the peer's process is gone, or its wait timed out
+    try:
+        for r in peers:
+            try:
+                _wait_work(recvs[r], deadline, in_flight)
+            except RuntimeError as e:
+                missing.append(r)
+                if "timed out" not in str(e).lower():
+                    lost.append(r)      # the connection broke: the peer's process is gone, or its wait timed out
+    except BaseException:
+        _INTERRUPTED.append(group)
+        raise
     if missing:
         _IN_FLIGHT.append(in_flight)
         consequence = "No Buffer was created."
@@ -587,12 +609,16 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
                                           "process group)")
         raise UBEPTimeoutError(phase, me, missing, timeout_s, consequence)
     undelivered, cause = [], None
-    for r, w in sends.items():
-        try:
-            _wait_work(w, deadline, in_flight)
-        except RuntimeError as e:
-            undelivered.append(r)
-            cause = e
+    try:
+        for r, w in sends.items():
+            try:
+                _wait_work(w, deadline, in_flight)
+            except RuntimeError as e:
+                undelivered.append(r)
+                cause = e
+    except BaseException:
+        _INTERRUPTED.append(group)
+        raise
     if undelivered:
         _IN_FLIGHT.append(in_flight)
         raise UBEPError(f"ubep_torch: rank {me} in phase '{phase}': its message to rank(s) {undelivered} was not "
