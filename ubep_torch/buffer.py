@@ -311,7 +311,7 @@ class DispatchHandle(tuple):
         send_idx = [itr[:, d].nonzero().squeeze(1) for d in range(R)]
         return cls(items, send_idx=send_idx, recv_counts=counts.tolist(), recv_offsets=offsets, num_recv=num_recv,
                    num_tokens=itr.shape[0], num_experts=0, num_worst_tokens=worst, layout="rank_major",
-                   topk_idx=None, peer_tokens=None, pair=0, src_tokens=src[:num_recv])
+                   topk_idx=None, peer_tokens=None, pair=0, src_tokens=src)
 
 
 class LowLatencyHandle(tuple):
@@ -2041,7 +2041,7 @@ class Buffer:
             send_idx=send_idx, recv_counts=rows_from, recv_offsets=off_l, num_recv=num_recv, num_tokens=T,
             num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=routed,
             peer_tokens=recv["num_tokens"], pair=self._pair_tag | self._calls,
-            src_tokens=recv_src_idx[:num_recv].to(torch.int64))
+            src_tokens=recv_src_idx.long())
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         self._report("dispatch", routed, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0),
                      token_in_rank=is_token_in_rank)
