@@ -2479,9 +2479,8 @@ class Buffer:
         self._check_usable()
         _check_overlap(previous_event, async_finish, allocate_on_comm_stream)
         self._apply_config(config)
-        # the dispatch this combine answers, for the peers to check: known for the handle object dispatch
-        # returned, not for a plain-tuple copy (it may match a newer handle of the same content)
-        paired = self._dispatch_pair(handle)
+        # the dispatch this combine answers, for the peers to check (see _dispatch_pair)
+        paired = handle.pair if handle.__class__ is DispatchHandle else self._dispatch_pair(handle)
         handle = self._as_dispatch_handle(handle)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor, got {type(x).__name__}")
