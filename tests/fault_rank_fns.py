@@ -779,6 +779,30 @@ def edited_handles(ctx):
     out["normal next call"] = bool(torch.equal(buf.combine(again[0], again[4])[0], want))
     buf.destroy()
 
+    # an expert-major handle's row_index entry, and the cost model's reports of a combine (is_token_in_rank)
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def report(self, kind, rank, world, topk_idx, num_experts, hidden, bytes_per_token, **kw):
+            self.seen.append((kind, int((topk_idx >= 0).sum())))
+
+    rec = Recorder()
+    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0, cost_model=rec)
+    rx, _, _, _, h, _ = buf.dispatch(x, topk_idx=topk, num_experts=E, layout="expert_major")
+    want_em, want_rx = buf.combine(rx, h)[0], rx.clone()
+    h[6].fill_(-1)
+    out["expert-major edited in place"] = bool(torch.equal(buf.combine(rx, h)[0], want_em)
+                                               and torch.equal(buf.dispatch(x, handle=h)[0], want_rx))
+    itr = torch.ones(T, R, dtype=torch.bool)
+    rx, _, _, _, h, _ = buf.dispatch(x, num_tokens_per_rank=itr.sum(0).int(), is_token_in_rank=itr, num_experts=E)
+    h[4].zero_()
+    itr.zero_()     # (the caller's own tensor, reused)
+    del rec.seen[:]
+    buf.combine(rx, h)
+    out["reports of an edited handle"] = rec.seen
+    buf.destroy()
+
     N, H = 8, 128
     buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(N, H, R, E), low_latency_mode=True,
                  timeout_s=20.0)

@@ -187,6 +187,41 @@ def test_ctrl_c_ends_a_setup_wait_at_once(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
 
 
+_INTERRUPTED_EXIT = """
+import os, signal, sys, threading, time
+import torch.distributed as dist
+from ubep_torch import Buffer
+dist.init_process_group("gloo")
+me = dist.get_rank()
+if me == 0:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        Buffer(dist.group.WORLD, 1 << 20, timeout_s=6.0)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+else:
+    time.sleep(1.5)
+dist.barrier()
+print("done", flush=True)
+"""
+
+
+def test_a_process_exits_cleanly_after_an_interrupted_setup(tmp_path):
+    """A program that catches Ctrl-C in a Buffer set-up and then ends normally exits with status 0: exit waits
+    (the set-up's deadline at most, saying so) for the receive gloo cannot withdraw (former bug: the process
+    aborted at exit, SIGABRT, "terminate called without an active exception")."""
+    from ubep_torch.testing import run_torchrun
+    script = tmp_path / "interrupted_exit.py"
+    script.write_text(_INTERRUPTED_EXIT)
+    env = {"PYTHONPATH": os.path.dirname(HERE)}
+    proc = run_torchrun(str(script), nproc=2, timeout_s=120, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "terminate called" not in out, out[-3000:]
+    assert proc.stdout.count("done") == 2 and "interrupted" in proc.stdout, out[-3000:]
+    assert "exit waits" in proc.stderr, out[-3000:]
+
+
 def test_a_setup_again_after_an_interrupted_one_refuses_at_once():
     """After Ctrl-C ended a set-up's wait, a set-up on the same group refuses at once, saying why (former bug:
     it waited for its deadline and named a peer that had delivered: the interrupted set-up's receives took
@@ -587,6 +622,8 @@ def test_handles_changed_after_their_call():
         out = pool.run(FR.edited_handles, timeout_s=90)
     for res in out:
         assert res["normal edited in place"] and res["normal next call"], res
+        assert res["expert-major edited in place"], res
+        assert res["reports of an edited handle"] == [("combine", 2 * 64)], res     # (T = 64 rows to R = 2 ranks)
         assert res["ll clone of equal handles"] and res["ll next call"], res
         assert "entries were changed" in res["ll edited clone"], res
 

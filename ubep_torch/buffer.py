@@ -241,7 +241,8 @@ class DispatchHandle(tuple):
     for padding), so a plain-tuple copy of it keeps its order. Attributes carry the rest of the layout: send
     lists per destination, and the rows received from each source and where they begin in recv_x
     (``recv_counts`` [R], ``recv_offsets`` [R + 1], as Python ints), and the received rows' source tokens
-    (``src_tokens``, int64). A handle object's layout is fixed when its dispatch returns it: the Buffer reads
+    (``src_tokens``, int64), the routing's ``token_in_rank`` (for cost-model reports) and an expert-major
+    handle's ``row_index``. A handle object's layout is fixed when its dispatch returns it: the Buffer reads
     these attributes, not its tensors, so writing into them changes nothing (a plain-tuple copy is read from
     its entries: see ``from_tuple``)."""
 
@@ -251,9 +252,11 @@ class DispatchHandle(tuple):
         return obj
 
     @classmethod
-    def expert_major(cls, base: "DispatchHandle", row_index: torch.Tensor) -> "DispatchHandle":
-        """The expert-major handle over the rank-major handle ``base``: its six entries, then ``row_index``."""
-        return cls(tuple(base) + (row_index,), **{**base.__dict__, "layout": "expert_major", "row_index": row_index,
+    def expert_major(cls, base: "DispatchHandle", row_index: torch.Tensor, private: bool = False) -> "DispatchHandle":
+        """The expert-major handle over the rank-major handle ``base``: its six entries, then ``row_index``
+        (``private``: the attribute the Buffer reads is a copy of the entry the caller gets)."""
+        return cls(tuple(base) + (row_index,), **{**base.__dict__, "layout": "expert_major",
+                                                   "row_index": row_index.clone() if private else row_index,
                                                    "base_handle": base})
 
     @classmethod
@@ -311,7 +314,7 @@ class DispatchHandle(tuple):
         send_idx = [itr[:, d].nonzero().squeeze(1) for d in range(R)]
         return cls(items, send_idx=send_idx, recv_counts=counts.tolist(), recv_offsets=offsets, num_recv=num_recv,
                    num_tokens=itr.shape[0], num_experts=0, num_worst_tokens=worst, layout="rank_major",
-                   topk_idx=None, peer_tokens=None, pair=0, src_tokens=src)
+                   topk_idx=None, peer_tokens=None, pair=0, src_tokens=src, token_in_rank=itr)
 
 
 class LowLatencyHandle(tuple):
@@ -1907,7 +1910,7 @@ class Buffer:
                 raise ValueError("dispatch needs topk_idx or is_token_in_rank (or a handle for cached mode)")
             if tuple(is_token_in_rank.shape) != (T, R) or is_token_in_rank.dtype != torch.bool:
                 raise ValueError(f"is_token_in_rank must be a [{T}, {R}] bool tensor")
-            is_token_in_rank = is_token_in_rank.cpu()
+            is_token_in_rank = is_token_in_rank.cpu().clone()   # (kept by the handle: the caller may reuse theirs)
             E = self._check_num_experts(num_experts) if num_experts else R
             K = 0
             if topk_weights is not None:
@@ -2041,7 +2044,7 @@ class Buffer:
             send_idx=send_idx, recv_counts=rows_from, recv_offsets=off_l, num_recv=num_recv, num_tokens=T,
             num_experts=E, num_worst_tokens=num_worst_tokens, layout="rank_major", topk_idx=routed,
             peer_tokens=recv["num_tokens"], pair=self._pair_tag | self._calls,
-            src_tokens=recv_src_idx.long())
+            src_tokens=recv_src_idx.long(), token_in_rank=is_token_in_rank)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         self._report("dispatch", routed, E, H, fmt.fields[0][1] + (fmt.fields[1][1] if scales is not None else 0),
                      token_in_rank=is_token_in_rank)
@@ -2105,7 +2108,7 @@ class Buffer:
             return g
 
         em_x = (gather(out_x[0]), gather(out_x[1])) if isinstance(out_x, tuple) else gather(out_x)
-        em_h = DispatchHandle.expert_major(h, row_index)
+        em_h = DispatchHandle.expert_major(h, row_index, private=True)
         em_w = torch.cat(weight_list) if recv_topk_weights is not None else None
         return (em_x, torch.cat(expert_list), em_w, counts, em_h, EventOverlap(None))
 
@@ -2176,7 +2179,8 @@ class Buffer:
         self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, base.send_idx, exchange, allocate, local_copy,
                               own_src=(fields_data, None))
         self._call_complete("cached dispatch")
-        self._report("dispatch", base.topk_idx, base.num_experts, H, sum(f[1] for f in fields), token_in_rank=base[4])
+        self._report("dispatch", base.topk_idx, base.num_experts, H, sum(f[1] for f in fields),
+                     token_in_rank=base.token_in_rank)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         if handle.layout == "expert_major":
             row_index = handle.row_index
@@ -2619,7 +2623,8 @@ class Buffer:
                     self._heap.local, recv["half"], s, fmt, expect[s]) for s in range(R)])
             self._send_acks(P.REGION_COMBINE, range(R), recv["epoch"])    # (the slots may be written again)
         self._call_complete("combine")
-        self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size(), token_in_rank=base[4])
+        self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size(),
+                     token_in_rank=base.token_in_rank)
         return out, wacc, _event(async_finish)
 
     def _reduce_poller(self, recv: dict, fmt: P.RowFormat, out: torch.Tensor, biases: list, x: torch.Tensor,

@@ -45,6 +45,7 @@ import secrets
 import socket
 import stat
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -480,6 +481,27 @@ def _closed_connection(e: RuntimeError, phase: str, me: int, r: int) -> UBEPErro
 
 
 _WAIT_THREAD = "ubep-setup-wait"
+#: (thread, deadline) of the waits an interrupted set-up left running
+_ABANDONED_WAITS: list = []
+
+
+def _end_abandoned_waits() -> None:
+    """At exit: let the waits an interrupted set-up left running end first (at their deadline at the latest).
+    gloo cannot withdraw a posted receive, and a process that exits while a thread waits on one aborts
+    (SIGABRT, "terminate called without an active exception")."""
+    live = [(t, d) for t, d in _ABANDONED_WAITS if t.is_alive()]
+    if not live:
+        return
+    last = max(d for _, d in live)
+    sys.stderr.write(f"ubep_torch: an interrupted Buffer set-up still waits for a peer's message (gloo cannot "
+                     f"withdraw the receive, and exiting under it would abort the process): exit waits "
+                     f"{max(last - time.monotonic(), 0.0):.0f} s at most for it to end\n")
+    sys.stderr.flush()
+    for t, d in live:
+        t.join(max(d - time.monotonic(), 0.0) + 5.0)
+
+
+atexit.register(_end_abandoned_waits)
 
 
 def _wait_work(work, deadline: float, in_flight: tuple) -> None:
@@ -500,11 +522,13 @@ def _wait_work(work, deadline: float, in_flight: tuple) -> None:
             failed.append(e)
         finally:
             done.set()
-    threading.Thread(target=wait, name=_WAIT_THREAD, daemon=True).start()
+    thread = threading.Thread(target=wait, name=_WAIT_THREAD, daemon=True)
+    thread.start()
     try:
         ended = done.wait(max(deadline - time.monotonic(), 0.0) + 5.0)
     except BaseException:
         _IN_FLIGHT.append(in_flight)
+        _ABANDONED_WAITS.append((thread, deadline))
         raise
     if not ended:       # (gloo's wait has the deadline; this one only bounds it; the caller keeps in_flight)
         raise RuntimeError("the wait timed out")
