@@ -862,6 +862,38 @@ def interrupted_setup_then_retry(ctx, retry=True):
     return out
 
 
+def fill_shm_then_build(ctx, directory):
+    """Rank 0 fills the shared-memory directory just before it creates its segment (as another job could
+    between the set-up's free-space check and that step), then every rank builds a Buffer there. Returns
+    (exception type, message) per rank, or "ok"."""
+    import torch.distributed as dist
+
+    import ubep_torch.ugas as U
+    from ubep_torch import Buffer
+    if ctx.rank == 0:
+        create = U.SymmetricHeap._create_segment
+
+        def fill_then_create(self, *args, **kwargs):
+            fd = os.open(os.path.join(directory, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                while True:
+                    os.write(fd, b"x" * 65536)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+            return create(self, *args, **kwargs)
+        U.SymmetricHeap._create_segment = fill_then_create
+    try:
+        Buffer(dist.group.WORLD, 512 << 10, timeout_s=10.0, shm_dir=directory).destroy()
+        return "ok"
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    finally:
+        if ctx.rank == 0:
+            U.SymmetricHeap._create_segment = create
+
+
 def handles_of_another_buffer(ctx, mode, case):
     """Two Buffers A and B of one group, each with one dispatch of the same routing (call 1 of each) and
     other tokens. ``case`` "mixed": rank 0 combines A's handle on B, the others B's own: the combines must

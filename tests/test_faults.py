@@ -222,6 +222,27 @@ def test_a_process_exits_cleanly_after_an_interrupted_setup(tmp_path):
     assert "exit waits" in proc.stderr, out[-3000:]
 
 
+def test_shared_memory_that_fills_up_during_setup_is_an_error_not_sigbus(tmp_path):
+    """Shared memory that another job fills between the set-up's free-space check and the creation of the
+    segments: every rank raises the error that names the bytes (former bug: the header's store into the
+    sparse mapping killed the rank with SIGBUS, and segments could be left). Needs a small tmpfs of its own
+    (root)."""
+    import subprocess
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+        with RankPool(2, env=env) as pool:
+            out = pool.run(FR.fill_shm_then_build, str(small), timeout_s=60)
+        for name, msg in out:
+            assert name == "RuntimeError" and "bytes of shared memory" in msg, out
+        assert sorted(os.listdir(small)) == ["filler"], os.listdir(small)
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
+
+
 def test_a_setup_again_after_an_interrupted_one_refuses_at_once():
     """After Ctrl-C ended a set-up's wait, a set-up on the same group refuses at once, saying why (former bug:
     it waited for its deadline and named a peer that had delivered: the interrupted set-up's receives took

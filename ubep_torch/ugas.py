@@ -348,9 +348,19 @@ class SymmetricHeap:
         path = path or _segment_path(self.directory)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         _PENDING[path] = None
+        header = struct.pack(_HEADER_FMT, _MAGIC, _VERSION, group_token, self.rank, self.world_size,
+                             self.segment_bytes)
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, self.segment_bytes)
+            # the header through the file, not the mapping: a tmpfs that filled up since the check of step 1
+            # fails this write with ENOSPC, where a store into the sparse mapping would kill with SIGBUS
+            try:
+                os.pwrite(fd, header, 0)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                raise self._too_little(self.world_size * self.segment_bytes, _free_bytes(self.directory)) from e
             m = mmap.mmap(fd, self.segment_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             st = os.fstat(fd)
         except BaseException:
@@ -358,9 +368,6 @@ class SymmetricHeap:
             _PENDING.pop(path, None)
             os.close(fd)
             raise
-        header = struct.pack(_HEADER_FMT, _MAGIC, _VERSION, group_token, self.rank, self.world_size,
-                             self.segment_bytes)
-        m[: len(header)] = header
         self._maps.append((m, (st.st_dev, st.st_ino)))
         self._views[self.rank] = _pinned_view(m)
         return path, fd
