@@ -894,6 +894,32 @@ def fill_shm_then_build(ctx, directory):
             U.SymmetricHeap._create_segment = create
 
 
+def map_failure(ctx):
+    """Rank 0 fails to map a peer's segment (an OSError, as an mmap failing with ENOMEM raises) in set-up step 3
+    and stays alive: every rank must raise at once, the peers naming rank 0 and its error (former bug: they
+    waited for their deadline and named rank 0 as stalled). Returns (type, message, seconds) per rank."""
+    import errno
+
+    import torch.distributed as dist
+
+    import ubep_torch.ugas as U
+    from ubep_torch import Buffer
+    real = U.SymmetricHeap._map_peer
+
+    def fail(self, *args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory (simulated)")
+    if ctx.rank == 0:
+        U.SymmetricHeap._map_peer = fail
+    t0 = time.monotonic()
+    try:
+        Buffer(dist.group.WORLD, 1 << 20, timeout_s=20.0).destroy()
+        return "built", "", time.monotonic() - t0
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e), time.monotonic() - t0
+    finally:
+        U.SymmetricHeap._map_peer = real
+
+
 def handles_of_another_buffer(ctx, mode, case):
     """Two Buffers A and B of one group, each with one dispatch of the same routing (call 1 of each) and
     other tokens. ``case`` "mixed": rank 0 combines A's handle on B, the others B's own: the combines must

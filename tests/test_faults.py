@@ -243,6 +243,17 @@ def test_shared_memory_that_fills_up_during_setup_is_an_error_not_sigbus(tmp_pat
         subprocess.run(["umount", str(small)], capture_output=True)
 
 
+def test_a_rank_that_cannot_map_a_segment_tells_its_peers():
+    """A rank whose set-up fails while mapping the peers' segments (and that stays alive) makes every peer
+    raise at once naming it and its error, as failures in the other set-up steps do."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        (name0, msg0, took0), (name1, msg1, took1) = pool.run(FR.map_failure, timeout_s=90)
+    assert name0 == "OSError" and "simulated" in msg0 and took0 < 10, (name0, msg0, took0)
+    assert name1 == "RuntimeError" and "rank(s) [0]" in msg1 and "simulated" in msg1 and took1 < 10, \
+        (name1, msg1, took1)
+
+
 def test_a_setup_again_after_an_interrupted_one_refuses_at_once():
     """After Ctrl-C ended a set-up's wait, a set-up on the same group refuses at once, saying why (former bug:
     it waited for its deadline and named a peer that had delivered: the interrupted set-up's receives took

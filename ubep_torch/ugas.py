@@ -237,19 +237,27 @@ class SymmetricHeap:
             self._settle_step(group, created_step, e, "create their segment")
         try:
             self._settle_step(group, created_step, None, "create their segment")
-            # 3. map every peer's segment after checking it is what the group announced.
-            for r in range(self.world_size):
-                if r == self.rank:
-                    continue
-                try:
-                    self._map_peer(r, paths[r], int(infos[r]["bytes"]), group_token)
-                except FileNotFoundError:     # its name is gone: it left the set-up after creating it
-                    raise UBEPPeerLostError(
-                        "Buffer set-up: mapping every rank's segment", self.rank, [r], [r], "No Buffer was created.",
-                        cause="exited" if not self.peer_alive(r) else
-                        "left the set-up (its segment is gone: its own set-up failed, see its error)") from None
-            _all_gather(True, group, self.world_size, self.timeout_s,
-                        "Buffer set-up: waiting for every rank to map every segment")
+            # 3. map every peer's segment after checking it is what the group announced; how it went is
+            # settled with the peers (a rank that fails here tells them, instead of leaving them to their
+            # deadline).
+            map_error: Optional[Exception] = None
+            try:
+                for r in range(self.world_size):
+                    if r == self.rank:
+                        continue
+                    try:
+                        self._map_peer(r, paths[r], int(infos[r]["bytes"]), group_token)
+                    except FileNotFoundError:     # its name is gone: it left the set-up after creating it
+                        raise UBEPPeerLostError(
+                            "Buffer set-up: mapping every rank's segment", self.rank, [r], [r],
+                            "No Buffer was created.", cause="exited" if not self.peer_alive(r) else
+                            "left the set-up (its segment is gone: its own set-up failed, see its error)") from None
+            except UBEPPeerLostError:   # (the set-up cannot complete: that peer sends nothing more)
+                raise
+            except Exception as e:  # noqa: BLE001  (settled below: raised here, told to the peers)
+                map_error = e
+            self._settle_step(group, "Buffer set-up: waiting for every rank to map every segment", map_error,
+                              "map every segment")
             # every rank has mapped every segment: each rank removes every name (its own in `finally`), so
             # a rank killed before its own unlink leaves nothing behind while one rank of the group lives
             for r, p in enumerate(paths):
