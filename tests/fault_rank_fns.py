@@ -920,6 +920,52 @@ def map_failure(ctx):
         U.SymmetricHeap._map_peer = real
 
 
+def interrupted_last_setup_step(ctx):
+    """Rank 0's set-up is interrupted by Ctrl-C while it waits in the last step (rank 1 reserves its memory
+    late); rank 1, which then has every message, completes its set-up and makes a dispatch: it must fail at
+    once naming rank 0 (former bug: its Buffer waited for rank 0 until its deadline). Returns what each rank's
+    set-up and rank 1's dispatch raised (type, message, seconds)."""
+    import signal
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    import ubep_torch.ugas as U
+    from ubep_torch import Buffer
+    settle, reserve = U.SymmetricHeap._settle_step, U.SymmetricHeap._reserve
+    if ctx.rank == 0:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        def interrupted(self, group, phase, *args, **kwargs):
+            if "reserve" in phase:
+                threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+            return settle(self, group, phase, *args, **kwargs)
+        U.SymmetricHeap._settle_step = interrupted
+    else:
+        def late(self, fd):
+            time.sleep(2.0)
+            return reserve(self, fd)
+        U.SymmetricHeap._reserve = late
+    out = {}
+    try:
+        buf = Buffer(dist.group.WORLD, 1 << 20, timeout_s=30.0)
+        out["set-up"] = "built"
+    except KeyboardInterrupt:
+        out["set-up"], buf = "KeyboardInterrupt", None
+    finally:
+        U.SymmetricHeap._settle_step, U.SymmetricHeap._reserve = settle, reserve
+    if buf is not None:
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(torch.randn(8, 64), topk_idx=torch.randint(0, 4, (8, 2)), num_experts=4)
+            out["dispatch"] = ("returned", "", time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001
+            out["dispatch"] = (type(e).__name__, str(e), time.monotonic() - t0)
+        buf.destroy()
+    return out
+
+
 def handles_of_another_buffer(ctx, mode, case):
     """Two Buffers A and B of one group, each with one dispatch of the same routing (call 1 of each) and
     other tokens. ``case`` "mixed": rank 0 combines A's handle on B, the others B's own: the combines must

@@ -254,6 +254,19 @@ def test_a_rank_that_cannot_map_a_segment_tells_its_peers():
         (name1, msg1, took1)
 
 
+def test_a_peer_that_completed_its_setup_learns_of_an_interrupted_one():
+    """Ctrl-C ends rank 0's set-up in its last step, after its message of that step went out: rank 1
+    completes its own set-up, and its first call fails at once naming rank 0 instead of waiting for it until
+    the deadline."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        out0, out1 = pool.run(FR.interrupted_last_setup_step, timeout_s=90)
+    assert out0 == {"set-up": "KeyboardInterrupt"}, out0
+    assert out1["set-up"] == "built", out1
+    name, msg, took = out1["dispatch"]
+    assert name == "UBEPPeerLostError" and "[0]" in msg and took < 5, out1
+
+
 def test_a_setup_again_after_an_interrupted_one_refuses_at_once():
     """After Ctrl-C ended a set-up's wait, a set-up on the same group refuses at once, saying why (former bug:
     it waited for its deadline and named a peer that had delivered: the interrupted set-up's receives took

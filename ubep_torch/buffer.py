@@ -730,7 +730,15 @@ class Buffer:
         # none, and its control words may lie in the next region's memory): what _same_call looks at
         self._call_regions = [r for r in dict.fromkeys(self._regions.values()) if r.part_bytes]
         self._heap_set_up = True     # (from here on the set-up tells the peers of its own errors)
-        self._heap = SymmetricHeap(group, base, directory=shm_dir, timeout_s=self.timeout_s,
+        rank, abort_slot = self.rank, _ABORT_ROW * R + self.rank
+
+        def left(heap: SymmetricHeap) -> None:
+            # this rank's set-up failed in its last step, where peers may have completed theirs: its abort
+            # word (destroyed, before call 1) in their memory makes their first call fail at once
+            for r in range(R):
+                if r != rank:
+                    heap.peer(r)[:aux].view(torch.int64).numpy()[abort_slot] = P.abort_word(P.ABORT_DESTROYED, 0)
+        self._heap = SymmetricHeap(group, base, directory=shm_dir, timeout_s=self.timeout_s, on_leave=left,
                                    agree={"num_nvl_bytes": self.num_nvl_bytes,
                                           "num_rdma_bytes": self.num_rdma_bytes,
                                           "low_latency_mode": self.low_latency_mode, "sync": sync,

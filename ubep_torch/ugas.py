@@ -49,7 +49,7 @@ import sys
 import threading
 import time
 import zlib
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -167,10 +167,12 @@ class SymmetricHeap:
         timeout_s: deadline of each bootstrap step (default: ``UBEP_TIMEOUT_S`` or 60 s).
         agree: JSON values every rank must pass identically (the Buffer's sizes and modes); a difference
             raises ValueError on every rank, naming the values, before any segment exists.
+        on_leave: called with the heap, its segments still mapped, when the set-up fails on this rank in its
+            last step (an interrupted wait, say), where peers may have completed theirs.
     """
 
     def __init__(self, group, nbytes: int, directory: Optional[str] = None, timeout_s: Optional[float] = None,
-                 agree: Optional[Dict[str, object]] = None):
+                 agree: Optional[Dict[str, object]] = None, on_leave: Optional[Callable] = None):
         from .protocol import default_timeout
         from .utils import check_count
         try:
@@ -284,6 +286,14 @@ class SymmetricHeap:
             self._settle_step(group, "Buffer set-up: waiting for every rank to reserve its segment's memory", error,
                               "reserve their shared memory")
         except BaseException:
+            # (peers that had every message of this step, this rank's included, have completed their set-up:
+            # an interrupted wait here leaves them a Buffer whose first call would wait for this rank.
+            # ``on_leave(self)`` tells them through the segments, still mapped)
+            if on_leave is not None:
+                try:
+                    on_leave(self)
+                except Exception:  # noqa: BLE001  (the set-up's own error is the one to raise)
+                    pass
             self.close()
             raise
         self.local = self._views[self.rank][HEADER_BYTES:]
