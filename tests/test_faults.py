@@ -302,13 +302,15 @@ def test_a_rank_stalled_in_setup_and_killed_later_leaves_nothing(tmp_path):
 
 
 def test_a_peer_that_left_the_setup_is_named_by_those_mapping_its_segment(tmp_path):
-    """(former bug: a bare FileNotFoundError naming a segment path, neither the rank nor the step)"""
+    """A rank whose set-up fails while mapping tells the peers that map after it which rank failed and why
+    (former bugs: a bare FileNotFoundError naming a segment path, neither the rank nor the step; then a
+    UBEPPeerLostError that said the rank had left, without its error)."""
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": str(tmp_path)}
     with RankPool(2, env=env) as pool:
         mapping, leaving = pool.run(FR.peer_leaves_before_mapping, timeout_s=60)
     assert leaving[0] == "RuntimeError" and "injected" in leaving[3], leaving
-    assert mapping[0] == "UBEPPeerLostError" and "set-up" in mapping[1] and mapping[2] == [1], mapping
-    assert "left the set-up" in mapping[3], mapping
+    assert mapping[0] == "RuntimeError" and "map every segment" in mapping[3] and "rank(s) [1]" in mapping[3] \
+        and "injected" in mapping[3], mapping
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
 
 

@@ -511,12 +511,13 @@ _ABANDONED_WAITS: list = []
 
 
 def _end_abandoned_waits() -> None:
-    """At exit: let the waits an interrupted set-up left running end first (at their deadline at the latest).
-    gloo cannot withdraw a posted receive, and a process that exits while a thread waits on one aborts
-    (SIGABRT, "terminate called without an active exception")."""
+    """At the exit of a program that ends normally: let the waits an interrupted set-up left running end
+    first (at their deadline at the latest). gloo cannot withdraw a posted receive, and a process that exits
+    while a thread waits on one aborts (SIGABRT, "terminate called without an active exception"), which
+    would turn its success into a failure. A program that ends on an uncaught exception exits at once."""
     live = [(t, d) for t, d in _ABANDONED_WAITS if t.is_alive()]
-    if not live:
-        return
+    if not live or getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
+        return      # (none left, or the program ends on an uncaught exception, Ctrl-C say: it fails either way)
     last = max(d for _, d in live)
     sys.stderr.write(f"ubep_torch: an interrupted Buffer set-up still waits for a peer's message (gloo cannot "
                      f"withdraw the receive, and exiting under it would abort the process): exit waits "
