@@ -289,6 +289,21 @@ def test_kernel_launchers_refuse_what_their_kernels_cannot_take():
     with pytest.raises(ValueError, match="topk_idx must be"):
         KC.weighted_combine(fmt, rows, topk.reshape(-1), w, out)
     assert not out.any()     # (nothing written by a refused call)
+    # the engine's receive-side launchers too (former bug: SP re-arming and Token-Reordering wrote past rows of
+    # fewer blocks than the format's, past an index beyond the rows, and past a too-short output)
+    fmt_sp = P.RowFormat("sp", (("x", 4096),), 0)
+    big = torch.zeros(4 * fmt_sp.blocks * P.BLOCK_BYTES, dtype=torch.uint8)
+    eng = TE.TritonEngine()
+    with pytest.raises(ValueError, match="rows must be"):
+        eng.rearm(fmt_sp, big[:2 * P.BLOCK_BYTES].view(2, 1, P.BLOCK_BYTES))
+    two = big[:2 * fmt_sp.blocks * P.BLOCK_BYTES].view(2, fmt_sp.blocks, P.BLOCK_BYTES)
+    with pytest.raises(IndexError, match="index must be"):
+        eng.rearm(fmt_sp, two, torch.tensor([3]))
+    with pytest.raises(IndexError, match="index must be"):
+        eng.rows_arrived(fmt_sp, two, 1, index=torch.tensor([2]))
+    with pytest.raises(ValueError, match="output 0 must be"):
+        eng.unpack_rows(fmt_sp, two, [torch.zeros(1, 4096, dtype=torch.uint8)])
+    assert not big[2 * fmt_sp.blocks * P.BLOCK_BYTES:].any()
 
 # ----------------------------------------------------------------------------- decomposed LL receive
 def ll_receive_case(sync: str, R: int = 3, El: int = 4, N: int = 4, H: int = 256, seed: int = 7,

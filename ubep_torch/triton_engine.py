@@ -106,6 +106,17 @@ def _env_int(name: str, least: int) -> int | None:
     return n
 
 
+def _check_rows(what: str, fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor | None = None) -> None:
+    """The kernels address ``rows`` by the format's block count and by ``index`` unchecked: rows of another
+    geometry, or an index past them, would be read or written outside the tensor (ValueError/IndexError)."""
+    if rows.dtype != torch.uint8 or rows.dim() != 3 or tuple(rows.shape[1:]) != (fmt.blocks, P.BLOCK_BYTES):
+        raise ValueError(f"TritonEngine.{what}: rows must be [n, {fmt.blocks}, {P.BLOCK_BYTES}] uint8 (the format's "
+                         f"rows), got {rows.dtype} {tuple(rows.shape)}")
+    if index is not None and index.numel() and (index.dim() != 1 or int(index.min()) < 0
+                                                or int(index.max()) >= rows.shape[0]):
+        raise IndexError(f"TritonEngine.{what}: index must be [m] rows in [0, {rows.shape[0]})")
+
+
 class TritonEngine(TorchEngine):
     """The kernel data path (see the module docstring).
 
@@ -254,6 +265,7 @@ class TritonEngine(TorchEngine):
 
     def rows_arrived(self, fmt: P.RowFormat, rows: torch.Tensor, flag: int, expected_sum: int = 0,
                      index: torch.Tensor | None = None) -> bool:
+        _check_rows("rows_arrived", fmt, rows, index)
         if rows.shape[0] == 0 or (index is not None and index.numel() == 0):
             return True
         if fmt.sync == "sw":
@@ -265,6 +277,11 @@ class TritonEngine(TorchEngine):
         n = rows.shape[0]
         if not rows.is_contiguous():
             return super().unpack_rows(fmt, rows, outs, rearm)
+        _check_rows("unpack_rows", fmt, rows)
+        for i, out in enumerate(outs):      # (the kernel stores out.shape[1] bytes of field i into each row)
+            if out is not None and (out.dim() != 2 or out.shape[0] < n or out.shape[1] > fmt.fields[i][1]):
+                raise ValueError(f"TritonEngine.unpack_rows: output {i} must be [{n} or more, {fmt.fields[i][1]} or "
+                                 f"fewer bytes], got {tuple(out.shape)}")
         meta = rows[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, : fmt.meta_words + fmt.bitmap_words].clone()
         if n:
             addr = torch.tensor([_addr(rows)], dtype=torch.int64)
@@ -296,6 +313,7 @@ class TritonEngine(TorchEngine):
     def rearm(self, fmt: P.RowFormat, rows: torch.Tensor, index: torch.Tensor | None = None) -> None:
         if fmt.sync != "sp" or rows.shape[0] == 0:
             return
+        _check_rows("rearm", fmt, rows, index)
         n = rows.shape[0] if index is None else int(index.numel())
         if n == 0:
             return
