@@ -966,40 +966,6 @@ def interrupted_last_setup_step(ctx):
     return out
 
 
-def destroyed_inside_a_call(ctx, how):
-    """Rank 0's dispatch waits for rank 1 (1.5 s late) when another thread of rank 0 (``how`` "thread") or a
-    signal handler (``how`` "signal") destroys its Buffer: rank 0's call fails, and so must rank 1's, which
-    comes later and finds all of rank 0's rows there (former bug: it returned results of a call that failed
-    on rank 0). Returns what each rank's dispatch raised (type, message), or "returned"."""
-    import signal
-    import threading
-
-    import torch
-    import torch.distributed as dist
-
-    from ubep_torch import Buffer
-    buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
-    old = None
-    if ctx.rank == 0:
-        if how == "thread":
-            threading.Timer(0.5, buf.destroy).start()
-        else:
-            old = signal.signal(signal.SIGUSR1, lambda s, f: buf.destroy())
-            threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
-    else:
-        time.sleep(1.5)
-    try:
-        buf.dispatch(torch.randn(8, 64), topk_idx=torch.randint(0, 4, (8, 2)), num_experts=4)
-        out = "returned"
-    except Exception as e:  # noqa: BLE001
-        out = type(e).__name__, str(e)
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGUSR1, old)
-    buf.destroy()
-    return out
-
-
 def handles_of_another_buffer(ctx, mode, case):
     """Two Buffers A and B of one group, each with one dispatch of the same routing (call 1 of each) and
     other tokens. ``case`` "mixed": rank 0 combines A's handle on B, the others B's own: the combines must

@@ -267,17 +267,6 @@ def test_a_peer_that_completed_its_setup_learns_of_an_interrupted_one():
     assert name == "UBEPPeerLostError" and "[0]" in msg and took < 5, out1
 
 
-@pytest.mark.parametrize("how", ["thread", "signal"])
-def test_a_buffer_destroyed_inside_a_call_fails_that_call_on_every_rank(how):
-    """destroy() from another thread or a signal handler while a call waits: the call fails on that rank and
-    on its peers, also on a peer that already has all it needs from that rank."""
-    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
-    with RankPool(2, env=env) as pool:
-        out0, out1 = pool.run(FR.destroyed_inside_a_call, how, timeout_s=90)
-    assert out0[0] == "UBEPBrokenError" and "destroyed" in out0[1], out0
-    assert out1[0] == "UBEPPeerAbortedError" and "[0]" in out1[1], out1
-
-
 def test_a_setup_again_after_an_interrupted_one_refuses_at_once():
     """After Ctrl-C ended a set-up's wait, a set-up on the same group refuses at once, saying why (former bug:
     it waited for its deadline and named a peer that had delivered: the interrupted set-up's receives took

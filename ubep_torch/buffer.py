@@ -817,9 +817,7 @@ class Buffer:
             return
         self._destroyed = True
         if self._broken is None and self._pid == os.getpid():   # peers waiting for this rank fail at once
-            # (inside a call, from another thread or a signal handler: that call fails, on the peers too, even
-            # where they already have all they need from this rank)
-            self._signal_abort(P.ABORT_FAILED if self._in_call else P.ABORT_DESTROYED)
+            self._signal_abort(P.ABORT_DESTROYED)
         self._peer_mem, self._peer_words = [], []
         self._aux_words = np.zeros_like(self._aux_words)   # (what a call still running reads from now on)
         for region in self._regions.values():
