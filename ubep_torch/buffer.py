@@ -252,12 +252,11 @@ class DispatchHandle(tuple):
         return obj
 
     @classmethod
-    def expert_major(cls, base: "DispatchHandle", row_index: torch.Tensor, private: bool = False) -> "DispatchHandle":
+    def expert_major(cls, base: "DispatchHandle", row_index: torch.Tensor) -> "DispatchHandle":
         """The expert-major handle over the rank-major handle ``base``: its six entries, then ``row_index``
-        (``private``: the attribute the Buffer reads is a copy of the entry the caller gets)."""
+        (the attribute the Buffer reads is a copy of the entry the caller gets)."""
         return cls(tuple(base) + (row_index,), **{**base.__dict__, "layout": "expert_major",
-                                                   "row_index": row_index.clone() if private else row_index,
-                                                   "base_handle": base})
+                                                   "row_index": row_index.clone(), "base_handle": base})
 
     @classmethod
     def from_tuple(cls, items, rank: int, num_ranks: int) -> "DispatchHandle":
@@ -2116,7 +2115,7 @@ class Buffer:
             return g
 
         em_x = (gather(out_x[0]), gather(out_x[1])) if isinstance(out_x, tuple) else gather(out_x)
-        em_h = DispatchHandle.expert_major(h, row_index, private=True)
+        em_h = DispatchHandle.expert_major(h, row_index)
         em_w = torch.cat(weight_list) if recv_topk_weights is not None else None
         return (em_x, torch.cat(expert_list), em_w, counts, em_h, EventOverlap(None))
 
@@ -3086,7 +3085,8 @@ class Buffer:
         # (see _dispatch_pair: a copy of the handle's tensors may equal the handles of other calls)
         exact = isinstance(handle, LowLatencyHandle) or _recent_original(handle, self._recent_ll_handles) is not None
         # (copies equal to several recent handles: those of a dispatch of this routing first)
-        handle = self._as_ll_handle(handle, prefer=lambda h: _same_routing(topk_idx, h.topk_snapshot))
+        handle = self._as_ll_handle(handle, prefer=None if exact else
+                                    lambda h: _same_routing(topk_idx, h.topk_snapshot))
         paired = handle.pending.pair if exact else 0
         if not handle.pending.done:
             raise ValueError("low_latency_combine got the handle of a low_latency_dispatch whose recv hook has "

@@ -505,9 +505,12 @@ def _closed_connection(e: RuntimeError, phase: str, me: int, r: int) -> UBEPErro
                                    f"of its own on this group timed out: then {again})")
 
 
-_WAIT_THREAD = "ubep-setup-wait"
 #: (thread, deadline) of the waits an interrupted set-up left running
 _ABANDONED_WAITS: list = []
+
+
+def _live_abandoned_waits() -> list:
+    return [(t, d) for t, d in _ABANDONED_WAITS if t.is_alive()]
 
 
 def _end_abandoned_waits() -> None:
@@ -515,7 +518,7 @@ def _end_abandoned_waits() -> None:
     first (at their deadline at the latest). gloo cannot withdraw a posted receive, and a process that exits
     while a thread waits on one aborts (SIGABRT, "terminate called without an active exception"), which
     would turn its success into a failure. A program that ends on an uncaught exception exits at once."""
-    live = [(t, d) for t, d in _ABANDONED_WAITS if t.is_alive()]
+    live = _live_abandoned_waits()
     if not live or getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
         return      # (none left, or the program ends on an uncaught exception, Ctrl-C say: it fails either way)
     last = max(d for _, d in live)
@@ -530,12 +533,12 @@ def _end_abandoned_waits() -> None:
 atexit.register(_end_abandoned_waits)
 
 
-def _wait_work(work, deadline: float, in_flight: tuple) -> None:
+def _wait_work(work, deadline: float, in_flight: tuple, group) -> None:
     """Wait for a gloo send or receive until ``deadline`` (gloo's own wait raises there, or as soon as the
     peer's connection breaks, and closes the connection at a timeout). The wait runs in a helper thread
     while this one waits on an event, so that signals (Ctrl-C) are handled at once instead of after one
     uninterruptible wait; interrupted, the works and buffers are kept alive (``in_flight``) until the
-    helper's wait ends at the deadline."""
+    helper's wait ends at the deadline, and ``group`` takes no other set-up (``_INTERRUPTED``)."""
     if work.is_completed():
         work.wait()
         return
@@ -548,13 +551,14 @@ def _wait_work(work, deadline: float, in_flight: tuple) -> None:
             failed.append(e)
         finally:
             done.set()
-    thread = threading.Thread(target=wait, name=_WAIT_THREAD, daemon=True)
+    thread = threading.Thread(target=wait, name="ubep-setup-wait", daemon=True)
     thread.start()
     try:
         ended = done.wait(max(deadline - time.monotonic(), 0.0) + 5.0)
     except BaseException:
         _IN_FLIGHT.append(in_flight)
         _ABANDONED_WAITS.append((thread, deadline))
+        _INTERRUPTED.append(group)
         raise
     if not ended:       # (gloo's wait has the deadline; this one only bounds it; the caller keeps in_flight)
         raise RuntimeError("the wait timed out")
@@ -565,7 +569,7 @@ def _wait_work(work, deadline: float, in_flight: tuple) -> None:
 def pending_setup_waits() -> int:
     """How many waits on set-up messages an interrupted Buffer set-up left running (each ends at its set-up's
     deadline; see ``_wait_work``)."""
-    return sum(t.name == _WAIT_THREAD and t.is_alive() for t in threading.enumerate())
+    return len(_live_abandoned_waits())
 
 
 _FIRST_STEP = "Buffer set-up: waiting for every rank to create its Buffer"
@@ -627,17 +631,13 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
             raise _closed_connection(e, phase, me, r) from e
     deadline = time.monotonic() + timeout_s
     missing, lost = [], []
-    try:
-        for r in peers:
-            try:
-                _wait_work(recvs[r], deadline, in_flight)
-            except RuntimeError as e:
-                missing.append(r)
-                if "timed out" not in str(e).lower():
-                    lost.append(r)      # the connection broke: the peer's process is gone, or its wait timed out
-    except BaseException:
-        _INTERRUPTED.append(group)
-        raise
+    for r in peers:
+        try:
+            _wait_work(recvs[r], deadline, in_flight, group)
+        except RuntimeError as e:
+            missing.append(r)
+            if "timed out" not in str(e).lower():
+                lost.append(r)      # the connection broke: the peer's process is gone, or its wait timed out
     if missing:
         _IN_FLIGHT.append(in_flight)
         consequence = "No Buffer was created."
@@ -647,7 +647,7 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
         for r in peers:
             if r not in missing:
                 try:
-                    _wait_work(sends[r], min(deadline, time.monotonic() + 1.0), in_flight)
+                    _wait_work(sends[r], min(deadline, time.monotonic() + 1.0), in_flight, group)
                 except RuntimeError:
                     pass
         if lost:
@@ -659,16 +659,12 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
                                           "process group)")
         raise UBEPTimeoutError(phase, me, missing, timeout_s, consequence)
     undelivered, cause = [], None
-    try:
-        for r, w in sends.items():
-            try:
-                _wait_work(w, deadline, in_flight)
-            except RuntimeError as e:
-                undelivered.append(r)
-                cause = e
-    except BaseException:
-        _INTERRUPTED.append(group)
-        raise
+    for r, w in sends.items():
+        try:
+            _wait_work(w, deadline, in_flight, group)
+        except RuntimeError as e:
+            undelivered.append(r)
+            cause = e
     if undelivered:
         _IN_FLIGHT.append(in_flight)
         raise UBEPError(f"ubep_torch: rank {me} in phase '{phase}': its message to rank(s) {undelivered} was not "
