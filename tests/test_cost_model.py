@@ -10,11 +10,14 @@ The remaining tests check mechanisms (phases add up, trends the paper states in 
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 
 import numpy as np
@@ -250,16 +253,40 @@ def test_cost_model_hook_reports_one_ranks_call() -> None:
 
 
 # ----------------------------------------------------------------------------- CLI contract
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli_process(*args: str) -> subprocess.CompletedProcess:
+    """``python -m ubep_torch.sim ARGS`` in a new interpreter."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "ubep_torch.sim", *args], check=False, capture_output=True,
                           text=True, env=env, cwd=REPO, timeout=60)
 
 
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m ubep_torch.sim ARGS`` in this process: the module's ``main`` (which its ``__main__`` block
+    calls) with stdout and stderr captured, its exit status as the interpreter would give it, and an
+    uncaught exception's traceback in stderr as the interpreter would print it. (Each new interpreter spent
+    some 2 s importing torch; ``_cli_process`` runs the command itself.)"""
+    from ubep_torch.sim.__main__ import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        except Exception:  # noqa: BLE001  (what the interpreter would print)
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(["python", "-m", "ubep_torch.sim", *args], code, out.getvalue(),
+                                       err.getvalue())
+
+
 def test_cli_json_contract() -> None:
-    p = _cli("dispatch", "--ranks", "32", "--batch", "64", "--hidden", "7168", "--topk", "8", "--experts", "256",
-             "--ranks-per-node", "16", "--hot-experts", "4", "--sync", "sp", "--no-mapping", "--count-aivs", "2",
-             "--seed", "1", "--json")
+    p = _cli_process("dispatch", "--ranks", "32", "--batch", "64", "--hidden", "7168", "--topk", "8",
+                     "--experts", "256", "--ranks-per-node", "16", "--hot-experts", "4", "--sync", "sp",
+                     "--no-mapping", "--count-aivs", "2", "--seed", "1", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert set(out) >= {"cann_ep", "ubep", "reduction"}
@@ -277,8 +304,8 @@ def test_cli_combine_preset_and_errors() -> None:
     p = _cli("combine", "--ranks", "16", "--batch", "32", "--model", "qwen3-30b-a3b", "--json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["ubep"]["total_us"] > 0
-    bad = _cli("dispatch", "--ranks", "16", "--batch", "8", "--hidden", "1024", "--topk", "2")
-    assert bad.returncode != 0 and "--experts" in bad.stderr
+    bad = _cli_process("dispatch", "--ranks", "16", "--batch", "8", "--hidden", "1024", "--topk", "2")
+    assert bad.returncode == 2 and "--experts" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
     # (former bug: the text printed the slowest sender's bytes over batch x topk, not a copy's bytes)
     text = _cli("combine", "--ranks", "16", "--batch", "32", "--model", "qwen3-30b-a3b", "--hot-experts", "4")
     assert text.returncode == 0 and "H 2048," in text.stdout and "4096 B per copy" in text.stdout, text.stdout

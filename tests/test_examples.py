@@ -224,21 +224,20 @@ BAD_OPTIONS = [
 ]
 
 
-def test_bad_options_give_one_line_errors():
-    """Every command of ``BAD_OPTIONS`` fails with one line that names the problem, no traceback (two at a
-    time: each spends most of its time importing torch)."""
-    from concurrent.futures import ThreadPoolExecutor
+def test_bad_options_give_one_line_errors(tmp_path):
+    """Every command of ``BAD_OPTIONS`` fails with one line that names the problem, no traceback (run by
+    ``run_scripts.py``, which imports torch once and forks a child per command: each spent most of its time
+    importing torch)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-
-    def run(cmd):
-        return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=120, check=False)
-    with ThreadPoolExecutor(2) as pool:
-        procs = list(pool.map(run, [cmd for cmd, _ in BAD_OPTIONS]))
-    for (cmd, what), proc in zip(BAD_OPTIONS, procs):
-        assert proc.returncode != 0 and "Traceback" not in proc.stderr, (cmd, proc.stderr)
-        assert what in proc.stderr.strip().splitlines()[-1], (cmd, proc.stderr)
+    commands = tmp_path / "commands.json"
+    commands.write_text(json.dumps([cmd for cmd, _ in BAD_OPTIONS]))
+    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "run_scripts.py"), str(commands), str(tmp_path)],
+                   cwd=ROOT, env=env, timeout=600, check=True)
+    for i, (cmd, what) in enumerate(BAD_OPTIONS):
+        rc, err = (tmp_path / f"{i}.rc").read_text(), (tmp_path / f"{i}.err").read_text()
+        assert rc not in ("0", "timeout") and "Traceback" not in err, (cmd, rc, err)
+        assert what in err.strip().splitlines()[-1], (cmd, err)
 
 
 def test_run_torchrun_checks_its_arguments(tmp_path):

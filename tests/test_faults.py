@@ -788,6 +788,10 @@ def test_a_call_refused_on_one_rank_is_cancelled_on_every_rank(sync):
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     cases = [("normal", 0.0), ("normal", 1.6), ("ll", 1.6), ("normal", 1.0), ("ll", 0.95), ("ll_hook", 1.6),
              ("clean", 1.6)]
+    if sync in ("dc", "sp"):
+        # (the calls made again soon, where rows of the cancelled attempt may still arrive, and the recv hook;
+        # the late retries' course is the same in every sync mode, and tff and sw run them)
+        cases = [case for case in cases if case[1] < 1.5 or case[0] == "ll_hook"]
     with RankPool(2, env=env) as pool:
         waiting, refusing = pool.run(FR.refused_then_retried, sync, cases, timeout_s=120)
     for (kind, delay), (w_attempts, w_err), (r_attempts, r_err) in zip(cases, waiting[0], refusing[0]):
