@@ -862,6 +862,25 @@ def interrupted_setup_then_retry(ctx, retry=True):
     return out
 
 
+def build_in(ctx, directory):
+    """Every rank builds a Buffer in the shared-memory directory ``directory`` and makes a dispatch and
+    combine with it: "ok" where the sums are right, else the error's type and message."""
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    try:
+        with Buffer(dist.group.WORLD, 1 << 20, timeout_s=20.0, shm_dir=directory) as buf:
+            x = torch.randn(8, 64)
+            topk = torch.stack([torch.randperm(4)[:2] for _ in range(8)])
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=4)
+            out = buf.combine(recv_x, handle)[0]
+        want = x * (topk // 2 == 0).any(1, keepdim=True) + x * (topk // 2 == 1).any(1, keepdim=True)
+        return "ok" if torch.allclose(out, want) else "wrong sums"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
 def fill_shm_then_build(ctx, directory):
     """Rank 0 fills the shared-memory directory just before it creates its segment (as another job could
     between the set-up's free-space check and that step), then every rank builds a Buffer there. Returns

@@ -243,6 +243,29 @@ def test_shared_memory_that_fills_up_during_setup_is_an_error_not_sigbus(tmp_pat
         subprocess.run(["umount", str(small)], capture_output=True)
 
 
+def test_shared_memory_without_a_size_limit_builds_and_a_pseudo_file_system_is_refused(tmp_path):
+    """A tmpfs mounted without a size limit (size=0: its file system reports no size) takes a Buffer (former
+    bug: "needs N bytes of shared memory but only 0 are free"); /proc, which root may write by access() but
+    which takes no files, is refused by name (it was reported as too little memory). The tmpfs needs root."""
+    import subprocess
+
+    from ubep_torch.ugas import shm_dir
+    with pytest.raises(ValueError, match="/proc.*(takes no files|not writable)"):
+        shm_dir("/proc")
+    unlimited = tmp_path / "unlimited"
+    unlimited.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=0", "tmpfs", str(unlimited)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+        with RankPool(2, env=env) as pool:
+            assert pool.run(FR.build_in, str(unlimited), timeout_s=60) == ["ok", "ok"]
+        assert os.listdir(unlimited) == [], os.listdir(unlimited)
+    finally:
+        subprocess.run(["umount", str(unlimited)], capture_output=True)
+
+
 def test_a_rank_that_cannot_map_a_segment_tells_its_peers():
     """A rank whose set-up fails while mapping the peers' segments (and that stays alive) makes every peer
     raise at once naming it and its error, as failures in the other set-up steps do."""
@@ -256,15 +279,15 @@ def test_a_rank_that_cannot_map_a_segment_tells_its_peers():
 
 def test_a_peer_that_completed_its_setup_learns_of_an_interrupted_one():
     """Ctrl-C ends rank 0's set-up in its last step, after its message of that step went out: rank 1
-    completes its own set-up, and its first call fails at once naming rank 0 instead of waiting for it until
-    the deadline."""
+    completes its own set-up, and its first call fails at once naming rank 0 and what it did instead of waiting
+    for it until the deadline (then: saying that rank 0 "destroyed its Buffer", which it never had)."""
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with RankPool(2, env=env) as pool:
         out0, out1 = pool.run(FR.interrupted_last_setup_step, timeout_s=90)
     assert out0 == {"set-up": "KeyboardInterrupt"}, out0
     assert out1["set-up"] == "built", out1
     name, msg, took = out1["dispatch"]
-    assert name == "UBEPPeerLostError" and "[0]" in msg and took < 5, out1
+    assert name == "UBEPPeerLostError" and "[0] left its Buffer set-up" in msg and took < 5, out1
 
 
 def test_a_setup_again_after_an_interrupted_one_refuses_at_once():

@@ -733,10 +733,10 @@ class Buffer:
 
         def left(heap: SymmetricHeap) -> None:
             # this rank's set-up failed in its last step, where peers may have completed theirs: its abort
-            # word (destroyed, before call 1) in their memory makes their first call fail at once
+            # word (left the set-up, before call 1) in their memory makes their first call fail at once
             for r in range(R):
                 if r != rank:
-                    heap.peer(r)[:aux].view(torch.int64).numpy()[abort_slot] = P.abort_word(P.ABORT_DESTROYED, 0)
+                    heap.peer(r)[:aux].view(torch.int64).numpy()[abort_slot] = P.abort_word(P.ABORT_LEFT_SETUP, 0)
         self._heap = SymmetricHeap(group, base, directory=shm_dir, timeout_s=self.timeout_s, on_leave=left,
                                    agree={"num_nvl_bytes": self.num_nvl_bytes,
                                           "num_rdma_bytes": self.num_rdma_bytes,
@@ -1449,7 +1449,8 @@ class Buffer:
         return self._epoch[rid]
 
     def _peer_aborted(self, r: int) -> int:
-        """0, or how rank r aborted: ``P.ABORT_FAILED``, ``P.ABORT_GAVE_UP`` or ``P.ABORT_DESTROYED``; or
+        """0, or how rank r aborted: ``P.ABORT_FAILED``, ``P.ABORT_GAVE_UP``, ``P.ABORT_DESTROYED`` or
+        ``P.ABORT_LEFT_SETUP``; or
         ``P.ABORT_REFUSED`` when it refused the attempt this rank is in (this rank then leaves it: see
         ``_leave_refused``). Recv hooks still pending for attempts r refused are cancelled on the way
         (``_cancel_refused_hooks``): r waits for this rank to leave them before its next call."""

@@ -406,9 +406,15 @@ def spin_seconds() -> float:
 
 
 #: what a rank writes into its peers' abort word for it: it failed inside a call, it gave up on another
-#: rank, or it destroyed its Buffer
+#: rank, or it destroyed its Buffer; ``ABORT_LEFT_SETUP``: its Buffer set-up failed (or was interrupted) in
+#: the last step, where the peers may have completed theirs
 ABORT_FAILED, ABORT_GAVE_UP, ABORT_DESTROYED = 1, 2, 3
 ABORT_REFUSED = 4   # (not an abort word: a rank refused a call before reaching its peers; see Buffer._peer_aborted)
+ABORT_LEFT_SETUP = 5
+#: how a wait names a rank whose abort word says it has no Buffer
+GONE_CAUSES = {ABORT_DESTROYED: "destroyed its Buffer",
+               ABORT_LEFT_SETUP: "left its Buffer set-up in the last step (interrupted or failed there: it has no "
+                                 "Buffer)"}
 
 
 def abort_word(how: int, call: int) -> int:
@@ -488,9 +494,10 @@ class Waiter:
                     return
                 # a rank that destroyed its Buffer counts only when this wait still needs it (it may have
                 # finished its part of this call before destroying, while others still deliver)
-                gone = [r for r in missing if codes.get(r) == ABORT_DESTROYED]
-                if gone:
-                    raise UBEPPeerLostError(phase, self.rank, list(missing), gone, cause="destroyed its Buffer")
+                for how, cause in GONE_CAUSES.items():
+                    gone = [r for r in missing if codes.get(r) == how]
+                    if gone:
+                        raise UBEPPeerLostError(phase, self.rank, list(missing), gone, cause=cause)
                 aborted = blamed(codes)
                 if self.peer_alive is not None:
                     dead = [r for r in missing if r not in aborted and not alive.get(r, True)]

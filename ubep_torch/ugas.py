@@ -83,6 +83,17 @@ def shm_dir(directory=None) -> str:
         raise ValueError(f"ubep_torch: {source} {os.fspath(directory)!r} is not writable by this process "
                          f"(read-only or another owner's); point UBEP_SHM_DIR (or Buffer(shm_dir=...)) at "
                          f"a writable tmpfs directory")
+    if os.statvfs(path).f_blocks == 0:
+        # no size: a tmpfs without a limit (size=0), or a pseudo file system (proc, sysfs), which takes no
+        # files even where access() lets root write
+        probe = _segment_path(path) + ".probe"
+        try:
+            os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError as e:
+            raise ValueError(f"ubep_torch: {source} {os.fspath(directory)!r} takes no files ({e.strerror}: a "
+                             f"pseudo file system such as /proc?); point UBEP_SHM_DIR (or Buffer(shm_dir=...)) "
+                             f"at a tmpfs directory such as /dev/shm") from None
+        os.unlink(probe)
     return path
 
 
@@ -226,7 +237,7 @@ class SymmetricHeap:
         # a peer in another PID namespace cannot be watched by pid: it counts as alive (deadlines still hold)
         self._watchable = [int(i["pidns"]) == _pid_namespace() for i in infos]
         total = sum(int(i["bytes"]) for i in infos)
-        if total > int(infos[0]["free"]):
+        if 0 <= int(infos[0]["free"]) < total:
             raise self._too_little(total, int(infos[0]["free"]))
 
         # 2. create and map our own segment (under the name announced in step 1), write the header; its
@@ -353,12 +364,12 @@ class SymmetricHeap:
 
     # ------------------------------------------------------------------ internals
     def _too_little(self, total: int, free: int) -> RuntimeError:
+        what = f"only {free} are free" if free >= 0 else "the machine has too little memory free for them"
         return RuntimeError(
             f"ubep_torch needs {total} bytes of shared memory in {self.directory} "
-            f"({self.world_size} ranks x {self.segment_bytes} bytes) but only {free} are "
-            f"free. Point UBEP_SHM_DIR (or Buffer(shm_dir=...)) at a larger tmpfs, enlarge /dev/shm (docker: "
-            f"--shm-size), or "
-            f"create the Buffer with smaller num_nvl_bytes/num_rdma_bytes.")
+            f"({self.world_size} ranks x {self.segment_bytes} bytes) but {what}. Point UBEP_SHM_DIR (or "
+            f"Buffer(shm_dir=...)) at a larger tmpfs, enlarge /dev/shm (docker: --shm-size), or create the Buffer "
+            f"with smaller num_nvl_bytes/num_rdma_bytes.")
 
     def _create_segment(self, group_token: bytes, path: Optional[str] = None) -> tuple:
         """Create, size (sparse) and map this rank's segment and write its header. Returns ``(path, fd)``:
@@ -376,7 +387,7 @@ class SymmetricHeap:
             try:
                 os.pwrite(fd, header, 0)
             except OSError as e:
-                if e.errno != errno.ENOSPC:
+                if e.errno not in (errno.ENOSPC, errno.ENOMEM):
                     raise
                 raise self._too_little(self.world_size * self.segment_bytes, _free_bytes(self.directory)) from e
             m = mmap.mmap(fd, self.segment_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -396,7 +407,7 @@ class SymmetricHeap:
         try:
             os.posix_fallocate(fd, 0, self.segment_bytes)
         except OSError as e:
-            if e.errno != errno.ENOSPC:
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM):     # (ENOMEM: a tmpfs without a size limit)
                 raise
             raise self._too_little(self.world_size * self.segment_bytes, _free_bytes(self.directory)) from e
 
@@ -480,8 +491,10 @@ def _round_up(x: int, a: int) -> int:
 
 
 def _free_bytes(directory: str) -> int:
+    """The bytes free in ``directory``'s file system, or -1 where it has no size (a tmpfs mounted with
+    size=0 has no limit: its reservations fail only when the machine's memory runs out, see ``_reserve``)."""
     st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
+    return st.f_bavail * st.f_frsize if st.f_blocks else -1
 
 
 _MSG_BYTES = 4096
