@@ -862,15 +862,15 @@ def interrupted_setup_then_retry(ctx, retry=True):
     return out
 
 
-def build_in(ctx, directory):
-    """Every rank builds a Buffer in the shared-memory directory ``directory`` and makes a dispatch and
-    combine with it: "ok" where the sums are right, else the error's type and message."""
+def build_in(ctx, directory, nbytes=1 << 20):
+    """Every rank builds a Buffer of ``nbytes`` in the shared-memory directory ``directory`` and makes a
+    dispatch and combine with it: "ok" where the sums are right, else the error's type and message."""
     import torch
     import torch.distributed as dist
 
     from ubep_torch import Buffer
     try:
-        with Buffer(dist.group.WORLD, 1 << 20, timeout_s=20.0, shm_dir=directory) as buf:
+        with Buffer(dist.group.WORLD, nbytes, timeout_s=20.0, shm_dir=directory) as buf:
             x = torch.randn(8, 64)
             topk = torch.stack([torch.randperm(4)[:2] for _ in range(8)])
             recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=4)

@@ -245,23 +245,39 @@ def test_shared_memory_that_fills_up_during_setup_is_an_error_not_sigbus(tmp_pat
 
 def test_shared_memory_without_a_size_limit_builds_and_a_pseudo_file_system_is_refused(tmp_path):
     """A tmpfs mounted without a size limit (size=0: its file system reports no size) takes a Buffer (former
-    bug: "needs N bytes of shared memory but only 0 are free"); /proc, which root may write by access() but
-    which takes no files, is refused by name (it was reported as too little memory). The tmpfs needs root."""
+    bug: "needs N bytes of shared memory but only 0 are free"), and one larger than the machine's memory is
+    refused naming the bytes; /proc, which root may write by access() but which takes no files, and an mqueue
+    file system, whose files cannot be sized, are refused by name (they were reported as too little memory).
+    The mounts need root."""
     import subprocess
 
     from ubep_torch.ugas import shm_dir
-    with pytest.raises(ValueError, match="/proc.*(takes no files|not writable)"):
+    with pytest.raises(ValueError, match="/proc.*(cannot hold a shared-memory segment|not writable)"):
         shm_dir("/proc")
-    unlimited = tmp_path / "unlimited"
+    unlimited, mqueue = tmp_path / "unlimited", tmp_path / "mqueue"
     unlimited.mkdir()
+    mqueue.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=0", "tmpfs", str(unlimited)],
                       capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
         with RankPool(2, env=env) as pool:
             assert pool.run(FR.build_in, str(unlimited), timeout_s=60) == ["ok", "ok"]
+            assert os.listdir(unlimited) == [], os.listdir(unlimited)
+            too_large = pool.run(FR.build_in, str(unlimited), available, timeout_s=60)   # (two ranks' worth)
+        assert all(r.startswith("RuntimeError") and "bytes of shared memory" in r and "only" in r
+                   for r in too_large), too_large
         assert os.listdir(unlimited) == [], os.listdir(unlimited)
+        if not subprocess.run(["mount", "-t", "mqueue", "none", str(mqueue)], capture_output=True).returncode:
+            try:
+                with pytest.raises(ValueError, match="cannot hold a shared-memory segment"):
+                    shm_dir(str(mqueue))
+                assert os.listdir(mqueue) == [], os.listdir(mqueue)
+            finally:
+                subprocess.run(["umount", str(mqueue)], capture_output=True)
     finally:
         subprocess.run(["umount", str(unlimited)], capture_output=True)
 

@@ -84,17 +84,28 @@ def shm_dir(directory=None) -> str:
                          f"(read-only or another owner's); point UBEP_SHM_DIR (or Buffer(shm_dir=...)) at "
                          f"a writable tmpfs directory")
     if os.statvfs(path).f_blocks == 0:
-        # no size: a tmpfs without a limit (size=0), or a pseudo file system (proc, sysfs), which takes no
-        # files even where access() lets root write
-        probe = _segment_path(path) + ".probe"
+        # no size: a tmpfs without a limit (size=0), or a file system that takes no segments although access()
+        # lets root write (proc, sysfs: no files; mqueue: files that cannot be sized or written)
+        probe = _segment_path(path)     # (a segment's name: a probe left by a killed process is swept)
         try:
-            os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
-            raise ValueError(f"ubep_torch: {source} {os.fspath(directory)!r} takes no files ({e.strerror}: a "
-                             f"pseudo file system such as /proc?); point UBEP_SHM_DIR (or Buffer(shm_dir=...)) "
-                             f"at a tmpfs directory such as /dev/shm") from None
-        os.unlink(probe)
+            raise _unusable(source, directory, e) from None
+        try:
+            os.ftruncate(fd, 4096)
+            os.pwrite(fd, b"\0", 0)
+        except OSError as e:
+            raise _unusable(source, directory, e) from None
+        finally:
+            os.close(fd)
+            _unlink_quietly(probe)
     return path
+
+
+def _unusable(source: str, directory, e: OSError) -> ValueError:
+    return ValueError(f"ubep_torch: {source} {os.fspath(directory)!r} cannot hold a shared-memory segment "
+                      f"({e.strerror}: a pseudo file system such as /proc?); point UBEP_SHM_DIR (or "
+                      f"Buffer(shm_dir=...)) at a tmpfs directory such as /dev/shm")
 
 
 def _pid_namespace() -> int:
@@ -237,7 +248,7 @@ class SymmetricHeap:
         # a peer in another PID namespace cannot be watched by pid: it counts as alive (deadlines still hold)
         self._watchable = [int(i["pidns"]) == _pid_namespace() for i in infos]
         total = sum(int(i["bytes"]) for i in infos)
-        if 0 <= int(infos[0]["free"]) < total:
+        if total > int(infos[0]["free"]):
             raise self._too_little(total, int(infos[0]["free"]))
 
         # 2. create and map our own segment (under the name announced in step 1), write the header; its
@@ -364,10 +375,9 @@ class SymmetricHeap:
 
     # ------------------------------------------------------------------ internals
     def _too_little(self, total: int, free: int) -> RuntimeError:
-        what = f"only {free} are free" if free >= 0 else "the machine has too little memory free for them"
         return RuntimeError(
             f"ubep_torch needs {total} bytes of shared memory in {self.directory} "
-            f"({self.world_size} ranks x {self.segment_bytes} bytes) but {what}. Point UBEP_SHM_DIR (or "
+            f"({self.world_size} ranks x {self.segment_bytes} bytes) but only {free} are free. Point UBEP_SHM_DIR (or "
             f"Buffer(shm_dir=...)) at a larger tmpfs, enlarge /dev/shm (docker: --shm-size), or create the Buffer "
             f"with smaller num_nvl_bytes/num_rdma_bytes.")
 
@@ -491,10 +501,19 @@ def _round_up(x: int, a: int) -> int:
 
 
 def _free_bytes(directory: str) -> int:
-    """The bytes free in ``directory``'s file system, or -1 where it has no size (a tmpfs mounted with
-    size=0 has no limit: its reservations fail only when the machine's memory runs out, see ``_reserve``)."""
+    """The bytes free in ``directory``'s file system; for one without a size (a tmpfs mounted with size=0,
+    which holds what the machine's memory does), the memory available to new allocations."""
     st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize if st.f_blocks else -1
+    if st.f_blocks:
+        return st.f_bavail * st.f_frsize
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 _MSG_BYTES = 4096
