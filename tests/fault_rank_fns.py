@@ -1157,6 +1157,12 @@ def pid_after(ctx, seconds: float) -> int:
     return os.getpid()
 
 
+def environment_of(ctx, names):
+    """This rank's values of the environment variables ``names`` (None where unset), and its process's
+    parent's pid."""
+    return {n: os.environ.get(n) for n in names}, os.getppid()
+
+
 def unpicklable_result(ctx):
     """A result the pool cannot send back (a lambda)."""
     return lambda: ctx.rank

@@ -1,8 +1,11 @@
 """Runs many short commands ``python SCRIPT ARGS...`` with torch imported once: each command runs in a child
 forked from this process after ``import torch`` (most of a short command's time is that import), two at a
-time. A child runs its script as the interpreter would (``runpy.run_path`` as ``__main__``, ``sys.argv`` and
-``sys.path[0]`` set as for ``python SCRIPT``; an uncaught exception prints its traceback and exits 1; a
-``RankPool`` the script starts spawns its ranks from the script's file), with stdout and stderr in files.
+time. A child runs its script much as the interpreter would (``runpy.run_path`` as ``__main__``, ``sys.argv``
+and ``sys.path[0]`` set as for ``python SCRIPT``; an uncaught exception prints its traceback and exits 1; a
+``RankPool`` the script starts runs its ranks from the script's file), with stdout and stderr in files. What
+differs: torch, torch.distributed and ubep_torch are imported before the script runs (an environment variable
+the script sets for their import comes too late), a KeyboardInterrupt exits with 1 (not 130), and a missing
+script is a traceback. The commands these tests run fail on bad arguments, which none of that changes.
 
     python tests/run_scripts.py COMMANDS.json OUT_DIR
 

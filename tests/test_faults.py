@@ -789,6 +789,31 @@ if __name__ == "__main__":
 """
 
 
+def test_rank_pool_ranks_start_from_a_fork_server_and_see_the_pools_environment(monkeypatch):
+    """A pool's ranks are forked by a fork server that imported torch once (they started by importing torch
+    themselves, some 2 s each), yet each sees the environment a spawned rank would: the pool's process's
+    environment when the pool starts, with ``env`` on top. A pool whose ranks would import torch under other
+    values of the variables torch may read then (``TORCH*``, ``OMP_*``, ...) than the server did spawns them."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_TEST_POOL": "env"}
+    names = ["UBEP_TEST_SET_LATER", "UBEP_TEST_POOL", "TORCH_UBEP_TEST"]
+    with RankPool(2, env=env) as pool:
+        first = pool.run(FR.environment_of, names)
+        kinds = {type(p).__name__ for p in pool._procs}
+    assert kinds == {"ForkServerProcess"}, kinds
+    assert [e for e, _ in first] == [{names[0]: None, names[1]: "env", names[2]: None}] * 2, first
+    monkeypatch.setenv("UBEP_TEST_SET_LATER", "later")     # (after the fork server started)
+    with RankPool(2, env=env) as pool:
+        later = pool.run(FR.environment_of, names)
+        assert {type(p).__name__ for p in pool._procs} == {"ForkServerProcess"}
+    assert [e for e, _ in later] == [{names[0]: "later", names[1]: "env", names[2]: None}] * 2, later
+    assert {ppid for _, ppid in first + later} != {os.getpid()}, (first, later)    # (the server's children)
+    with RankPool(2, env={**env, "TORCH_UBEP_TEST": "1"}) as pool:
+        spawned = pool.run(FR.environment_of, names)
+        assert {type(p).__name__ for p in pool._procs} == {"SpawnProcess"}
+    assert [e for e, _ in spawned] == [{names[0]: "later", names[1]: "env", names[2]: "1"}] * 2, spawned
+    assert {ppid for _, ppid in spawned} == {os.getpid()}, spawned
+
+
 def test_ranks_of_a_killed_pool_end_with_it(tmp_path):
     """(former bug: the ranks of a RankPool whose process was killed, as ``timeout`` or a CI runner kills it,
     lived on for good, reparented, holding their Buffers' memory.) A rank busy in a call dies with the pool

@@ -69,25 +69,87 @@ def join_group(port: int, rank: int, world_size: int, **kwargs) -> None:
 _PARENT_CHECK_S = 1.0
 
 
-def _die_with_parent(parent: int, signal_on_death: bool) -> None:
-    """A rank outlives no pool: where the pool was started from the main thread, Linux kills the rank when
-    the pool's process dies (``PR_SET_PDEATHSIG``; it fires when the thread that started the rank ends, so
-    not for a pool started from another thread); an idle rank also checks every ``_PARENT_CHECK_S`` (see
-    ``_worker``). A rank whose parent is already gone exits now."""
+#: environment variables that torch, or a library it loads, may read when it is imported
+_IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_")
+_server_env: Optional[Dict[str, str]] = None   # those variables as the fork server imported torch with them
+
+
+def _import_time_env(env: Mapping) -> Dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME_PREFIXES)}
+
+
+def _start_context(env: Dict[str, str]):
+    """Where a pool's rank processes start from: a fork server that imported torch once (``forkserver``,
+    which ends with the process that started it), so that a rank starts in a fraction of a second instead of
+    importing torch itself. ``spawn`` where the platform has no fork server, and where a rank's import of
+    torch would see other values of the variables it may read then (``env``, this process's environment now)
+    than the server's did. Either way a rank is a fresh process that imports the function it runs."""
+    global _server_env
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    if _server_env is None:
+        _server_env = _import_time_env(os.environ)
+        mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed"])
+    if _import_time_env({**os.environ, **env}) != _server_env:
+        return mp.get_context("spawn")
+    return mp.get_context("forkserver")
+
+
+def _parent_alive(pool_pid: int, parent: int) -> bool:
+    """Whether the pool's process is still there: the rank's parent (the pool's process, or the fork server,
+    which ends with it) has not changed and the pool's pid still exists."""
+    if os.getppid() != parent:
+        return False
+    try:
+        os.kill(pool_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _die_with_parent(pool_pid: int, parent: int, signal_on_death: bool) -> None:
+    """A rank outlives no pool: Linux kills the rank when its parent ends (``PR_SET_PDEATHSIG``): the fork
+    server, which ends when the pool's process does, or under ``spawn``, where the pool was started from the
+    main thread, the pool's process (the signal fires when the thread that started the rank ends, so not for
+    a pool started from another thread); an idle rank also checks every ``_PARENT_CHECK_S`` (see
+    ``_worker``). A rank whose pool is already gone exits now."""
     if signal_on_death and sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)       # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
-    if os.getppid() != parent:
+    if not _parent_alive(pool_pid, parent):
         os._exit(1)
 
 
-def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str, str], parent: int = 0,
-            signal_on_death: bool = False) -> None:
-    if parent:
-        _die_with_parent(parent, signal_on_death)
+def _leave_fork_server() -> None:
+    """A process the fork server forked holds the server's "alive" pipe, as the process that started the
+    server does, so that it could start processes of its own; the server lives while any holder does. A rank
+    lets go of it: the server then ends with the pool's process, and the rank with the server (see
+    ``_die_with_parent``). (A pool the rank starts itself starts a server of its own.)"""
+    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        server._forkserver_alive_fd = None
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str, str], pool_pid: int = 0,
+            signal_on_death: bool = False, pool_env: Optional[Dict[str, str]] = None) -> None:
+    parent = os.getppid()
+    if pool_env is not None:
+        _leave_fork_server()
+    if pool_pid:
+        _die_with_parent(pool_pid, parent, signal_on_death or parent != pool_pid)
+    if pool_env is not None:     # (a forked rank starts with the fork server's environment: take the pool's)
+        os.environ.clear()
+        os.environ.update(pool_env)
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -100,7 +162,7 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str,
         try:
             msg = inbox.get(timeout=_PARENT_CHECK_S)
         except queue.Empty:
-            if parent and os.getppid() != parent:     # (the pool's process died: its ranks end too)
+            if pool_pid and not _parent_alive(pool_pid, parent):     # (the pool's process died: its ranks end too)
                 orphan = True
                 break
             continue
@@ -153,7 +215,7 @@ class RankPool:
         self.timeout_s = check_deadline("timeout_s", timeout_s)
         self._call = 0          # (every call's results carry its number: a late one of an earlier call is dropped)
         self._closed: Optional[str] = None      # why the pool can no longer run anything
-        ctx = mp.get_context("spawn")
+        ctx = _start_context(env or {})
         self._store = rendezvous_store()     # (held while the pool lives: the ranks' group meets through it)
         port = self._store.port
         self._outbox = ctx.Queue()
@@ -162,7 +224,8 @@ class RankPool:
         base_env.update(env or {})
         self._procs = [
             ctx.Process(target=_worker, args=(r, world_size, port, self._inboxes[r], self._outbox, base_env,
-                                              os.getpid(), threading.current_thread() is threading.main_thread()),
+                                              os.getpid(), threading.current_thread() is threading.main_thread(),
+                                              dict(os.environ) if ctx.get_start_method() == "forkserver" else None),
                         daemon=True)
             for r in range(world_size)
         ]
