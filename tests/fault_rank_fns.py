@@ -939,11 +939,12 @@ def map_failure(ctx):
         U.SymmetricHeap._map_peer = real
 
 
-def interrupted_last_setup_step(ctx):
-    """Rank 0's set-up is interrupted by Ctrl-C while it waits in the last step (rank 1 reserves its memory
-    late); rank 1, which then has every message, completes its set-up and makes a dispatch: it must fail at
-    once naming rank 0 (former bug: its Buffer waited for rank 0 until its deadline). Returns what each rank's
-    set-up and rank 1's dispatch raised (type, message, seconds)."""
+def interrupted_last_setup_step(ctx, late_rank=None):
+    """Rank 0's set-up is interrupted by Ctrl-C while it waits in the last step (the others reserve their
+    memory late); the others, which then have every message, complete their set-up and make a dispatch: each
+    must fail at once naming rank 0 (former bug: its Buffer waited for rank 0 until its deadline), rank
+    ``late_rank`` 3 s after the others (which gave up by then). Returns what each rank's set-up and dispatch
+    raised (type, message, seconds)."""
     import signal
     import threading
 
@@ -975,9 +976,12 @@ def interrupted_last_setup_step(ctx):
     finally:
         U.SymmetricHeap._settle_step, U.SymmetricHeap._reserve = settle, reserve
     if buf is not None:
+        if ctx.rank == late_rank:
+            time.sleep(3.0)
         t0 = time.monotonic()
         try:
-            buf.dispatch(torch.randn(8, 64), topk_idx=torch.randint(0, 4, (8, 2)), num_experts=4)
+            buf.dispatch(torch.randn(8, 64), topk_idx=torch.randint(0, 2 * ctx.world_size, (8, 2)),
+                         num_experts=2 * ctx.world_size)
             out["dispatch"] = ("returned", "", time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001
             out["dispatch"] = (type(e).__name__, str(e), time.monotonic() - t0)

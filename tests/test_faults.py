@@ -304,6 +304,14 @@ def test_a_peer_that_completed_its_setup_learns_of_an_interrupted_one():
     assert out1["set-up"] == "built", out1
     name, msg, took = out1["dispatch"]
     assert name == "UBEPPeerLostError" and "[0] left its Buffer set-up" in msg and took < 5, out1
+    # three ranks, one of them 3 s late to its call: the others gave up by then, and it names rank 0 too
+    # (it named rank 2, which had only given up)
+    with RankPool(3, env=env) as pool:
+        out = pool.run(FR.interrupted_last_setup_step, 1, timeout_s=90)
+    assert out[0] == {"set-up": "KeyboardInterrupt"}, out
+    for late in out[1:]:
+        name, msg, took = late["dispatch"]
+        assert name == "UBEPPeerLostError" and "[0] left its Buffer set-up" in msg and took < 5, out
 
 
 def test_a_setup_again_after_an_interrupted_one_refuses_at_once():

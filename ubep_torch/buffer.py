@@ -1261,6 +1261,11 @@ class Buffer:
         words = self._abort_words()
         if not any(words):
             return
+        left = [r for r, w in enumerate(words) if r != self.rank and P.abort_how(w) == P.ABORT_LEFT_SETUP]
+        if left:     # (a rank without a Buffer: every call waits for it, and it is the cause of any abort)
+            cause = P.GONE_CAUSES[P.ABORT_LEFT_SETUP]
+            self._broken = f"peer rank(s) {left} {cause}"
+            raise UBEPPeerLostError(f"{op}: {where}", self.rank, left, left, cause=cause)
         aborted = P.blamed({r: P.abort_how(w) for r, w in enumerate(words)
                             if r != self.rank and P.abort_call(w) <= call})
         if aborted:

@@ -411,10 +411,11 @@ def spin_seconds() -> float:
 ABORT_FAILED, ABORT_GAVE_UP, ABORT_DESTROYED = 1, 2, 3
 ABORT_REFUSED = 4   # (not an abort word: a rank refused a call before reaching its peers; see Buffer._peer_aborted)
 ABORT_LEFT_SETUP = 5
-#: how a wait names a rank whose abort word says it has no Buffer
-GONE_CAUSES = {ABORT_DESTROYED: "destroyed its Buffer",
-               ABORT_LEFT_SETUP: "left its Buffer set-up in the last step (interrupted or failed there: it has no "
-                                 "Buffer)"}
+#: how a wait names a rank whose abort word says it has no Buffer (in this order: one that never had one is
+#: the cause where another destroyed its own since)
+GONE_CAUSES = {ABORT_LEFT_SETUP: "left its Buffer set-up in the last step (interrupted or failed there: it has no "
+                                 "Buffer)",
+               ABORT_DESTROYED: "destroyed its Buffer"}
 
 
 def abort_word(how: int, call: int) -> int:
