@@ -779,7 +779,7 @@ def test_rank_pool_reports_a_rank_process_that_died_at_once():
 
 
 _KILLED_POOL = """
-import os, signal, threading, time
+import multiprocessing, os, signal, threading, time
 from ubep_torch.testing import RankPool
 import fault_rank_fns as FR
 if __name__ == "__main__":
@@ -790,62 +790,88 @@ if __name__ == "__main__":
     t.start()
     t.join()
     pids = main.run(FR.pid_after, 0) + other[0].run(FR.pid_after, 0)
-    print(*pids, flush=True)
-    threading.Thread(target=main.run, args=(FR.pid_after, 60), daemon=True).start()   # busy in a call
+    # a child of the pool's process that outlives it (it holds what that process held when it forked)
+    extra = multiprocessing.get_context("fork").Process(target=time.sleep, args=(20,), daemon=True)
+    extra.start()
+    print(*pids, extra.pid, flush=True)
+    for pool in (main, other[0]):      # both busy in a call
+        threading.Thread(target=pool.run, args=(FR.pid_after, 60), daemon=True).start()
     time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_rank_pool_ranks_start_from_a_fork_server_and_see_the_pools_environment(monkeypatch):
-    """A pool's ranks are forked by a fork server that imported torch once (they started by importing torch
-    themselves, some 2 s each), yet each sees the environment a spawned rank would: the pool's process's
-    environment when the pool starts, with ``env`` on top. A pool whose ranks would import torch under other
-    values of the variables torch may read then (``TORCH*``, ``OMP_*``, ...) than the server did spawns them."""
+def test_rank_pool_start_methods_and_the_pools_environment(monkeypatch):
+    """By default a pool spawns its ranks; ``start_method="forkserver"`` (or ``$UBEP_POOL_START_METHOD``) has
+    them forked by a fork server that imported torch once (they import torch themselves otherwise, some 2 s
+    each), yet each sees the environment a spawned rank would: the pool's process's environment when the pool
+    starts, with ``env`` on top. A pool whose ranks would import torch under other values of the variables
+    torch may read then (``TORCH*``, ``OMP_*``, ...) than the server did spawns them."""
+    from ubep_torch.testing import START_METHODS
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_TEST_POOL": "env"}
     names = ["UBEP_TEST_SET_LATER", "UBEP_TEST_POOL", "TORCH_UBEP_TEST"]
+    monkeypatch.delenv("UBEP_POOL_START_METHOD", raising=False)
+    with RankPool(2, env=env) as pool:
+        spawned = pool.run(FR.environment_of, names)
+        assert {type(p).__name__ for p in pool._procs} == {"SpawnProcess"}
+    assert [e for e, _ in spawned] == [{names[0]: None, names[1]: "env", names[2]: None}] * 2, spawned
+    assert {ppid for _, ppid in spawned} == {os.getpid()}, spawned
+    assert START_METHODS == ("spawn", "forkserver")
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        RankPool(2, start_method="fork")
+    monkeypatch.setenv("UBEP_POOL_START_METHOD", "nope")
+    with pytest.raises(ValueError, match="UBEP_POOL_START_METHOD must be one of"):
+        RankPool(2)
+    monkeypatch.setenv("UBEP_POOL_START_METHOD", "forkserver")
     with RankPool(2, env=env) as pool:
         first = pool.run(FR.environment_of, names)
         kinds = {type(p).__name__ for p in pool._procs}
     assert kinds == {"ForkServerProcess"}, kinds
     assert [e for e, _ in first] == [{names[0]: None, names[1]: "env", names[2]: None}] * 2, first
     monkeypatch.setenv("UBEP_TEST_SET_LATER", "later")     # (after the fork server started)
-    with RankPool(2, env=env) as pool:
+    monkeypatch.delenv("UBEP_POOL_START_METHOD")
+    with RankPool(2, env=env, start_method="forkserver") as pool:
         later = pool.run(FR.environment_of, names)
         assert {type(p).__name__ for p in pool._procs} == {"ForkServerProcess"}
     assert [e for e, _ in later] == [{names[0]: "later", names[1]: "env", names[2]: None}] * 2, later
-    assert {ppid for _, ppid in first + later} != {os.getpid()}, (first, later)    # (the server's children)
-    with RankPool(2, env={**env, "TORCH_UBEP_TEST": "1"}) as pool:
+    assert os.getpid() not in {ppid for _, ppid in first + later}, (first, later)    # (the server's children)
+    with RankPool(2, env={**env, "TORCH_UBEP_TEST": "1"}, start_method="forkserver") as pool:
         spawned = pool.run(FR.environment_of, names)
         assert {type(p).__name__ for p in pool._procs} == {"SpawnProcess"}
     assert [e for e, _ in spawned] == [{names[0]: "later", names[1]: "env", names[2]: "1"}] * 2, spawned
     assert {ppid for _, ppid in spawned} == {os.getpid()}, spawned
 
 
-def test_ranks_of_a_killed_pool_end_with_it(tmp_path):
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_ranks_of_a_killed_pool_end_with_it(tmp_path, start_method):
     """(former bug: the ranks of a RankPool whose process was killed, as ``timeout`` or a CI runner kills it,
-    lived on for good, reparented, holding their Buffers' memory.) A rank busy in a call dies with the pool
-    (its pool was started from the main thread), an idle one within about a second whatever thread started
-    its pool; and a pool started from a thread that has ended keeps its ranks."""
+    lived on for good, reparented, holding their Buffers' memory.) Ranks busy in a call die with the pool's
+    process whatever thread started their pool (one started from another thread lived on until its call
+    returned), also where that process has a child that lives on (forked ranks lived as long as it did: it
+    held their fork server); and a pool started from a thread that has ended keeps its ranks."""
     import signal
     import time
     script = tmp_path / "killed_pool.py"
     script.write_text(_KILLED_POOL)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]),
+           "UBEP_POOL_START_METHOD": start_method}
     out = tmp_path / "out.txt"
     with open(out, "w") as f:      # (a file, not a pipe: ranks that outlive the script would hold a pipe open)
         code = subprocess.run([sys.executable, str(script)], stdout=f, stderr=subprocess.STDOUT, timeout=120,
                               env=env, cwd=str(tmp_path)).returncode
     text = out.read_text()
     assert code == -signal.SIGKILL, (code, text[-2000:])
-    pids = [int(p) for p in text.split()]
+    *pids, extra = [int(p) for p in text.split()]
     assert len(pids) == 2, text
-    deadline = time.monotonic() + 10
-    while any(FR._running(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    alive = [p for p in pids if FR._running(p)]
-    for p in alive:
-        os.kill(p, signal.SIGKILL)
+    try:
+        deadline = time.monotonic() + 10
+        while any(FR._running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = [p for p in pids if FR._running(p)]
+        for p in alive:
+            os.kill(p, signal.SIGKILL)
+    finally:
+        os.kill(extra, signal.SIGKILL)
     assert not alive, f"rank processes {alive} outlived their pool"
 
 

@@ -14,6 +14,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import queue
+import select
 import signal
 import sys
 import threading
@@ -72,24 +73,33 @@ _PARENT_CHECK_S = 1.0
 #: environment variables that torch, or a library it loads, may read when it is imported
 _IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_")
 _server_env: Optional[Dict[str, str]] = None   # those variables as the fork server imported torch with them
+START_METHODS = ("spawn", "forkserver")
 
 
 def _import_time_env(env: Mapping) -> Dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(_IMPORT_TIME_PREFIXES)}
 
 
-def _start_context(env: Dict[str, str]):
-    """Where a pool's rank processes start from: a fork server that imported torch once (``forkserver``,
-    which ends with the process that started it), so that a rank starts in a fraction of a second instead of
-    importing torch itself. ``spawn`` where the platform has no fork server, and where a rank's import of
-    torch would see other values of the variables it may read then (``env``, this process's environment now)
-    than the server's did. Either way a rank is a fresh process that imports the function it runs."""
+def _start_context(start_method: Optional[str], env: Dict[str, str]):
+    """Where a pool's rank processes start from (see ``RankPool``): ``spawn``, or, asked for
+    (``start_method`` or ``$UBEP_POOL_START_METHOD``), ``forkserver``, a fork server that imported torch
+    once, so that a rank starts in a fraction of a second instead of importing torch itself. ``spawn`` where
+    the platform has no fork server, and where a rank's import of torch would see other values of the
+    variables it may read then (``env``, this process's environment now) than the server's did."""
     global _server_env
-    if "forkserver" not in mp.get_all_start_methods():
+    source = "start_method"
+    if start_method is None:
+        start_method, source = os.environ.get("UBEP_POOL_START_METHOD") or "spawn", "UBEP_POOL_START_METHOD"
+    if start_method not in START_METHODS:
+        raise ValueError(f"{source} must be one of {START_METHODS}, got {start_method!r}")
+    if start_method == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     if _server_env is None:
         _server_env = _import_time_env(os.environ)
-        mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed"])
+        from multiprocessing import forkserver
+        preload = list(getattr(forkserver._forkserver, "_preload_modules", None) or [])   # (the program's own)
+        mp.get_context("forkserver").set_forkserver_preload(
+            preload + [m for m in ("torch", "torch.distributed") if m not in preload])
     if _import_time_env({**os.environ, **env}) != _server_env:
         return mp.get_context("spawn")
     return mp.get_context("forkserver")
@@ -110,19 +120,30 @@ def _parent_alive(pool_pid: int, parent: int) -> bool:
 
 
 def _die_with_parent(pool_pid: int, parent: int, signal_on_death: bool) -> None:
-    """A rank outlives no pool: Linux kills the rank when its parent ends (``PR_SET_PDEATHSIG``): the fork
-    server, which ends when the pool's process does, or under ``spawn``, where the pool was started from the
-    main thread, the pool's process (the signal fires when the thread that started the rank ends, so not for
-    a pool started from another thread); an idle rank also checks every ``_PARENT_CHECK_S`` (see
-    ``_worker``). A rank whose pool is already gone exits now."""
+    """A rank outlives no pool: a thread of the rank waits on a pidfd of the pool's process and kills the
+    rank when it ends (Linux 5.3 and later); Linux also kills the rank when its parent ends
+    (``PR_SET_PDEATHSIG``): under ``spawn``, where the pool was started from the main thread, the pool's
+    process (the signal fires when the thread that started the rank ends, so not for a pool started from
+    another thread); under ``forkserver``, the fork server, which ends with the pool's process unless another
+    process holds it. An idle rank also checks every ``_PARENT_CHECK_S`` (see ``_worker``). A rank whose pool
+    is already gone exits now."""
     if signal_on_death and sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)       # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
+    try:
+        watched = os.pidfd_open(pool_pid)
+    except (AttributeError, OSError):       # (no pidfd here, or the pool's process is gone already)
+        watched = None
     if not _parent_alive(pool_pid, parent):
         os._exit(1)
+    if watched is not None:
+        def watch() -> None:
+            select.select([watched], [], [])        # (readable once the process has ended)
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=watch, name="ubep-pool-watch", daemon=True).start()
 
 
 def _leave_fork_server() -> None:
@@ -203,9 +224,20 @@ MAX_POOL_RANKS = 1024
 
 
 class RankPool:
-    """``world_size`` persistent gloo ranks. Use as a context manager or call :meth:`close`."""
+    """``world_size`` persistent gloo ranks. Use as a context manager or call :meth:`close`.
 
-    def __init__(self, world_size: int, timeout_s: float = 120.0, env: Optional[Dict[str, str]] = None):
+    ``start_method``: how the rank processes start. ``"spawn"`` (the default; ``$UBEP_POOL_START_METHOD``
+    names another): each is a new interpreter that imports torch (some 2 s on a small machine).
+    ``"forkserver"``: each is forked by multiprocessing's fork server, which imported torch once when the
+    first such pool started (a pool starts in a fraction of a second; the test suite uses it). Forked ranks
+    take the pool's process's environment when the pool starts, plus ``env``, but the rest of their process
+    state is the server's from when it started: its stdout and stderr, CPU affinity, resource limits, umask
+    and signal dispositions, and what the interpreter read at its start (``PYTHONHASHSEED``); a pool whose
+    environment would have torch imported under other values of the variables it reads then (``TORCH*``,
+    ``OMP_*``, ``MKL_*``...) than the server's is spawned instead."""
+
+    def __init__(self, world_size: int, timeout_s: float = 120.0, env: Optional[Dict[str, str]] = None,
+                 start_method: Optional[str] = None):
         world_size = check_count("world_size", world_size, 1)     # (a numpy integer too)
         if world_size > MAX_POOL_RANKS:
             raise ValueError(f"RankPool starts its ranks as processes of this host: world_size must be at most "
@@ -215,7 +247,7 @@ class RankPool:
         self.timeout_s = check_deadline("timeout_s", timeout_s)
         self._call = 0          # (every call's results carry its number: a late one of an earlier call is dropped)
         self._closed: Optional[str] = None      # why the pool can no longer run anything
-        ctx = _start_context(env or {})
+        ctx = _start_context(start_method, env or {})
         self._store = rendezvous_store()     # (held while the pool lives: the ranks' group meets through it)
         port = self._store.port
         self._outbox = ctx.Queue()
