@@ -1148,10 +1148,12 @@ def peer_leaves_before_mapping(ctx):
     return out
 
 
-def exit_on_rank(ctx, rank: int, code: int) -> int:
-    """The process of ``rank`` exits at once with ``code`` (a crash from the pool's point of view)."""
+def exit_on_rank(ctx, rank: int, code: int, others_after: float = 0.0) -> int:
+    """The process of ``rank`` exits at once with ``code`` (a crash from the pool's point of view); the
+    others answer after ``others_after`` seconds."""
     if ctx.rank == rank:
         os._exit(code)
+    time.sleep(others_after)
     return ctx.rank
 
 

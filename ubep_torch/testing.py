@@ -219,6 +219,9 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str,
         pass
 
 
+#: how long ``RankPool.run`` takes the other ranks' answers after finding a rank dead (seconds)
+_ANSWER_GRACE_S = 1.0
+
 #: the most ranks a RankPool starts (each is a process of this host with its own queue)
 MAX_POOL_RANKS = 1024
 
@@ -290,6 +293,9 @@ class RankPool:
                 dead = {r: self._procs[r].exitcode for r in missing if not self._procs[r].is_alive()}
                 if not dead and time.monotonic() < deadline:
                     continue
+                if dead:    # (answers of the other ranks may still be on their way: take them for a moment)
+                    self._collect(results, failures, min(time.monotonic() + _ANSWER_GRACE_S, deadline))
+                    missing = [r for r in missing if r not in results and r not in failures]
                 self.close(force=True)
                 elapsed = time.monotonic() - start
                 why = {r: f"its process exited (code {code}) before answering: it crashed or was killed in the "
@@ -307,6 +313,22 @@ class RankPool:
         if failures:
             raise RankFailure(failures)
         return [results[r] for r in range(self.world_size)]
+
+    def _collect(self, results: Dict[int, Any], failures: Dict[int, str], until: float) -> None:
+        """Take the current call's answers that arrive before ``until`` (monotonic), or until every rank
+        still alive has answered."""
+        while True:
+            waiting = [r for r in range(self.world_size)
+                       if r not in results and r not in failures and self._procs[r].is_alive()]
+            left = until - time.monotonic()
+            if not waiting or left <= 0:
+                return
+            try:
+                call, rank, ok, value = self._outbox.get(timeout=min(0.05, left))
+            except queue.Empty:
+                continue
+            if call == self._call:
+                (results if ok else failures)[rank] = value
 
     def close(self, force: bool = False) -> None:
         self._closed = self._closed or "closed"
