@@ -807,7 +807,30 @@ if __name__ == "__main__":
 """
 
 
-def test_rank_pool_start_methods_and_the_pools_environment(monkeypatch):
+_FORKED_CHILD_POOL = """
+import multiprocessing, os, sys
+from ubep_torch.testing import RankPool
+import fault_rank_fns as FR
+
+def child(env):
+    with RankPool(2, env=env, start_method="forkserver") as pool:
+        ok = pool.run(FR.environment_of, ["UBEP_TEST_POOL"])[0][0] == {"UBEP_TEST_POOL": "env"}
+        print(type(pool._procs[0]).__name__, flush=True)
+    os._exit(0 if ok else 1)
+
+if __name__ == "__main__":
+    env = {"UBEP_TEST_POOL": "env"}
+    with RankPool(2, env=env, start_method="forkserver") as pool:
+        pool.run(FR.environment_of, [])
+        print(type(pool._procs[0]).__name__, flush=True)
+    p = multiprocessing.get_context("fork").Process(target=child, args=(env,))
+    p.start()
+    p.join(120)
+    sys.exit(p.exitcode)
+"""
+
+
+def test_rank_pool_start_methods_and_the_pools_environment(monkeypatch, tmp_path):
     """By default a pool spawns its ranks; ``start_method="forkserver"`` (or ``$UBEP_POOL_START_METHOD``) has
     them forked by a fork server that imported torch once (they import torch themselves otherwise, some 2 s
     each), yet each sees the environment a spawned rank would: the pool's process's environment when the pool
@@ -825,6 +848,8 @@ def test_rank_pool_start_methods_and_the_pools_environment(monkeypatch):
     assert START_METHODS == ("spawn", "forkserver")
     with pytest.raises(ValueError, match="start_method must be one of"):
         RankPool(2, start_method="fork")
+    with pytest.raises(TypeError, match="start_method must be a str"):
+        RankPool(2, start_method=["spawn"])
     monkeypatch.setenv("UBEP_POOL_START_METHOD", "nope")
     with pytest.raises(ValueError, match="UBEP_POOL_START_METHOD must be one of"):
         RankPool(2)
@@ -846,6 +871,14 @@ def test_rank_pool_start_methods_and_the_pools_environment(monkeypatch):
         assert {type(p).__name__ for p in pool._procs} == {"SpawnProcess"}
     assert [e for e, _ in spawned] == [{names[0]: "later", names[1]: "env", names[2]: "1"}] * 2, spawned
     assert {ppid for _, ppid in spawned} == {os.getpid()}, spawned
+    # in a process forked from one that set the fork server up, a pool spawns its ranks (multiprocessing's
+    # fork server fails there: ChildProcessError)
+    script = tmp_path / "forked_child_pool.py"
+    script.write_text(_FORKED_CHILD_POOL)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, **env, "TMPDIR": str(tmp_path)}, cwd=str(tmp_path))
+    assert proc.returncode == 0 and proc.stdout.split() == ["ForkServerProcess", "SpawnProcess"], \
+        (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
@@ -860,7 +893,7 @@ def test_ranks_of_a_killed_pool_end_with_it(tmp_path, start_method):
     script = tmp_path / "killed_pool.py"
     script.write_text(_KILLED_POOL)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]),
-           "UBEP_POOL_START_METHOD": start_method}
+           "UBEP_POOL_START_METHOD": start_method, "TMPDIR": str(tmp_path)}   # (the killed server's socket dir)
     out = tmp_path / "out.txt"
     with open(out, "w") as f:      # (a file, not a pipe: ranks that outlive the script would hold a pipe open)
         code = subprocess.run([sys.executable, str(script)], stdout=f, stderr=subprocess.STDOUT, timeout=120,

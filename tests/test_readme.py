@@ -32,6 +32,7 @@ def test_readme_rank_pool_example_runs(tmp_path):
     script = tmp_path / "pool_example.py"
     script.write_text(blocks[1])
     env = dict(os.environ, PYTHONPATH=ROOT, UBEP_SHM_DIR=str(tmp_path))
+    env.pop("UBEP_POOL_START_METHOD", None)       # (as a user runs it: spawned ranks, not the test suite's)
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()

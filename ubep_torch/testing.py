@@ -73,6 +73,7 @@ _PARENT_CHECK_S = 1.0
 #: environment variables that torch, or a library it loads, may read when it is imported
 _IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_")
 _server_env: Optional[Dict[str, str]] = None   # those variables as the fork server imported torch with them
+_server_owner = 0       # the process that set the fork server up (a child forked from it cannot use that server)
 START_METHODS = ("spawn", "forkserver")
 
 
@@ -86,15 +87,22 @@ def _start_context(start_method: Optional[str], env: Dict[str, str]):
     once, so that a rank starts in a fraction of a second instead of importing torch itself. ``spawn`` where
     the platform has no fork server, and where a rank's import of torch would see other values of the
     variables it may read then (``env``, this process's environment now) than the server's did."""
-    global _server_env
+    global _server_env, _server_owner
     source = "start_method"
     if start_method is None:
         start_method, source = os.environ.get("UBEP_POOL_START_METHOD") or "spawn", "UBEP_POOL_START_METHOD"
+    elif not isinstance(start_method, str):
+        raise TypeError(f"start_method must be a str, one of {START_METHODS}, got {type(start_method).__name__}")
     if start_method not in START_METHODS:
         raise ValueError(f"{source} must be one of {START_METHODS}, got {start_method!r}")
     if start_method == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
+    if _server_env is not None and _server_owner != os.getpid():
+        # (a process forked from the one that set the server up inherits its state, and multiprocessing's
+        # fork server then fails in it: "ChildProcessError: No child processes")
+        return mp.get_context("spawn")
     if _server_env is None:
+        _server_owner = os.getpid()
         _server_env = _import_time_env(os.environ)
         from multiprocessing import forkserver
         preload = list(getattr(forkserver._forkserver, "_preload_modules", None) or [])   # (the program's own)
@@ -237,7 +245,9 @@ class RankPool:
     state is the server's from when it started: its stdout and stderr, CPU affinity, resource limits, umask
     and signal dispositions, and what the interpreter read at its start (``PYTHONHASHSEED``); a pool whose
     environment would have torch imported under other values of the variables it reads then (``TORCH*``,
-    ``OMP_*``, ``MKL_*``...) than the server's is spawned instead."""
+    ``OMP_*``, ``MKL_*``...) than the server's is spawned instead, and so is one in a process forked from the
+    one that started the server. A process killed while its fork server runs leaves the server's socket
+    directory (``pymp-*``) in its ``TMPDIR``."""
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, env: Optional[Dict[str, str]] = None,
                  start_method: Optional[str] = None):
