@@ -149,7 +149,10 @@ def _die_with_parent(pool_pid: int, parent: int, signal_on_death: bool) -> None:
         os._exit(1)
     if watched is not None:
         def watch() -> None:
-            select.select([watched], [], [])        # (readable once the process has ended)
+            ended = select.poll()
+            ended.register(watched, select.POLLIN)      # (readable once the process has ended)
+            while not ended.poll():
+                pass
             os.kill(os.getpid(), signal.SIGKILL)
         threading.Thread(target=watch, name="ubep-pool-watch", daemon=True).start()
 
