@@ -890,6 +890,10 @@ def test_ranks_of_a_killed_pool_end_with_it(tmp_path, start_method):
     held their fork server); and a pool started from a thread that has ended keeps its ranks."""
     import signal
     import time
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        pytest.skip("no pidfd here (Linux 5.3, Python 3.9): a busy rank may outlive a pool started from a thread")
     script = tmp_path / "killed_pool.py"
     script.write_text(_KILLED_POOL)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]),
