@@ -395,11 +395,12 @@ def _ubep(kind: str, c: _Copies, B: int, K: int, world: int, num_experts: int, b
 
 # ----------------------------------------------------------------------------- public API
 def count_cost_ratio(params: CM384Params, bytes_per_token: int, world_size: int, num_experts: int,
-                     sync: str = "tff") -> float:
+                     sync: str = "tff", topology: Topology | None = None) -> float:
     """Appendix 9's ``beta / alpha`` on these parameters.
 
     ``beta``: count-group time per expert (VectorCount, a share of the per-source count-block polls,
-    CalCumSum entry); ``alpha``: token-group time per token copy (to a two-hop die).
+    CalCumSum entry); ``alpha``: token-group time per token copy to the farthest die of the group (two hops
+    away beyond one node; ``topology``: ``Topology.for_ranks(world_size)`` unless given).
     """
     _check_params(params)
     if sync not in SYNC_MODES:
@@ -410,7 +411,9 @@ def count_cost_ratio(params: CM384Params, bytes_per_token: int, world_size: int,
     p = params
     beta = p.count_us_per_expert + p.cumsum_us_per_entry + (p.poll_us + p.flag_issue_us) * world_size / num_experts
     wire = _blocks(bytes_per_token, sync, p) * p.block_bytes
-    alpha = p.vector_token_overhead_us + wire / (p.aiv_issue_gbs * 1e3) + p.hop_latency_us[TWO_HOP] / p.store_depth
+    topo = topology or Topology.for_ranks(world_size)
+    far = int(topo.hop_matrix(world_size).max()) if world_size > 1 else TWO_HOP
+    alpha = p.vector_token_overhead_us + wire / (p.aiv_issue_gbs * 1e3) + p.hop_latency_us[far] / p.store_depth
     return beta / alpha
 
 
@@ -555,7 +558,7 @@ def simulate(
             # send nothing; the busiest rank's, whose sending the count group must not outlast)
             copies = int((tk >= 0).sum(axis=(1, 2)).max()) if tk.size else 0
             nc = check_count("n_count", n_count, 1) if n_count is not None else default_count_aivs(
-                E, 1, max(1, copies), n, count_cost_ratio(params, bytes_per_token, R, E, sync))
+                E, 1, max(1, copies), n, count_cost_ratio(params, bytes_per_token, R, E, sync, topo))
             if not 1 <= nc < n:
                 raise ValueError(f"n_count must be in [1, {n - 1}], got {nc}")
         total, phases, sr, overlapped = _ubep(kind, c, B, K, R, E, bytes_per_token, topo, params, n,
