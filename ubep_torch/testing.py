@@ -175,13 +175,12 @@ def _leave_fork_server() -> None:
 def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str, str], pool_pid: int = 0,
             signal_on_death: bool = False, pool_env: Optional[Dict[str, str]] = None) -> None:
     parent = os.getppid()
-    if pool_env is not None:
+    if pool_env is not None:     # (a forked rank: let go of the server, and take the pool's environment)
         _leave_fork_server()
-    if pool_pid:
-        _die_with_parent(pool_pid, parent, signal_on_death or parent != pool_pid)
-    if pool_env is not None:     # (a forked rank starts with the fork server's environment: take the pool's)
         os.environ.clear()
         os.environ.update(pool_env)
+    if pool_pid:
+        _die_with_parent(pool_pid, parent, signal_on_death or parent != pool_pid)
     os.environ.update(env)
     import torch
     import torch.distributed as dist
