@@ -196,6 +196,10 @@ def train(args) -> list:
     distributed = not args.single
     if distributed:
         require_torchrun("examples/train_moe.py", "python examples/train_moe.py --single --world 2 (one process)")
+        # torch._dynamo before the process group exists: the optimizer below would import it after, and then
+        # it keeps references to the group that destroy_process_group cannot drop, so gloo's threads are left
+        # to the interpreter's exit and may abort the finished run (README, "Exiting under torchrun")
+        import torch._dynamo  # noqa: F401
         # (the waits outside the Buffer, gloo's all-reduces and barriers, get the same deadline as its calls)
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
         rank, world = dist.get_rank(), dist.get_world_size()
