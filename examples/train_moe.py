@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import math
 import os
@@ -199,7 +200,7 @@ def train(args) -> list:
         # torch._dynamo before the process group exists: the optimizer below would import it after, and then
         # it keeps references to the group that destroy_process_group cannot drop, so gloo's threads are left
         # to the interpreter's exit and may abort the finished run (README, "Exiting under torchrun")
-        import torch._dynamo  # noqa: F401
+        importlib.import_module("torch._dynamo")   # (a plain import would make torch a local name here)
         # (the waits outside the Buffer, gloo's all-reduces and barriers, get the same deadline as its calls)
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
         rank, world = dist.get_rank(), dist.get_world_size()
