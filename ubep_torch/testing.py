@@ -297,10 +297,8 @@ class RankPool:
         start = time.monotonic()
         deadline = start + limit
         while len(results) + len(failures) < self.world_size:
-            try:
-                # (short waits: a rank process that died is reported at once, not at the deadline)
-                call, rank, ok, value = self._outbox.get(timeout=min(0.2, max(deadline - time.monotonic(), 0.0)))
-            except queue.Empty:
+            # (short waits: a rank process that died is reported at once, not at the deadline)
+            if not self._take(results, failures, min(0.2, max(deadline - time.monotonic(), 0.0))):
                 missing = [r for r in range(self.world_size) if r not in results and r not in failures]
                 dead = {r: self._procs[r].exitcode for r in missing if not self._procs[r].is_alive()}
                 if not dead and time.monotonic() < deadline:
@@ -319,9 +317,6 @@ class RankPool:
                             for r in missing if r not in dead})
                 self._closed = f"rank(s) {sorted(dead)} died" if dead else f"a call ran past {limit}s"
                 raise RankFailure(why | failures) from None
-            if call != self._call:     # (an earlier call's, whose wait was interrupted)
-                continue
-            (results if ok else failures)[rank] = value
         if failures:
             raise RankFailure(failures)
         return [results[r] for r in range(self.world_size)]
@@ -335,12 +330,18 @@ class RankPool:
             left = until - time.monotonic()
             if not waiting or left <= 0:
                 return
-            try:
-                call, rank, ok, value = self._outbox.get(timeout=min(0.05, left))
-            except queue.Empty:
-                continue
-            if call == self._call:
-                (results if ok else failures)[rank] = value
+            self._take(results, failures, min(0.05, left))
+
+    def _take(self, results: Dict[int, Any], failures: Dict[int, str], timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for one answer and file it (an earlier call's, whose wait was
+        interrupted, is dropped); False when none came."""
+        try:
+            call, rank, ok, value = self._outbox.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        if call == self._call:
+            (results if ok else failures)[rank] = value
+        return True
 
     def close(self, force: bool = False) -> None:
         self._closed = self._closed or "closed"
