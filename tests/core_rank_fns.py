@@ -572,6 +572,38 @@ def repeated(ctx, sync, calls=12):
     return True
 
 
+def some_ranks_repeat_their_routing(ctx, sync, calls=8):
+    """Calls in which some ranks repeat their routing while the others change theirs (a rank's control
+    messages then equal its last ones on some ranks only), then every rank repeats, then none: every result
+    checked against the reference (``smoke``)."""
+    for i in range(calls):
+        repeats = {0: ctx.rank == 0, 1: ctx.rank != 0, 2: True, 3: True}.get(i % 6, False)
+        smoke(ctx, sync, seed=5 + ctx.rank if repeats else 40 + i)
+    return True
+
+
+def mismatch_after_agreeing_calls(ctx, case: str):
+    """Rounds of dispatch and combine in which every rank repeats the same call, then one in which rank 1
+    differs in ``case`` ("hidden": its rows' layout, "experts": num_experts, which no rank sees in its own
+    inputs): returns what each rank's dispatch raised there (type, message)."""
+    R, r = ctx.world_size, ctx.rank
+    buf = Buffer(ctx.group, 8 << 20, timeout_s=20.0)
+    topk = torch.arange(6).view(3, 2) % (2 * R)
+    x = torch.randn(3, 64).bfloat16()
+    try:
+        for _ in range(3):
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, num_experts=2 * R)
+            buf.combine(recv_x, handle)
+        bad = r == 1
+        buf.dispatch(torch.randn(3, 128).bfloat16() if bad and case == "hidden" else x, topk_idx=topk,
+                     num_experts=4 * R if bad and case == "experts" else 2 * R)
+    except ubep_torch.UBEPError as e:
+        return type(e).__name__, str(e)
+    finally:
+        buf.destroy()
+    return None, ""
+
+
 def ll_two_in_flight(ctx, sync):
     """Two low-latency dispatches in flight (hooks deferred), then combines; a third is refused, and so is a
     call into the buffer half of an earlier call whose hook has not run."""

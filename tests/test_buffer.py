@@ -122,6 +122,11 @@ def test_repeated_calls_with_changing_shapes(pool2, sync):
     pool2.run(F.repeated, sync)
 
 
+@pytest.mark.parametrize("sync", ["tff", "sp"])
+def test_ranks_that_repeat_their_routing_next_to_ranks_that_change_it(pool2, sync):
+    assert pool2.run(F.some_ranks_repeat_their_routing, sync) == [True, True]
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_expert_counts_count_slots_as_deepep_does(pool4, backend):
     counts = pool4.run(F.slot_counts, backend)
@@ -285,6 +290,15 @@ def test_buffer_arguments_must_agree_across_ranks(pool2, shm_dir):
     out = pool2.run(F.mismatched_buffer_args)
     assert out == [{"num_nvl_bytes": True, "sync": True, "low_latency_mode": True}] * 2, out
     assert pool2.run(F.shm_entries, shm_dir) == [[], []]
+
+
+@pytest.mark.parametrize("case", ["hidden", "experts"])
+def test_a_mismatch_after_calls_that_agreed_is_reported(pool2, case):
+    """A rank keeps what the peers' last control messages said while they repeat: a call that differs on one
+    rank after such calls is still checked (the layout, or num_experts, which no rank sees alone)."""
+    out = pool2.run(F.mismatch_after_agreeing_calls, case)
+    expect = "different layout" if case == "hidden" else "num_experts"
+    assert all(name == "UBEPError" and expect in msg for name, msg in out), out
 
 
 def test_mismatched_hidden_sizes_are_reported(pool2):

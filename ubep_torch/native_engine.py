@@ -229,12 +229,13 @@ def _reorder_outputs(fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]], m
     meta row stride)``, or None when one is not addressable row by row. ``outs`` are [rows, nbytes] uint8
     per field, ``meta_out`` [rows, m] int32 (the first m meta items), ``src_out`` [rows] int32."""
     fields, targets = [], []                     # (the C loops check every target row against the rows)
+    uint8, blocks, sizes = torch.uint8, fmt.field_blocks, fmt.fields
     for i, out in enumerate(outs):
-        if out is None or fmt.field_blocks[i] == 0:
+        if out is None or blocks[i] == 0:
             continue
-        if not _rowwise(out) or out.dtype != torch.uint8 or out.shape[1] != fmt.fields[i][1]:
+        if out.dtype is not uint8 or not _rowwise(out) or out.shape[1] != sizes[i][1]:
             return None
-        fields.append((out.data_ptr(), out.stride(0), fmt.fields[i][1], fmt.field_offset_blocks(i)))
+        fields.append((out.data_ptr(), out.stride(0), sizes[i][1], fmt.field_offset_blocks(i)))
         targets.append(out.shape[0])
     meta_bytes = meta_stride = 0
     if meta_out is not None:
@@ -291,6 +292,7 @@ class NativeEngine(TorchEngine):
         _env_store_policy()
         super().__init__()
         self._send_plans: OrderedDict = OrderedDict()
+        self._last_dests: dict = {}    # send plan key -> (words, row lists, destinations) of its last call
         self._forgotten = False
 
     # ------------------------------------------------------------------ sender side
@@ -349,7 +351,8 @@ class NativeEngine(TorchEngine):
         # whose addresses those are); not once forgotten (destroy() in another thread while the C call ran)
         if key is not None and not self._forgotten and all(d.meta_patch is None for d in job.dests):
             if key not in self._send_plans and len(self._send_plans) >= _MAX_PLANS:
-                self._send_plans.popitem(last=False)
+                self._last_dests.pop(self._send_plans.popitem(last=False)[0], None)
+            self._last_dests.pop(key, None)
             self._send_plans[key] = (tuple((d.rows.data_ptr(), d.rows.shape[0], d.ctrl.data_ptr(), d.ctrl.shape[0])
                                            for d in job.dests), [(d.rows, d.ctrl) for d in job.dests], fmt.blocks)
 
@@ -366,6 +369,7 @@ class NativeEngine(TorchEngine):
     def forget(self) -> None:
         self._forgotten = True
         self._send_plans.clear()
+        self._last_dests.clear()
 
     def send_again(self, key: tuple, fmt: P.RowFormat, staging, flag: int, sels: Sequence[torch.Tensor],
                    words: Sequence[Sequence[int]]) -> bool:
@@ -414,9 +418,17 @@ class NativeEngine(TorchEngine):
             if spec is None:
                 return False
             payload.append(spec)
-        dests = _kept_dests(plan, sels, words)
-        if dests is None:
-            return False
+        # (the destinations of the last call of this plan, where this one sends the same row lists, the very
+        # tensors, and the same control words: the usual call of a routing seen before)
+        last = self._last_dests.get(key)
+        if last is not None and last[0] == words and len(last[1]) == len(sels) and \
+                all(a is b for a, b in zip(last[1], sels)):
+            dests = last[2]
+        else:
+            dests = _kept_dests(plan, sels, words)
+            if dests is None:
+                return False
+            self._last_dests[key] = (list(words), list(sels), dests)
         if meta is not None:
             meta_items.copy_(meta)
         self._send_plans.move_to_end(key)
