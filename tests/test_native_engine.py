@@ -293,6 +293,28 @@ def test_normal_mode_same_bits(pool, sync):
 
 
 @needs_native
+def test_calls_that_repeat_a_routing_take_one_engine_step_with_the_same_bits(pool):
+    """Dispatch and combine of a routing seen in the last call: sent, checked and received in one C call
+    each, with the outputs of the torch path."""
+    res = pool.run(F.steady_equivalence)
+    F.assert_all_same(res)
+    for r in res:      # (the first call of the routing takes the general path: nothing kept to expect)
+        assert r["steady"].get("dispatch 0", 0) >= 3 and r["steady"].get("combine 0", 0) >= 3, res
+
+
+@needs_native
+@pytest.mark.parametrize("case", ["late peer", "new routing on one rank"])
+def test_one_engine_step_that_finds_other_messages_goes_on_the_general_way(pool, case):
+    """A peer that is late for the engine's wait (rank 0 waits 0 ns), or that routes anew while this rank
+    repeats its routing: the step finds messages missing or other than the last ones, and the call goes on
+    the general way, with the same bits."""
+    kw = {"spin_ns": 0, "lag_s": 0.005} if case == "late peer" else {"change_at": 2}
+    res = pool.run(F.steady_equivalence, **kw)
+    F.assert_all_same(res)
+    assert res[0]["steady"].get("dispatch 1", 0) + res[0]["steady"].get("combine 1", 0) >= 2, res
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
 def test_normal_mode_other_dtypes_same_bits(pool, dtype):
     F.assert_all_same(pool.run(F.normal_equivalence, "tff", backend="native", dtype=getattr(torch, dtype),
@@ -807,6 +829,64 @@ def test_send_phase_checks_every_destination_before_any_store():
             eng.send_phase(job)
         for d, (rows, ctrl) in zip(job.dests, before):
             assert torch.equal(d.rows, rows) and torch.equal(d.ctrl, ctrl)
+
+
+@needs_native
+def test_one_step_exchanges_wait_for_the_expected_messages_and_every_row():
+    """native.c's ``exchange_reorder`` and ``exchange_combine`` (with nothing to send) on blocks laid out by
+    hand: 1 while a message is missing or says other words than the expected ones (skipped words aside),
+    2 while rows are missing, 0 once everything came: then the outputs are those of ``reorder_sources`` and
+    ``combine_rows_bf16``."""
+    C, eng = native_engine._native, native_engine.NativeEngine()
+    flag = P.flag_word(9, P.REGION_DISPATCH)
+    fmt, data, meta, _, _ = _rows_case((("x", 1500),), 3, n=1, T=6)
+    st, _, _ = eng.stage_rows(fmt, data, meta, eng.arange(6), 1)
+    rows = torch.zeros(6, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    ctrl = torch.zeros(2, P.MAX_CTRL_BLOCKS, P.BLOCK_BYTES, dtype=torch.uint8)
+    words = torch.tensor([[6, 11, 99, 0, 4], [0, 11, 99, 0, 4]], dtype=torch.int64)
+    expected = words.clone()
+    expected[:, 2] = -5                                  # (word 2 is not compared: skip bit 2)
+    nothing = (fmt.blocks, 0, 0, 0, flag, (), ())     # (a send with no destination)
+    check = (ctrl.data_ptr(), ctrl.stride(0), 1, 2, 5, expected.numpy().tobytes(), 1 << 2)
+    x = torch.zeros(6, 1500, dtype=torch.uint8)
+    meta_out, src = torch.zeros(6, 3, dtype=torch.int32), torch.zeros(6, dtype=torch.int32)
+
+    def reorder(sources):
+        return (fmt.blocks, flag, 4, 6, meta_out.data_ptr(), 12, 12, src.data_ptr(),
+                ((x.data_ptr(), 1500, 1500, 1),), sources)
+
+    def arrive(s, w):
+        eng.write_ctrl(ctrl[s, :1], w, flag)
+
+    sources = [[rows.data_ptr(), 6, 0, 0, 0]]
+    assert C.exchange_reorder(nothing, check, reorder(sources), 0) == 1                  # no message yet
+    arrive(0, words[0])
+    arrive(1, words[1] + torch.tensor([0, 0, 0, 0, 1]))
+    assert C.exchange_reorder(nothing, check, reorder(sources), 0) == 1                  # source 1: other words
+    arrive(1, words[1])
+    eng.write_rows(fmt, st, None, eng.arange(3), rows[:3], flag)
+    assert C.exchange_reorder(nothing, check, reorder(sources), 0) == 2 and sources[0][3] == 0   # rows missing
+    eng.write_rows(fmt, st, None, eng.span(3, 6), rows[3:], flag)
+    assert C.exchange_reorder(nothing, check, reorder(sources), 0) == 0 and sources[0][3] == 6
+    ref_x = torch.zeros(6, 1500, dtype=torch.uint8)
+    assert torch.equal(meta_out, eng.unpack_rows(fmt, rows, [ref_x])) and torch.equal(x, ref_x)
+    assert torch.equal(src, torch.arange(6, dtype=torch.int32))
+    # the combine: this rank's own bf16 rows and a peer's slot rows of the same tokens, summed once all came
+    H = 750
+    cfmt = P.row_format("tff", (("x", 2 * H),), 0)
+    own, peer = torch.randn(6, H).bfloat16(), torch.randn(6, H).bfloat16()
+    cst, _, _ = eng.stage_rows(cfmt, [peer.view(torch.uint8)], None, eng.arange(6), 1)
+    slots = torch.zeros(6, cfmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    tok = torch.arange(6)
+    spec = (native_engine._plain_spec(own, 0, tok.data_ptr(), 6) + (0, -1),
+            native_engine._slot_spec(cfmt, slots.data_ptr(), tok.data_ptr(), 6) + (slots.data_ptr(), 1))
+    out = torch.zeros(6, H, dtype=torch.bfloat16)
+    cnothing = (cfmt.blocks, 0, 0, 0, flag, (), ())
+    eng.write_rows(cfmt, cst, None, eng.arange(5), slots[:5], flag)
+    assert C.exchange_combine(cnothing, check, 6, H, spec, out.data_ptr(), 0) == 2 and not out.any()
+    eng.write_rows(cfmt, cst, None, eng.span(5, 6), slots[5:], flag)
+    assert C.exchange_combine(cnothing, check, 6, H, spec, out.data_ptr(), 0) == 0
+    assert torch.equal(out, (own.float() + peer.float()).bfloat16())
 
 
 @needs_native

@@ -89,6 +89,49 @@ def normal_equivalence(ctx, sync: str, fp8: bool = False, T: int = 6, H: int = 2
     return {"same": {k: _same(ref[k], got[k]) for k in ref}, "triton_s": time.perf_counter() - t0}
 
 
+def steady_equivalence(ctx, sync: str = "tff", T: int = 12, H: int = 1000, K: int = 3, E: int = 8, calls: int = 5,
+                       spin_ns: int = 100_000_000, lag_s: float = 0.0, change_at: int = -1) -> dict:
+    """Calls that repeat one routing with new x every time, on torch and native: dispatch with weights and an
+    unweighted combine, each call's outputs compared as bytes. The native Buffer's one-step exchanges
+    (``_steady_dispatch``, ``_steady_combine``) wait ``spin_ns`` for their peers on this rank; rank 1 sleeps
+    ``lag_s`` before each call, and from call ``change_at`` on routes anew every call. Returns {call:
+    bit-identical?} and the engine's one-step results, counted ({"dispatch 0": n, "combine 1": n, ...})."""
+    import ubep_torch.buffer as B
+    bt, bk = get_buffer(ctx, sync, backend="torch"), get_buffer(ctx, sync, backend="native")
+    seen: dict = {}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            status = fn(*args, **kwargs)
+            seen[f"{name} {status}"] = seen.get(f"{name} {status}", 0) + 1
+            return status
+        return call
+    eng = bk.engine
+    eng.exchange_reorder = counted("dispatch", type(eng).exchange_reorder.__get__(eng))
+    eng.exchange_combine = counted("combine", type(eng).exchange_combine.__get__(eng))
+    spin, B._STEADY_SPIN_NS = B._STEADY_SPIN_NS, spin_ns
+    same = {}
+    try:
+        for i in range(calls):
+            anew = ctx.rank == 1 and 0 <= change_at <= i
+            topk, w = make_routing(100 + i if anew else 7, ctx.rank, T, K, E)
+            x = torch.randn(T, H, generator=torch.Generator().manual_seed(50 * i + ctx.rank)).bfloat16()
+            outs = []
+            for buf in (bt, bk):
+                if ctx.rank == 1 and lag_s:
+                    time.sleep(lag_s)
+                ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
+                rx, ri, rw, cnt, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
+                                                          num_tokens_per_expert=ntpe, topk_idx=topk, topk_weights=w)
+                comb, _, _ = buf.combine(rx * 2, handle)
+                outs.append((rx, ri, rw, torch.tensor(cnt), handle[0], handle[3], handle[5], comb))
+            same[f"call {i}"] = _same(outs[0], outs[1])
+    finally:
+        B._STEADY_SPIN_NS = spin
+        del eng.exchange_reorder, eng.exchange_combine
+    return {"same": same, "steady": seen}
+
+
 def _ll_calls(buf, x, topk, w, N, E, use_fp8):
     rx, rc, handle, _, _ = buf.low_latency_dispatch(x, topk, N, E, use_fp8=use_fp8)
     # rows past recv_count[e] are unspecified (recv_x is allocated with torch.empty): compare the valid ones

@@ -88,6 +88,7 @@ _REORDER_PHASE = {rid: f"{name}: Token-Reordering (waiting for token blocks)" fo
 _MAX_SEEN_KINDS = 16    # kinds of exchange whose last checked control messages a Buffer keeps (see _exchange)
 _POLLS_BEFORE_REGION_CHECK = 16   # polls of a control-message wait before it also looks at the other regions
 _STREAM_ROWS = 32         # fewest arrived rows of a source that streaming Token-Reordering copies at once
+_STEADY_SPIN_NS = 1_000_000    # how long the engine's one-step dispatch waits for its peers (see _steady_dispatch)
 
 
 def _round(x: int, a: int = P.BLOCK_BYTES) -> int:
@@ -1975,17 +1976,20 @@ class Buffer:
             derived["counts"] = ntpe.view(R, E_local).tolist() if ntpe is not None else [[0] * E_local] * R
         counts, ntpr, sig = derived["counts"], [s.numel() for s in send_idx], fmt.signature()
 
-        def exchange(lists, staged):
-            if lists is send_idx:   # (every token in one exchange: the messages of a routing, kept with it)
+        def messages(lists):
+            """The control words of an exchange that sends ``lists``: for every token in one exchange, the
+            messages of the routing, kept with it."""
+            if lists is send_idx:
                 words = derived.get(("words", sig, num_worst_tokens, E))
                 if words is None:
                     words = derived["words", sig, num_worst_tokens, E] = [
                         (int(send_idx[d].numel()), sig, 0, num_worst_tokens, E, 0, *counts[d], *ntpr, T)
                         for d in self._send_order]
-            else:
-                def words(d):
-                    return [int(lists[d].numel()), sig, 0, num_worst_tokens, E, 0] + counts[d] + ntpr
-            return self._exchange(P.REGION_DISPATCH, fmt, fields_data, meta, src_index, lists, words, T,
+                return words
+            return lambda d: [int(lists[d].numel()), sig, 0, num_worst_tokens, E, 0] + counts[d] + ntpr
+
+        def exchange(lists, staged):
+            return self._exchange(P.REGION_DISPATCH, fmt, fields_data, meta, src_index, lists, messages(lists), T,
                                   n_counts=E_local, with_matrix=True, staged=staged)
 
         # ---------------- receive side: CalCumSum and Token-Reordering into the DeepEP layout
@@ -2034,8 +2038,12 @@ class Buffer:
                 self._gather_own_rows(meta, sel, out["meta"], o)
             out["src_idx"][o:o + n].copy_(sel)
 
-        rows_from = self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, send_idx, exchange, allocate, local_copy,
-                                          own_src=(fields_data, meta))
+        steady = None if num_worst_tokens or T > cap else self._steady_dispatch(
+            fmt, cap, T, E_local, send_idx, messages(send_idx), fields_data, meta, src_index, allocate)
+        rows_from, first = steady or (None, None)
+        if rows_from is None:
+            rows_from = self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, send_idx, exchange, allocate,
+                                              local_copy, own_src=(fields_data, meta), first=first)
         self._call_complete("dispatch")
         off_l = list(accumulate(rows_from, initial=0))
         num_recv, recv = off_l[-1], out["recv"]
@@ -2245,15 +2253,21 @@ class Buffer:
         staged once per call: ``staged`` is the ``"staged"`` entry an earlier exchange of the call returned
         (None where the engine staged and sent them in one step, ``stage_and_send``: each exchange then does).
         """
-        R, me = self.group_size, self.rank
+        x = self._exchange_begin(rid, fmt, send_idx, ctrl_payload, num_tokens, n_counts, with_matrix)
+        staged = self._exchange_send(x, fmt, fields_data, meta, src_index, staged)
+        return self._exchange_receive(x, fmt, staged)
+
+    def _exchange_begin(self, rid: int, fmt: P.RowFormat, send_idx, ctrl_payload, num_tokens: int, n_counts: int,
+                        with_matrix: bool) -> dict:
+        """The start of ``_exchange``: the call's epoch in the region, once the peers have consumed the rows of
+        the call that used its half last; returns what its send and receive steps need."""
+        R = self.group_size
         region = self._region(rid)
         extra_ctrl = n_counts + (R if with_matrix else 0) + 1
         if extra_ctrl > P.MAX_CTRL_COUNTS:
             raise ValueError(f"too many counts for one control message ({extra_ctrl}); at most {P.MAX_CTRL_COUNTS}")
         epoch = self._next_epoch(rid)
         half = epoch % region.halves
-        flag = P.flag_word(epoch, rid)
-        eng = self.engine
         self._wait_acks(rid, epoch)
         nctrl = P.ctrl_blocks(extra_ctrl)
         order = self._send_order
@@ -2262,10 +2276,19 @@ class Buffer:
             [tuple(ctrl_payload(d)) + (num_tokens,) for d in order]
         # rows for this rank itself skip the slots: the receive side copies them straight from the source
         sels = [send_idx[d] for d in order]
-        sels[0] = eng.span(0, 0)
-        # (what the destinations' slots and control blocks are made of: the peers' memory is mapped for the
-        # Buffer's life, and these name where in it and how many rows fit)
-        key = (rid, half, nctrl, fmt.blocks)
+        sels[0] = self.engine.span(0, 0)
+        # (key: what the destinations' slots and control blocks are made of: the peers' memory is mapped for
+        # the Buffer's life, and these name where in it and how many rows fit)
+        return {"rid": rid, "region": region, "epoch": epoch, "half": half, "flag": P.flag_word(epoch, rid),
+                "nctrl": nctrl, "words": words, "sels": sels, "key": (rid, half, nctrl, fmt.blocks),
+                "used": P.CTRL_COUNTS + extra_ctrl, "n_counts": n_counts, "with_matrix": with_matrix}
+
+    def _exchange_send(self, x: dict, fmt: P.RowFormat, fields_data, meta, src_index,
+                       staged: Optional[tuple]) -> Optional[tuple]:
+        """The send step of ``_exchange``: every destination's control message and rows; returns the staging
+        (None where the engine staged and sent in one step)."""
+        rid, region, half, flag, eng, me = x["rid"], x["region"], x["half"], x["flag"], self.engine, self.rank
+        sels, words, key = x["sels"], x["words"], x["key"]
         # the usual call: rows staged and sent as before, in one step (staging is private to this rank: the
         # meta blocks it writes are read by this call's stores only)
         if staged is not None or not eng.stage_and_send(key, fmt, fields_data, meta, src_index, me, flag, sels,
@@ -2275,21 +2298,29 @@ class Buffer:
             if not eng.send_again(key, fmt, staging, flag, sels, words):
                 job = SendJob(fmt, staging, checked, row_sums, flag, sync_all=lambda: self._sync_all(
                     f"{P.REGION_NAMES[rid]}: SyncAll after Token-Sending", rid))
-                for d, sel, w in zip(order, sels, words):
+                for d, sel, w in zip(self._send_order, sels, words):
                     peer = self._peer_mem[d]
                     job.dests.append(Destination(d, sel, region.rows(peer, half, me, fmt),
-                                                 region.ctrl(peer, half, me, nctrl), list(w)))
+                                                 region.ctrl(peer, half, me, x["nctrl"]), list(w)))
                 self._note_send(job)
                 eng.send_phase(job, key)
+        return staged
+
+    def _exchange_receive(self, x: dict, fmt: P.RowFormat, staged: Optional[tuple]) -> dict:
+        """The receive step of ``_exchange``: every source's control message, checked; returns what they said."""
+        R, me, eng = self.group_size, self.rank, self.engine
+        rid, region, half, flag, epoch = x["rid"], x["region"], x["half"], x["flag"], x["epoch"]
+        n_counts, with_matrix = x["n_counts"], x["with_matrix"]
         # receive the control messages of every source (verification of flags and counts)
-        ctrl_words = self._wait_ctrl(region, half, nctrl, flag, _TOKENCNT_PHASE[rid])
+        ctrl_words = self._wait_ctrl(region, half, x["nctrl"], flag, _TOKENCNT_PHASE[rid])
         if self.sync == "sw":
             self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after flag verification", rid)
         msgs = [ctrl_words[s] for s in range(R)]
         # Messages whose words that the checks below read (all but the checksum and the call-specific word 3) equal
         # those of the last ones of this kind pass them again and say the same: what they said is taken from then
-        # (the usual case: the same routing call after call). It is read-only.
-        used = P.CTRL_COUNTS + extra_ctrl
+        # (the usual case: the same routing call after call). It is read-only, but for what callers work out from
+        # it alone and keep in it (``out["said"]``).
+        used = x["used"]
         checked = [m[:P.CTRL_CHECKSUM] + m[P.CTRL_NUM_EXPERTS:used] for m in msgs]
         seen_key = (rid, fmt, n_counts, with_matrix)
         seen = self._ctrl_seen.get(seen_key)
@@ -2348,13 +2379,13 @@ class Buffer:
             raise UBEPError(f"a peer announced {most} tokens (corrupted control message)")
         return [(a, min(a + cap, most)) for a in range(cap, most, cap)]
 
-    def _exchanges(self, cap: int, lists_for: Callable, exchange: Callable):
+    def _exchanges(self, cap: int, lists_for: Callable, exchange: Callable, first: Optional[dict] = None):
         """The exchanges of one normal call (see ``_more_rounds``): yields ``(lists, recv)`` for each, where
         ``lists = lists_for(a, b)`` is what this rank sends for tokens [a, b) and ``recv = exchange(lists,
         staged)`` what the control messages said; the first exchange stages the call's rows, the others
-        reuse that staging."""
+        reuse that staging. ``first``: what the first exchange said, where it was made already."""
         lists = lists_for(0, cap)
-        recv = exchange(lists, None)
+        recv = first if first is not None else exchange(lists, None)
         yield lists, recv
         for a, b in self._more_rounds(recv, cap):
             lists = lists_for(a, b)
@@ -2384,20 +2415,75 @@ class Buffer:
                                 f"{recv['nrows'][s]} rows now (corrupted control message)")
         return list(announced)
 
+    def _steady_dispatch(self, fmt: P.RowFormat, cap: int, T: int, n_counts: int, send_idx: List[torch.Tensor],
+                         words: list, fields_data: list, meta: Optional[torch.Tensor], src_index: torch.Tensor,
+                         allocate: Callable) -> Optional[tuple]:
+        """The usual dispatch, in one step of the engine (``exchange_reorder``): every rank repeats its last
+        call's routing, so every control message repeats the last ones, whose checks and layout are kept (see
+        ``_exchange_receive``); the engine sends, checks that the messages are those again and reorders the
+        rows into outputs allocated for that layout beforehand, and this rank acknowledges every source.
+
+        Returns None where it does not apply, with nothing done; ``(rows from each source, None)`` once the
+        call's data has all moved; ``(None, recv)`` where the exchange was sent but its messages or rows did
+        not come as expected within the engine's short wait: ``recv`` is what the messages said, received
+        the general way, and the caller goes on from there (``_dispatch_rounds``' ``first``: the outputs made
+        here are dropped; nothing was acknowledged)."""
+        rid, R, me, eng = P.REGION_DISPATCH, self.group_size, self.rank, self.engine
+        seen = self._ctrl_seen.get((rid, fmt, n_counts, True))
+        if seen is None or meta is None or fmt.sync != "tff" or self.delay_hook is not None \
+                or not hasattr(eng, "exchange_reorder") or words.__class__ is not list:
+            return None
+        checked, said = seen
+        plan = said.get(("steady", cap, me))
+        if plan is None:
+            # what the messages must say again, all their words but the checksum (word 3 is every rank's
+            # num_worst_tokens: 0), and the rows each source sends, where they go: one exchange, every rank's
+            # tokens in it
+            rows_from = [row[me] for row in said["ntpr_matrix"]]
+            fits = max(said["num_tokens"]) <= cap and rows_from == said["nrows"] and min(rows_from) >= 0
+            expected = [c[:P.CTRL_CHECKSUM] + [0, 0] + c[P.CTRL_CHECKSUM:] for c in checked]
+            plan = said["steady", cap, me] = fits and (
+                rows_from, list(accumulate(rows_from, initial=0)), expected,
+                np.array(expected, dtype=np.int64).tobytes())
+        # (and this rank's own message of this call is the one it sent last)
+        if not plan or list(words[0]) != plan[2][me]:
+            return None
+        rows_from, off, expected, expected_bytes = plan
+        recv = {"said": said, "ctrl": expected}
+        recv.update(said)
+        _, outs, recv_meta, recv_src_idx = allocate(recv)
+        x = self._exchange_begin(rid, fmt, send_idx, words, T, n_counts, True)
+        region, half, local = x["region"], x["half"], self._heap.local
+        slots = [region.rows(local, half, s, fmt) for s in range(R)]    # (held while the engine reads them)
+        sources = [[slots[s].data_ptr(), rows_from[s], off[s], 0, s] for s in range(R) if s != me]
+        status = eng.exchange_reorder(
+            x["key"], fmt, fields_data, meta, src_index, me, x["flag"], x["sels"], x["words"],
+            region.ctrl_sources(local, half), x["nctrl"], expected_bytes, 1 << P.CTRL_CHECKSUM, outs,
+            recv_meta if fmt.meta_words else None, recv_src_idx, _STREAM_ROWS, (fields_data, meta),
+            (send_idx[me], off[me]), sources, min(_STEADY_SPIN_NS, int(self.timeout_s * 2.5e8)))
+        if status == 0:
+            recv.update(epoch=x["epoch"], half=half, flag=x["flag"])
+            self._send_acks(rid, range(R), x["epoch"])   # (the slots may be written again)
+            return rows_from, None
+        staged = self._exchange_send(x, fmt, fields_data, meta, src_index, None) if status is None else None
+        return None, self._exchange_receive(x, fmt, staged)
+
     def _dispatch_rounds(self, rid: int, fmt: P.RowFormat, cap: int, T: int, send_idx: List[torch.Tensor],
                          exchange: Callable, allocate: Callable, local_copy: Callable,
-                         own_src: Optional[tuple] = None) -> List[int]:
+                         own_src: Optional[tuple] = None, first: Optional[dict] = None) -> List[int]:
         """The exchanges of one dispatch, each reordered as it arrives (see ``_more_rounds``).
 
         ``exchange(lists, staged)`` sends this rank's rows ``lists[d]`` (sorted staging rows) to every rank d
         (see ``_exchanges``); ``allocate(recv)`` sizes the outputs from the first one and returns (rows from
         each source in all, the outputs' byte views, meta and source-token outputs); this rank's own rows
         come from ``local_copy(at, rows)``, or in the engine's reordering step from ``own_src`` (see
-        ``_receive_rows``). Returns the rows from each source."""
+        ``_receive_rows``). Returns the rows from each source. ``first``: what the first exchange said, where it
+        was made already (see ``_exchanges``)."""
         R, me = self.group_size, self.rank
         rows_from = None
         for lists, recv in self._exchanges(
-                cap, lambda a, b: send_idx if a == 0 and T <= cap else _token_slices(send_idx, a, b), exchange):
+                cap, lambda a, b: send_idx if a == 0 and T <= cap else _token_slices(send_idx, a, b), exchange,
+                first):
             if rows_from is None:
                 rows_from, outs, recv_meta, recv_src_idx = allocate(recv)
                 off = list(accumulate(rows_from, initial=0))
@@ -2666,7 +2752,15 @@ class Buffer:
                 if r is not None:
                     eng.rearm(fmt, r)
 
-        for (x_rows, toks, (a, b)), recv in self._exchanges(cap, lists_for, exchange):
+        first = None
+        if not K and not biases and base is handle:
+            done, first = self._steady_combine(fmt, cap, T, x, base, paired, out) or (False, None)
+            if done:
+                self._call_complete("combine")
+                self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size(),
+                             token_in_rank=base.token_in_rank)
+                return out, wacc, _event(async_finish)
+        for (x_rows, toks, (a, b)), recv in self._exchanges(cap, lists_for, exchange, first):
             self._check_pairing("combine", recv["ctrl"], paired)
             expect = [t.numel() for t in toks]
             if recv["nrows"] != expect:
@@ -2691,6 +2785,57 @@ class Buffer:
         self._report("combine", base.topk_idx, base.num_experts, H, H * x.element_size(),
                      token_in_rank=base.token_in_rank)
         return out, wacc, _event(async_finish)
+
+    def _steady_combine(self, fmt: P.RowFormat, cap: int, T: int, x: torch.Tensor, base: "DispatchHandle", paired: int,
+                        out: torch.Tensor) -> Optional[tuple]:
+        """The usual combine (rows of one exchange, unweighted, no bias), in one step of the engine
+        (``exchange_combine``) where every control message repeats the last ones but for the dispatch each
+        names (word 3, which must be this rank's ``paired`` where that is known), as ``_steady_dispatch``
+        does for dispatch: the engine sends ``x``'s rows back, checks the messages and sums every rank's rows
+        into ``out`` once they are all there, and this rank acknowledges every source.
+
+        Returns None where it does not apply, with nothing done; ``(True, None)`` once ``out`` holds the sum;
+        ``(False, recv)`` where the exchange was sent but its messages or rows did not come as expected within
+        the engine's short wait: ``recv`` is what the messages said, received the general way."""
+        rid, R, me, eng = P.REGION_COMBINE, self.group_size, self.rank, self.engine
+        seen = self._ctrl_seen.get((rid, fmt, 0, False))
+        peer_tokens = getattr(base, "peer_tokens", None)
+        if seen is None or fmt.sync != "tff" or x.dtype != torch.bfloat16 or self.delay_hook is not None \
+                or not hasattr(eng, "exchange_combine") or T > cap or peer_tokens is None or max(peer_tokens) > cap:
+            return None
+        checked, said = seen
+        toks, bounds = base.send_idx, base.recv_offsets
+        if said["nrows"] != [t.numel() for t in toks]:      # (each rank returns the rows of this rank's tokens)
+            return None
+        expected = said.get(("steady", me))
+        if expected is None:
+            expected = said["steady", me] = np.array([c[:P.CTRL_CHECKSUM] + [0, 0] + c[P.CTRL_CHECKSUM:]
+                                                      for c in checked], dtype=np.int64)
+        words = [(bounds[d + 1] - bounds[d], fmt.signature(), 0, paired, 0, 0, T)
+                 for d in self._send_order]
+        mine = expected[me].tolist()
+        mine[P.CTRL_PAIRED_CALL] = paired
+        if list(words[0]) != mine:       # (this rank's own message of this call is the one it sent last)
+            return None
+        want = expected.copy()
+        want[:, P.CTRL_PAIRED_CALL] = paired
+        skip = 1 << P.CTRL_CHECKSUM | (0 if paired else 1 << P.CTRL_PAIRED_CALL)   # (0: a handle that cannot tell)
+        send = [eng.span(bounds[d], bounds[d + 1]) for d in range(R)]
+        fields_data, src_index = [P.as_bytes(x)], eng.arange(base.num_recv)
+        xs = self._exchange_begin(rid, fmt, send, words, T, 0, False)
+        region, half, local = xs["region"], xs["half"], self._heap.local
+        slots = [region.rows(local, half, s, fmt) for s in range(R)]    # (held while the engine reads them)
+        sources = [(x, bounds[me], said["nrows"][me], toks[me]) if s == me else
+                   (s, slots[s].data_ptr(), said["nrows"][s], toks[s], 0) for s in range(R)]
+        status = eng.exchange_combine(
+            xs["key"], fmt, fields_data, src_index, me, xs["flag"], xs["sels"], xs["words"],
+            region.ctrl_sources(local, half), xs["nctrl"], want.tobytes(), skip, out, sources,
+            min(_STEADY_SPIN_NS, int(self.timeout_s * 2.5e8)))
+        if status == 0:
+            self._send_acks(rid, range(R), xs["epoch"])   # (the slots may be written again)
+            return True, None
+        staged = self._exchange_send(xs, fmt, fields_data, None, src_index, None) if status is None else None
+        return False, self._exchange_receive(xs, fmt, staged)
 
     def _reduce_poller(self, recv: dict, fmt: P.RowFormat, out: torch.Tensor, biases: list, x: torch.Tensor,
                        first: int, toks: list):

@@ -37,7 +37,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 25
+API_VERSION = 26
 
 
 def _matches() -> bool:
@@ -279,6 +279,56 @@ def _own_sources(fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]], meta_
     return min(rows), meta_p, meta_stride, tuple(srcs)
 
 
+def _reorder_args(fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]], meta_out: Optional[torch.Tensor],
+                  src_out: Optional[torch.Tensor], own_src: Optional[tuple]) -> Optional[tuple]:
+    """``(outputs, room, own spec)``: the outputs of a ``reorder_sources`` step as its C loop takes them (meta
+    address, meta bytes, meta row stride, source-token address, fields), the rows every output has, and the
+    own rows' sources (``_own_sources``; None without ``own_src`` or where the loop cannot take them); None
+    where the rows are not TFF or an output is not addressable row by row."""
+    spec = _reorder_outputs(fmt, outs, meta_out, src_out) if fmt.sync == "tff" else None
+    if spec is None:
+        return None
+    fields, targets, meta_bytes, meta_stride = spec
+    outputs = (0 if meta_out is None else meta_out.data_ptr(), meta_bytes, meta_stride,
+               0 if src_out is None else src_out.data_ptr(), tuple(fields))
+    own_spec = _own_sources(fmt, outs, meta_bytes, own_src) if own_src is not None else None
+    return outputs, min(targets), own_spec
+
+
+def _sum_spec(fmt: P.RowFormat, out: torch.Tensor, sources: Sequence[tuple]) -> Optional[tuple]:
+    """The sources of a one-exchange normal combine (see ``NativeEngine.reduce_poller``) as the C sums take
+    them: ``(spec, alive, waiting, ways, read_bytes)``: a ``(base, stride, step, tok, n, slot rows, rank)``
+    per source with rows (slot rows 0 for plain rows), the tensors whose addresses those hold, ``(rank,
+    address, n)`` of every peer's rows, the ways they were stored and their bytes; None where the C loops
+    cannot address ``out`` or a source."""
+    T, H = out.shape
+    if not (fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.is_contiguous() and fmt.fields[0][1] == H * 2):
+        return None
+    spec, alive, waiting, ways, read_bytes = [], [out], [], set(), 0
+    for src in sources:
+        tok, n = src[3], src[2]
+        if n == 0:
+            continue
+        if not (tok is None or _contiguous_int64(tok)):
+            return None
+        tok_p = 0 if tok is None else tok.data_ptr()
+        if len(src) == 4:     # plain rows
+            rows, first = src[0], src[1]
+            if not (rows.dtype == torch.bfloat16 and _rowwise(rows) and rows.shape[1] == H
+                    and 0 <= first and first + n <= rows.shape[0]):
+                return None
+            spec.append(_plain_spec(rows, first, tok_p, n) + (0, -1))
+            alive.append(rows)
+        else:
+            rank, base, _, _, way = src
+            spec.append(_slot_spec(fmt, base, tok_p, n) + (base, rank))
+            waiting.append((rank, base, n))
+            ways.add(way)
+            read_bytes += n * fmt.row_bytes
+        alive.append(tok)
+    return spec, alive, waiting, ways, read_bytes
+
+
 class NativeEngine(TorchEngine):
     name = "native"
 
@@ -404,19 +454,31 @@ class NativeEngine(TorchEngine):
         ``src_index``, ``rank`` and presence of ``meta``) to destinations of a kept send phase: the kept meta
         blocks take ``meta``, and the payload is stored straight from ``fields``. False, with nothing written,
         where either step would take its general path (the caller then stages and sends)."""
+        send = self._send_args(key, fmt, fields, meta, src_index, rank, flag, sels, words)
+        if send is None:
+            return False
+        # (the C loop checks every staging row and the control words' size before it stores anything)
+        _native.send_exchange(*send[0])
+        return True
+
+    def _send_args(self, key: tuple, fmt: P.RowFormat, fields: Sequence[torch.Tensor], meta: Optional[torch.Tensor],
+                   src_index: torch.Tensor, rank: int, flag: int, sels: Sequence[torch.Tensor],
+                   words: Sequence[Sequence[int]]) -> Optional[tuple]:
+        """``send_exchange``'s arguments for ``stage_and_send``, with ``meta`` staged; None, with nothing
+        written, where the send would take its general path."""
         plan = self._send_plans.get(key)
         n = src_index.shape[0]
         staged = self._scratch.get((fmt, n, rank, meta is not None)) \
             if src_index is self._spans.get((0, n)) else None
         if plan is None or staged is None or plan[2] != fmt.blocks or fmt.sync != "tff" \
                 or not len(sels) == len(words) == len(plan[0]):
-            return False
+            return None
         meta_blk, meta_items, places, _ = staged
         payload = []
         for i, off, full, rem in places:
             spec = _field_spec(fields[i], n, off, full, rem)
             if spec is None:
-                return False
+                return None
             payload.append(spec)
         # (the destinations of the last call of this plan, where this one sends the same row lists, the very
         # tensors, and the same control words: the usual call of a routing seen before)
@@ -427,14 +489,48 @@ class NativeEngine(TorchEngine):
         else:
             dests = _kept_dests(plan, sels, words)
             if dests is None:
-                return False
+                return None
             self._last_dests[key] = (list(words), list(sels), dests)
         if meta is not None:
             meta_items.copy_(meta)
         self._send_plans.move_to_end(key)
-        # (the C loop checks every staging row and the control words' size before it stores anything)
-        _native.send_exchange(fmt.blocks, n, meta_blk.data_ptr(), int(rank), int(flag), tuple(payload), dests)
-        return True
+        # (the plan: the views of the destinations' memory, held by the caller until the stores are done)
+        return (fmt.blocks, n, meta_blk.data_ptr(), int(rank), int(flag), tuple(payload), dests), plan
+
+    def exchange_reorder(self, key: tuple, fmt: P.RowFormat, fields: Sequence[torch.Tensor],
+                         meta: Optional[torch.Tensor], src_index: torch.Tensor, rank: int, flag: int,
+                         sels: Sequence[torch.Tensor], words: Sequence[Sequence[int]], ctrl: torch.Tensor, nctrl: int,
+                         expected: bytes, skip: int, outs: Sequence[Optional[torch.Tensor]],
+                         meta_out: Optional[torch.Tensor], src_out: Optional[torch.Tensor], min_run: int,
+                         own_src: tuple, own: tuple, sources: list, spin_ns: int) -> Optional[int]:
+        """A normal dispatch's exchange in one C call, for a caller that expects the control messages of the
+        last one again (see native.c's ``exchange_reorder``): ``stage_and_send``'s send, then every source's
+        control message (``ctrl``: [R, max blocks, 512] uint8, ``_Region.ctrl_sources``; the first
+        ``len(expected) // (8 R)`` words of each must equal ``expected``, an int64 buffer, but for the word
+        indices in the bit mask ``skip``), then the rows of ``sources`` reordered as a ``reorder_sources``
+        step of ``own_src`` does with ``own``, for up to ``spin_ns``. None, with nothing sent, where the send
+        or the reordering would take a general path; else 0 (done: ``sources`` advanced), 1 (a message missing
+        or not as expected) or 2 (rows missing): then only the send has happened, and the caller receives the
+        call the general way."""
+        R = ctrl.shape[0]
+        if not (fmt.sync == "tff" and ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and ctrl.is_contiguous()
+                and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1] and len(expected) % (8 * R) == 0):
+            return None
+        prep = _reorder_args(fmt, outs, meta_out, src_out, own_src)
+        if prep is None or prep[2] is None:
+            return None
+        outputs, room, (limit, meta_p, meta_stride_src, srcs) = prep
+        sel, offset = own
+        if not _contiguous_int64(sel):
+            return None
+        send = self._send_args(key, fmt, fields, meta, src_index, rank, flag, sels, words)
+        if send is None:
+            return None
+        # (the C loop checks every staging row, source and output row before it stores or copies anything)
+        return _native.exchange_reorder(
+            send[0], (ctrl.data_ptr(), ctrl.stride(0), int(nctrl), R, len(expected) // (8 * R), expected, int(skip)),
+            (fmt.blocks, int(flag), int(min_run), room, *outputs, sources,
+             (sel.data_ptr(), sel.numel(), limit, int(offset), meta_p, meta_stride_src, srcs)), int(spin_ns))
 
     def ctrl_poller(self, ctrl: torch.Tensor, nctrl: int) -> Optional[Callable[[int, list], list]]:
         """``poll(flag, words)``: one poll of every source's control message, where ``ctrl`` is every
@@ -470,14 +566,10 @@ class NativeEngine(TorchEngine):
         offset))`` then first copies their rows ``sel`` (int64) to output rows offset.. (payload, meta items,
         and the source row as source token), in the same C call. A step made without them (or whose sources
         the C loop cannot address) takes no ``own``: the caller copies those rows itself."""
-        spec = _reorder_outputs(fmt, outs, meta_out, src_out) if fmt.sync == "tff" else None
-        if spec is None:
+        prep = _reorder_args(fmt, outs, meta_out, src_out, own_src)
+        if prep is None:
             return None
-        fields, targets, meta_bytes, meta_stride = spec
-        room = min(targets) if targets else 0
-        outputs = (0 if meta_out is None else meta_out.data_ptr(), meta_bytes, meta_stride,
-                   0 if src_out is None else src_out.data_ptr(), tuple(fields))
-        own_spec = _own_sources(fmt, outs, meta_bytes, own_src) if own_src is not None else None
+        outputs, room, own_spec = prep
 
         def step(sources: list, flag: int, own: Optional[tuple] = None,
                  _alive=(outs, meta_out, src_out, own_src)) -> list:
@@ -710,34 +802,12 @@ class NativeEngine(TorchEngine):
         message says; see ``store_policy``). ``tok``: contiguous int64 token of each row, or None (row r is
         token r)."""
         T, H = out.shape
-        if not (fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.is_contiguous()
-                and fmt.fields[0][1] == H * 2):
+        plan = _sum_spec(fmt, out, sources)
+        if plan is None:
             return None
-        spec, alive, waiting, ways, read_bytes = [], [out], [], set(), 0
-        nb, row_bytes = fmt.blocks, fmt.row_bytes
-        for src in sources:
-            tok, n = src[3], src[2]
-            if n == 0:
-                continue
-            if not (tok is None or _contiguous_int64(tok)):
-                return None
-            tok_p = 0 if tok is None else tok.data_ptr()
-            if len(src) == 4:     # plain rows
-                rows, first = src[0], src[1]
-                if not (rows.dtype == torch.bfloat16 and _rowwise(rows) and rows.shape[1] == H
-                        and 0 <= first and first + n <= rows.shape[0]):
-                    return None
-                spec.append(_plain_spec(rows, first, tok_p, n))
-                alive.append(rows)
-            else:
-                rank, base, _, _, way = src
-                spec.append(_slot_spec(fmt, base, tok_p, n))
-                waiting.append((rank, base, n))
-                ways.add(way)
-                read_bytes += n * row_bytes
-            alive.append(tok)
-        spec = tuple(spec)
-        out_p, arrived, combine = out.data_ptr(), _native.arrived, _native.combine_rows_bf16
+        spec, alive, waiting, ways, read_bytes = plan
+        spec = tuple(p[:5] for p in spec)
+        nb, out_p, arrived, combine = fmt.blocks, out.data_ptr(), _native.arrived, _native.combine_rows_bf16
         way = ways.pop() if len(ways) == 1 else 0
 
         def poll(flag: int, _alive=alive) -> list:
@@ -751,6 +821,37 @@ class NativeEngine(TorchEngine):
                 combine(T, H, spec, out_p)
             return []
         return poll
+
+    def exchange_combine(self, key: tuple, fmt: P.RowFormat, fields: Sequence[torch.Tensor], src_index: torch.Tensor,
+                         rank: int, flag: int, sels: Sequence[torch.Tensor], words: Sequence[Sequence[int]],
+                         ctrl: torch.Tensor, nctrl: int, expected: bytes, skip: int, out: torch.Tensor,
+                         sources: Sequence[tuple], spin_ns: int) -> Optional[int]:
+        """A normal combine's exchange in one C call, for a caller that expects the control messages of the
+        last one again (see native.c's ``exchange_combine``): ``stage_and_send``'s send (rows without meta
+        items), every source's control message as ``exchange_reorder`` checks it, then ``out`` = the sum of
+        ``sources`` as ``reduce_poller`` takes them, once the peers' rows are all there, for up to
+        ``spin_ns``. None, with nothing sent, where the send or the sum would take a general path; else 0
+        (summed), 1 (a message missing or not as expected) or 2 (rows missing): then only the send has
+        happened (``out`` is not written), and the caller receives the call the general way."""
+        R = ctrl.shape[0]
+        if not (fmt.sync == "tff" and ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and ctrl.is_contiguous()
+                and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1] and len(expected) % (8 * R) == 0):
+            return None
+        plan = _sum_spec(fmt, out, sources)
+        if plan is None:
+            return None
+        spec, alive = plan[0], plan[1]
+        send = self._send_args(key, fmt, fields, None, src_index, rank, flag, sels, words)
+        if send is None:
+            return None
+        T, H = out.shape
+        # (the C loop checks every staging row and every token before it stores or sums anything; alive: the
+        # tensors whose addresses the sources hold)
+        status = _native.exchange_combine(
+            send[0], (ctrl.data_ptr(), ctrl.stride(0), int(nctrl), R, len(expected) // (8 * R), expected, int(skip)),
+            T, H, tuple(spec), out.data_ptr(), int(spin_ns))
+        del alive
+        return status
 
     combines_local_rows = True
 

@@ -44,6 +44,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <sched.h>
 #include <time.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -55,7 +56,7 @@
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
 #define MAX_ROW_BLOCKS (1 << 20)         /* a row of 512 MiB: far past any hidden size a Buffer takes */
-#define API_VERSION 25             /* bumped whenever a function's arguments or results change */
+#define API_VERSION 26             /* bumped whenever a function's arguments or results change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -387,10 +388,7 @@ static int64_t read_word(double ns_per_kib) {
 /* store_peer_reads(flag, plain, streaming): what the peers last reported reading this rank's rows of kind
  * ``flag & 7`` costs them, stored each way (ns per MiB, their control messages' head words 2 and 3, averaged
  * over the peers that reported; 0: not reported), for the store policy */
-static PyObject *store_peer_reads(PyObject *self, PyObject *args) {
-    long long flag;
-    double plain, streaming;
-    if (!PyArg_ParseTuple(args, "Ldd", &flag, &plain, &streaming)) return NULL;
+static void peer_reads(long long flag, double plain, double streaming) {
     const int kind = (int)(flag & (STORE_KINDS - 1));
     if (stores.policy == POLICY_AUTO && READ_COUNTED(kind)) {
         store_kind_t *k = &stores.kind[kind];
@@ -398,6 +396,13 @@ static PyObject *store_peer_reads(PyObject *self, PyObject *args) {
         if (streaming > 0.0) k->peer_read[1] = streaming / 1024.0;
         store_choose(k, 0);
     }
+}
+
+static PyObject *store_peer_reads(PyObject *self, PyObject *args) {
+    long long flag;
+    double plain, streaming;
+    if (!PyArg_ParseTuple(args, "Ldd", &flag, &plain, &streaming)) return NULL;
+    peer_reads(flag, plain, streaming);
     Py_RETURN_NONE;
 }
 
@@ -612,65 +617,91 @@ static PyObject *unpack(PyObject *self, PyObject *args) {
 typedef struct {
     PyObject *entry;    /* the source's list, referenced until its update (the caller's list may change) */
     const uint8_t *rows;
-    Py_ssize_t n, offset, done, end;
+    Py_ssize_t n, offset, start, done, rank;
     long long way;      /* the stores its rows took, as its control message named them (0: not said) */
 } stream_t;
 
-static PyObject *reorder_sources(PyObject *self, PyObject *args) {
-    unsigned long long meta_p, src_p;
-    Py_ssize_t nb, min_run, room, meta_bytes, meta_stride;
+/* A Token-Reordering step parsed and checked (reorder_parse), then run without the GIL (reorder_own,
+ * reorder_pass), then reported (reorder_finish) */
+typedef struct {
+    Py_ssize_t nb, min_run, room, meta_bytes, meta_stride, ns;
     long long flag;
-    PyObject *ftuple, *sources;
     field_t f[MAX_FIELDS];
-    int nf = 0;
+    int nf;
+    uint8_t *meta_out;
+    int32_t *src_out;
+    const int64_t *own_sel;
+    const uint8_t *own_meta;
+    Py_ssize_t own_n, own_limit, own_offset, own_meta_stride;
+    field_t own_f[MAX_FIELDS];
+    stream_t *st;       /* ns of them, PyMem_Calloc'd, each entry referenced: release with reorder_free */
+    int64_t read_ns[3]; /* the copies of the rows stored each way (not the waits) */
+    Py_ssize_t read_bytes[3];
+} reorder_t;
+
+static void reorder_free(reorder_t *r) {
+    for (Py_ssize_t i = 0; i < r->ns; i++) Py_XDECREF(r->st[i].entry);
+    PyMem_Free(r->st);
+    r->st = NULL;
+    r->ns = 0;
+}
+
+/* reorder_sources' arguments into r; 0, or -1 with the error set (and nothing to release) */
+static int reorder_parse(PyObject *args, reorder_t *r) {
+    unsigned long long meta_p, src_p;
+    PyObject *ftuple, *sources;
     PyObject *own = Py_None;
-    if (!PyArg_ParseTuple(args, "nLnnKnnKOO!|O", &nb, &flag, &min_run, &room, &meta_p, &meta_bytes, &meta_stride,
-                          &src_p, &ftuple, &PyList_Type, &sources, &own))
-        return NULL;
-    if (parse_fields(ftuple, f, &nf, nb) < 0) return NULL;
+    memset(r, 0, sizeof(*r));
+    if (!PyArg_ParseTuple(args, "nLnnKnnKOO!|O", &r->nb, &r->flag, &r->min_run, &r->room, &meta_p, &r->meta_bytes,
+                          &r->meta_stride, &src_p, &ftuple, &PyList_Type, &sources, &own))
+        return -1;
+    if (parse_fields(ftuple, r->f, &r->nf, r->nb) < 0) return -1;
     /* the own rows: sel, n, limit, offset, meta source and its row stride, one (address, stride) per field */
     unsigned long long own_sel_p = 0, own_meta_p = 0;
-    Py_ssize_t own_n = 0, own_limit = 0, own_offset = 0, own_meta_stride = 0;
-    field_t own_f[MAX_FIELDS];
     if (own != Py_None) {
         PyObject *srcs;
         if (!PyTuple_Check(own)) {
             PyErr_SetString(PyExc_TypeError, "reorder_sources: own must be a tuple or None");
-            return NULL;
+            return -1;
         }
-        if (!PyArg_ParseTuple(own, "KnnnKnO!", &own_sel_p, &own_n, &own_limit, &own_offset, &own_meta_p,
-                              &own_meta_stride, &PyTuple_Type, &srcs))
-            return NULL;
-        if (PyTuple_GET_SIZE(srcs) != nf) {
+        if (!PyArg_ParseTuple(own, "KnnnKnO!", &own_sel_p, &r->own_n, &r->own_limit, &r->own_offset, &own_meta_p,
+                              &r->own_meta_stride, &PyTuple_Type, &srcs))
+            return -1;
+        if (PyTuple_GET_SIZE(srcs) != r->nf) {
             PyErr_SetString(PyExc_ValueError, "reorder_sources: own rows need one source per field");
-            return NULL;
+            return -1;
         }
-        for (int k = 0; k < nf; k++) {
+        for (int k = 0; k < r->nf; k++) {
             unsigned long long fp;
             PyObject *src = PyTuple_GET_ITEM(srcs, k);
             if (!PyTuple_Check(src)) {
                 PyErr_SetString(PyExc_TypeError, "reorder_sources: own field sources must be (address, stride) tuples");
-                return NULL;
+                return -1;
             }
-            if (!PyArg_ParseTuple(src, "Kn", &fp, &own_f[k].stride)) return NULL;
-            own_f[k].ptr = (uintptr_t)fp;
-            own_f[k].nbytes = f[k].nbytes;
+            if (!PyArg_ParseTuple(src, "Kn", &fp, &r->own_f[k].stride)) return -1;
+            r->own_f[k].ptr = (uintptr_t)fp;
+            r->own_f[k].nbytes = r->f[k].nbytes;
         }
-        if (own_n < 0 || own_offset < 0 || own_offset > room - own_n) {
+        if (r->own_n < 0 || r->own_offset < 0 || r->own_offset > r->room - r->own_n) {
             PyErr_Format(PyExc_IndexError, "Token-Reordering own rows [%lld, %lld) out of range [0, %lld)",
-                         (long long)own_offset, (long long)(own_offset + own_n), (long long)room);
-            return NULL;
+                         (long long)r->own_offset, (long long)(r->own_offset + r->own_n), (long long)r->room);
+            return -1;
         }
-        if (own_sel_p ? check_index((const int64_t *)(uintptr_t)own_sel_p, own_n, own_limit, "own source row") < 0
-                      : own_n > own_limit) {
+        if (own_sel_p ? check_index((const int64_t *)(uintptr_t)own_sel_p, r->own_n, r->own_limit,
+                                    "own source row") < 0
+                      : r->own_n > r->own_limit) {
             if (!own_sel_p) PyErr_SetString(PyExc_IndexError, "more own rows than the source has");
-            return NULL;
+            return -1;
         }
     }
+    r->own_sel = (const int64_t *)(uintptr_t)own_sel_p;
+    r->own_meta = (const uint8_t *)(uintptr_t)own_meta_p;
     const Py_ssize_t ns = PyList_GET_SIZE(sources);
-    stream_t *st = PyMem_Calloc(ns ? (size_t)ns : 1, sizeof(stream_t));
-    if (st == NULL) return PyErr_NoMemory();
-    PyObject *completed = NULL;
+    r->st = PyMem_Calloc(ns ? (size_t)ns : 1, sizeof(stream_t));
+    if (r->st == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     for (Py_ssize_t i = 0; i < ns; i++) {
         PyObject *e = PyList_GET_ITEM(sources, i);
         if (!PyList_Check(e) || (PyList_GET_SIZE(e) != 5 && PyList_GET_SIZE(e) != 6)) {
@@ -679,84 +710,111 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
             goto fail;
         }
         Py_INCREF(e);
-        st[i].entry = e;
-        st[i].rows = (const uint8_t *)(uintptr_t)PyLong_AsUnsignedLongLong(PyList_GET_ITEM(e, 0));
-        st[i].n = PyLong_AsSsize_t(PyList_GET_ITEM(e, 1));
-        st[i].offset = PyLong_AsSsize_t(PyList_GET_ITEM(e, 2));
-        st[i].done = PyLong_AsSsize_t(PyList_GET_ITEM(e, 3));
-        st[i].way = PyList_GET_SIZE(e) == 6 ? PyLong_AsLongLong(PyList_GET_ITEM(e, 5)) : 0;
+        stream_t *t = &r->st[i];
+        t->entry = e;
+        r->ns = i + 1;
+        t->rows = (const uint8_t *)(uintptr_t)PyLong_AsUnsignedLongLong(PyList_GET_ITEM(e, 0));
+        t->n = PyLong_AsSsize_t(PyList_GET_ITEM(e, 1));
+        t->offset = PyLong_AsSsize_t(PyList_GET_ITEM(e, 2));
+        t->start = t->done = PyLong_AsSsize_t(PyList_GET_ITEM(e, 3));
+        t->rank = PyLong_AsSsize_t(PyList_GET_ITEM(e, 4));
+        t->way = PyList_GET_SIZE(e) == 6 ? PyLong_AsLongLong(PyList_GET_ITEM(e, 5)) : 0;
         if (PyErr_Occurred()) goto fail;
-        if (st[i].n < 0 || st[i].offset < 0 || st[i].done < 0 || st[i].done > st[i].n || st[i].offset > room - st[i].n) {
+        if (t->n < 0 || t->offset < 0 || t->done < 0 || t->done > t->n || t->offset > r->room - t->n) {
             PyErr_Format(PyExc_IndexError, "Token-Reordering rows [%lld, %lld) out of range [0, %lld)",
-                         (long long)st[i].offset, (long long)(st[i].offset + st[i].n), (long long)room);
+                         (long long)t->offset, (long long)(t->offset + t->n), (long long)r->room);
             goto fail;
         }
     }
-    uint8_t *meta_out = (uint8_t *)(uintptr_t)meta_p;
-    int32_t *src_out = (int32_t *)(uintptr_t)src_p;
-    int64_t read_ns[3] = {0, 0, 0};    /* the copies of the rows stored each way (not the waits) */
-    Py_ssize_t read_bytes[3] = {0, 0, 0};
-    Py_BEGIN_ALLOW_THREADS
-    if (own_n) {
-        const int64_t *sel = (const int64_t *)(uintptr_t)own_sel_p;
-        const uint8_t *msrc = (const uint8_t *)(uintptr_t)own_meta_p;
-        for (Py_ssize_t i = 0; i < own_n; i++) {
-            const int64_t t = sel ? sel[i] : (int64_t)i, at = (int64_t)(own_offset + i);
-            if (meta_out && meta_bytes && msrc) memcpy(meta_out + at * meta_stride, msrc + t * own_meta_stride,
-                                                       (size_t)meta_bytes);
-            if (src_out) src_out[at] = (int32_t)t;
-            for (int k = 0; k < nf; k++)
-                memcpy((uint8_t *)f[k].ptr + at * f[k].stride, (const uint8_t *)own_f[k].ptr + t * own_f[k].stride,
-                       (size_t)f[k].nbytes);
-        }
+    r->meta_out = (uint8_t *)(uintptr_t)meta_p;
+    r->src_out = (int32_t *)(uintptr_t)src_p;
+    return 0;
+fail:
+    reorder_free(r);
+    return -1;
+}
+
+/* The own rows, straight from the source tensors (no GIL needed) */
+static void reorder_own(reorder_t *r) {
+    for (Py_ssize_t i = 0; i < r->own_n; i++) {
+        const int64_t t = r->own_sel ? r->own_sel[i] : (int64_t)i, at = (int64_t)(r->own_offset + i);
+        if (r->meta_out && r->meta_bytes && r->own_meta)
+            memcpy(r->meta_out + at * r->meta_stride, r->own_meta + t * r->own_meta_stride, (size_t)r->meta_bytes);
+        if (r->src_out) r->src_out[at] = (int32_t)t;
+        for (int k = 0; k < r->nf; k++)
+            memcpy((uint8_t *)r->f[k].ptr + at * r->f[k].stride, (const uint8_t *)r->own_f[k].ptr + t * r->own_f[k].stride,
+                   (size_t)r->f[k].nbytes);
     }
-    for (Py_ssize_t i = 0; i < ns; i++) {
-        const Py_ssize_t n = st[i].n, done = st[i].done, r = complete_run(st[i].rows, n, nb, flag, done);
-        st[i].end = done;
-        if (r == done || (r < n && r - done < min_run)) continue;
+}
+
+/* One pass over the sources: each one's newly complete rows, where they make a run worth copying (no GIL
+ * needed); returns how many sources are complete */
+static Py_ssize_t reorder_pass(reorder_t *r) {
+    Py_ssize_t complete = 0;
+    for (Py_ssize_t i = 0; i < r->ns; i++) {
+        stream_t *t = &r->st[i];
+        const Py_ssize_t n = t->n, done = t->done, e = complete_run(t->rows, n, r->nb, r->flag, done);
+        if (e == done || (e < n && e - done < r->min_run)) {
+            complete += done == n;
+            continue;
+        }
         const int64_t t0 = now_ns();
-        for (Py_ssize_t k = done; k < r; k++) {
-            const uint8_t *row = st[i].rows + k * nb * BLOCK_BYTES;
-            const int64_t at = (int64_t)(st[i].offset + k);
-            if (meta_out && meta_bytes) memcpy(meta_out + at * meta_stride, row + FLAG_BYTES, (size_t)meta_bytes);
-            if (src_out) {
+        for (Py_ssize_t k = done; k < e; k++) {
+            const uint8_t *row = t->rows + k * r->nb * BLOCK_BYTES;
+            const int64_t at = (int64_t)(t->offset + k);
+            if (r->meta_out && r->meta_bytes) memcpy(r->meta_out + at * r->meta_stride, row + FLAG_BYTES, (size_t)r->meta_bytes);
+            if (r->src_out) {
                 int64_t token;
                 memcpy(&token, row + 8, 8);
-                src_out[at] = (int32_t)token;
+                r->src_out[at] = (int32_t)token;
             }
-            copy_payload(row, f, nf, at);
+            copy_payload(row, r->f, r->nf, at);
         }
-        if (st[i].way == 1 || st[i].way == 2) {
-            read_ns[st[i].way] += now_ns() - t0;
-            read_bytes[st[i].way] += (r - done) * nb * BLOCK_BYTES;
+        if (t->way == 1 || t->way == 2) {
+            r->read_ns[t->way] += now_ns() - t0;
+            r->read_bytes[t->way] += (e - done) * r->nb * BLOCK_BYTES;
         }
-        st[i].end = r;
+        t->done = e;
+        complete += e == n;
     }
-    Py_END_ALLOW_THREADS
-    for (int w = 1; w <= 2; w++) store_read(flag, w, read_bytes[w], read_ns[w]);
-    completed = PyList_New(0);
+    return complete;
+}
+
+/* The sources' lists advanced and the copies counted for the store policy (with the GIL); returns the ranks
+ * of the sources that completed (a new list), or NULL with the error set. Releases r. */
+static PyObject *reorder_finish(reorder_t *r) {
+    for (int w = 1; w <= 2; w++) store_read(r->flag, w, r->read_bytes[w], r->read_ns[w]);
+    PyObject *completed = PyList_New(0);
     if (completed == NULL) goto fail;
-    for (Py_ssize_t i = 0; i < ns; i++) {
-        PyObject *e = st[i].entry;      /* (referenced since the checks; another thread may have changed it) */
+    for (Py_ssize_t i = 0; i < r->ns; i++) {
+        PyObject *e = r->st[i].entry;      /* (referenced since the checks; another thread may have changed it) */
         if (PyList_GET_SIZE(e) < 5) {
             PyErr_SetString(PyExc_RuntimeError, "reorder_sources: a source's list changed during the call");
             goto fail;
         }
-        if (st[i].end != st[i].done) {
-            PyObject *v = PyLong_FromSsize_t(st[i].end);
+        if (r->st[i].done != r->st[i].start) {
+            PyObject *v = PyLong_FromSsize_t(r->st[i].done);
             if (v == NULL) goto fail;
             PyList_SetItem(e, 3, v);
         }
-        if (st[i].end == st[i].n && PyList_Append(completed, PyList_GET_ITEM(e, 4)) < 0) goto fail;
+        if (r->st[i].done == r->st[i].n && PyList_Append(completed, PyList_GET_ITEM(e, 4)) < 0) goto fail;
     }
-    for (Py_ssize_t i = 0; i < ns; i++) Py_DECREF(st[i].entry);
-    PyMem_Free(st);
+    reorder_free(r);
     return completed;
 fail:
     Py_XDECREF(completed);
-    for (Py_ssize_t i = 0; i < ns; i++) Py_XDECREF(st[i].entry);
-    PyMem_Free(st);
+    reorder_free(r);
     return NULL;
+}
+
+static PyObject *reorder_sources(PyObject *self, PyObject *args) {
+    reorder_t r;
+    if (reorder_parse(args, &r) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    reorder_own(&r);
+    reorder_pass(&r);
+    Py_END_ALLOW_THREADS
+    return reorder_finish(&r);
 }
 
 /* unpack_items(rows, n, nb, K, base, cnt, E_local, room, info_out, k_out, fields)
@@ -1198,23 +1256,37 @@ typedef struct {
  * sequence of ints) and write_rows' meta patch (0 for none). Every
  * destination is parsed and checked first (an error stores nothing); then, as TorchEngine.send_phase
  * does, every control message is stored, then every destination's rows (write_rows' stores). */
-static PyObject *send_exchange(PyObject *self, PyObject *args) {
-    unsigned long long meta_p;
-    Py_ssize_t nb, limit;
+/* A send phase parsed and checked (send_parse), then stored (send_run, without the GIL) */
+typedef struct {
+    Py_ssize_t nb, limit, nd, bytes;
+    const uint8_t *meta;
     long long rank, flag;
-    PyObject *ftuple, *dtuple;
     field_t f[MAX_FIELDS];
-    int nf = 0;
-    if (!PyArg_ParseTuple(args, "nnKLLOO!", &nb, &limit, &meta_p, &rank, &flag, &ftuple, &PyTuple_Type, &dtuple))
-        return NULL;
-    if (parse_fields(ftuple, f, &nf, nb) < 0) return NULL;
+    int nf, way;
+    int64_t notes[3];
+    dest_t *d;          /* nd of them, PyMem_Calloc'd: free with PyMem_Free */
+} send_t;
+
+/* send_exchange's arguments into s; 0, or -1 with the error set (and nothing to free) */
+static int send_parse(PyObject *args, send_t *s) {
+    unsigned long long meta_p;
+    PyObject *ftuple, *dtuple;
+    s->d = NULL;
+    s->nf = 0;
+    if (!PyArg_ParseTuple(args, "nnKLLOO!", &s->nb, &s->limit, &meta_p, &s->rank, &s->flag, &ftuple, &PyTuple_Type,
+                          &dtuple))
+        return -1;
+    if (parse_fields(ftuple, s->f, &s->nf, s->nb) < 0) return -1;
     const Py_ssize_t nd = PyTuple_GET_SIZE(dtuple);
     if (nd > MAX_DESTS) {
         PyErr_SetString(PyExc_ValueError, "send_exchange: too many destinations");
-        return NULL;
+        return -1;
     }
     dest_t *d = PyMem_Calloc(nd ? (size_t)nd : 1, sizeof(dest_t));
-    if (d == NULL) return PyErr_NoMemory();
+    if (d == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     for (Py_ssize_t i = 0; i < nd; i++) {
         unsigned long long rows_p, sel_p, ctrl_p, patch_p;
         PyObject *words;
@@ -1249,36 +1321,184 @@ static PyObject *send_exchange(PyObject *self, PyObject *args) {
             }
         }
         Py_DECREF(seq);
-        if (d[i].sel ? check_index(d[i].sel, d[i].n, limit, "staging row") < 0 : d[i].n > limit) {
+        if (d[i].sel ? check_index(d[i].sel, d[i].n, s->limit, "staging row") < 0 : d[i].n > s->limit) {
             if (!d[i].sel) PyErr_SetString(PyExc_IndexError, "more rows than staging rows");
             goto fail;
         }
     }
-    const uint8_t *meta = (const uint8_t *)(uintptr_t)meta_p;
-    Py_ssize_t bytes = 0;
-    for (Py_ssize_t i = 0; i < nd; i++) bytes += d[i].n * nb * BLOCK_BYTES;
-    const int way = store_way(flag, bytes);
+    s->d = d;
+    s->nd = nd;
+    s->meta = (const uint8_t *)(uintptr_t)meta_p;
+    s->bytes = 0;
+    for (Py_ssize_t i = 0; i < nd; i++) s->bytes += d[i].n * s->nb * BLOCK_BYTES;
+    s->way = store_way(s->flag, s->bytes);
     /* (each message names the stores its rows take, see store_rows, and what reading this kind of rows has
      * cost this rank) */
-    const store_kind_t *kind = &stores.kind[flag & (STORE_KINDS - 1)];
-    int64_t notes[3] = {1, read_word(kind->read[0]), read_word(kind->read[1])};
-    int64_t took;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < nd; i++) {
-        notes[0] = STREAMING_STORES && way && ((uintptr_t)d[i].rows & 63) == 0 ? 2 : 1;
-        store_ctrl(d[i].ctrl, d[i].nctrl, d[i].words, d[i].nwords, flag, notes);
-    }
-    const int64_t t0 = now_ns();
-    for (Py_ssize_t i = 0; i < nd; i++)
-        store_rows(way, d[i].rows, d[i].n, nb, d[i].sel, meta, d[i].patch, d[i].patch_items, rank, flag, f, nf);
-    took = now_ns() - t0;
-    Py_END_ALLOW_THREADS
-    store_measured(flag, way, bytes, took);
-    PyMem_Free(d);
-    Py_RETURN_NONE;
+    const store_kind_t *kind = &stores.kind[s->flag & (STORE_KINDS - 1)];
+    s->notes[0] = 1;
+    s->notes[1] = read_word(kind->read[0]);
+    s->notes[2] = read_word(kind->read[1]);
+    return 0;
 fail:
     PyMem_Free(d);
-    return NULL;
+    return -1;
+}
+
+/* Every control message, then every destination's rows (no GIL needed); returns the ns the rows took */
+static int64_t send_run(send_t *s) {
+    for (Py_ssize_t i = 0; i < s->nd; i++) {
+        s->notes[0] = STREAMING_STORES && s->way && ((uintptr_t)s->d[i].rows & 63) == 0 ? 2 : 1;
+        store_ctrl(s->d[i].ctrl, s->d[i].nctrl, s->d[i].words, s->d[i].nwords, s->flag, s->notes);
+    }
+    const int64_t t0 = now_ns();
+    for (Py_ssize_t i = 0; i < s->nd; i++)
+        store_rows(s->way, s->d[i].rows, s->d[i].n, s->nb, s->d[i].sel, s->meta, s->d[i].patch, s->d[i].patch_items,
+                   s->rank, s->flag, s->f, s->nf);
+    return now_ns() - t0;
+}
+
+static PyObject *send_exchange(PyObject *self, PyObject *args) {
+    send_t s;
+    if (send_parse(args, &s) < 0) return NULL;
+    int64_t took;
+    Py_BEGIN_ALLOW_THREADS
+    took = send_run(&s);
+    Py_END_ALLOW_THREADS
+    store_measured(s.flag, s.way, s.bytes, took);
+    PyMem_Free(s.d);
+    Py_RETURN_NONE;
+}
+
+/* exchange_reorder(send, ctrl, reorder, spin_ns) -> 0, 1 or 2
+ *
+ * A normal dispatch's exchange in one call, for a caller that expects the control messages of the last one
+ * again: send_exchange(*send); then, polling for up to spin_ns in all (the CPU yielded between polls), every
+ * source's control message, whose first m payload words must equal the expected ones; then the sources'
+ * rows, reordered as they come as reorder_sources(*reorder) does. ``ctrl`` = (base, stride, nctrl, R, m,
+ * expected, skip): source s's control blocks lie at base + s * stride, ``expected`` holds R * m int64 words
+ * (bytes) and ``skip`` is a bit mask of word indices not compared.
+ *
+ * 0: every message as expected and every row reordered; the sources' lists are advanced, each source's
+ * copies count for the store policy by the way its message names (head word 1 of its first block), and the
+ * reports of every source but the send's rank (head words 2 and 3) are averaged into it, as the engine's
+ * peer_reads does. 1: a message missing or not as expected; 2: rows missing. Then only the send counts: the
+ * outputs may hold some rows, nothing else was recorded, and the caller receives the call the general way
+ * (control blocks and rows stay as they arrived). */
+/* The control messages a one-step exchange expects (exchange_reorder's ``ctrl``) */
+typedef struct {
+    const uint8_t *base;
+    Py_ssize_t stride, nctrl, R, m;
+    const int64_t *want;      /* R * m words, in the caller's bytes object */
+    unsigned long long skip;
+} expect_t;
+
+static int expect_parse(PyObject *ctrl_args, expect_t *e) {
+    unsigned long long base_p;
+    PyObject *expected;
+    if (!PyArg_ParseTuple(ctrl_args, "KnnnnO!K", &base_p, &e->stride, &e->nctrl, &e->R, &e->m, &PyBytes_Type,
+                          &expected, &e->skip))
+        return -1;
+    if (e->nctrl < 1 || e->nctrl > MAX_CTRL || e->m < 0 || e->m > e->nctrl * CTRL_WORDS || e->R < 1 ||
+        PyBytes_GET_SIZE(expected) != (Py_ssize_t)(e->R * e->m * 8)) {
+        PyErr_SetString(PyExc_ValueError, "one-step exchange: bad control blocks or expected words");
+        return -1;
+    }
+    e->base = (const uint8_t *)(uintptr_t)base_p;
+    e->want = (const int64_t *)PyBytes_AS_STRING(expected);
+    return 0;
+}
+
+/* Every source's control message of ``flag``, polled until t0 + spin_ns (the CPU yielded between polls), and
+ * compared with the expected words (no GIL needed): 0 when all came as expected, else 1 */
+static int expect_wait(const expect_t *e, long long flag, int64_t t0, long long spin_ns) {
+    for (Py_ssize_t s = 0; s < e->R;) {      /* every message: all its blocks carry the flag */
+        const uint8_t *src = e->base + s * e->stride;
+        Py_ssize_t b = 0;
+        while (b < e->nctrl && flag_of(src + b * BLOCK_BYTES) == flag) b++;
+        if (b == e->nctrl) {
+            for (Py_ssize_t i = 0; i < e->m; i++) {
+                int64_t v;
+                if (i < 64 && (e->skip >> i & 1)) continue;
+                memcpy(&v, src + (i / CTRL_WORDS) * BLOCK_BYTES + FLAG_BYTES + (i % CTRL_WORDS) * 8, 8);
+                if (v != e->want[s * e->m + i]) return 1;
+            }
+            s++;
+            continue;
+        }
+        if (now_ns() - t0 > spin_ns) return 1;
+        sched_yield();
+    }
+    return 0;
+}
+
+/* Head word ``w`` (1..3) of source s's first control block: the way its rows were stored, what reading rows
+ * has cost it */
+static int64_t expect_note(const expect_t *e, Py_ssize_t s, int w) {
+    int64_t v;
+    memcpy(&v, e->base + s * e->stride + 8 * w, 8);
+    return v;
+}
+
+/* The reports of every source but ``rank`` (head words 2 and 3) averaged into the store policy, as the
+ * engine's peer_reads does (with the GIL) */
+static void expect_peer_reads(const expect_t *e, long long flag, long long rank) {
+    double plain = 0.0, streaming = 0.0;
+    int np = 0, nst = 0;
+    for (Py_ssize_t s = 0; s < e->R; s++) {
+        if (s == rank) continue;
+        const int64_t p = expect_note(e, s, 2), q = expect_note(e, s, 3);
+        if (p > 0) plain += (double)p, np++;
+        if (q > 0) streaming += (double)q, nst++;
+    }
+    if (np || nst) peer_reads(flag, np ? plain / np : 0.0, nst ? streaming / nst : 0.0);
+}
+
+static PyObject *exchange_reorder(PyObject *self, PyObject *args) {
+    PyObject *send_args, *ctrl_args, *reorder_args;
+    long long spin_ns;
+    expect_t e;
+    if (!PyArg_ParseTuple(args, "O!O!O!L", &PyTuple_Type, &send_args, &PyTuple_Type, &ctrl_args, &PyTuple_Type,
+                          &reorder_args, &spin_ns))
+        return NULL;
+    if (expect_parse(ctrl_args, &e) < 0) return NULL;
+    send_t snd;
+    reorder_t r;
+    if (send_parse(send_args, &snd) < 0) return NULL;
+    if (reorder_parse(reorder_args, &r) < 0) {
+        PyMem_Free(snd.d);
+        return NULL;
+    }
+    const long long flag = snd.flag;
+    int status;
+    int64_t took;
+    Py_BEGIN_ALLOW_THREADS
+    took = send_run(&snd);
+    const int64_t t0 = now_ns();
+    status = expect_wait(&e, flag, t0, spin_ns);
+    if (status == 0) {
+        for (Py_ssize_t i = 0; i < r.ns; i++)    /* (the way each source's rows took, as its message says) */
+            r.st[i].way = r.st[i].rank >= 0 && r.st[i].rank < e.R ? expect_note(&e, r.st[i].rank, 1) : 0;
+        reorder_own(&r);
+        while (reorder_pass(&r) < r.ns) {
+            if (now_ns() - t0 > spin_ns) {
+                status = 2;
+                break;
+            }
+            sched_yield();
+        }
+    }
+    Py_END_ALLOW_THREADS
+    store_measured(flag, snd.way, snd.bytes, took);
+    PyMem_Free(snd.d);
+    if (status) {
+        reorder_free(&r);
+        return PyLong_FromLong(status);
+    }
+    expect_peer_reads(&e, flag, snd.rank);
+    PyObject *completed = reorder_finish(&r);
+    if (completed == NULL) return NULL;
+    Py_DECREF(completed);
+    return PyLong_FromLong(0);
 }
 
 /* poll_ctrl(base, stride, nctrl, flag, words) -> the sources still missing, as a list
@@ -1583,6 +1803,35 @@ static PyObject *set_simd(PyObject *self, PyObject *args) {
  * token is checked before anything is read or written (IndexError). With ``flag`` (the combine's flag
  * word), ``way`` and ``bytes``: the sum read ``bytes`` of rows that their senders stored by ``way``, and is
  * timed for the store policy (store_read). */
+/* The sum's operands of combine_rows_bf16's sources: addr[t * S + s] and step[t * S + s] (S sources, both
+ * arrays zeroed by the caller) for every row of every source; each source a tuple whose first five items are
+ * (base, stride, step, tok, n). 0, or -1 with the error set. */
+static int sum_operands(PyObject *sources, Py_ssize_t T, int64_t *addr, int64_t *step) {
+    const Py_ssize_t S = PyTuple_GET_SIZE(sources);
+    for (Py_ssize_t s = 0; s < S; s++) {
+        unsigned long long base, tok_p, more;
+        Py_ssize_t stride, stp, n, more2;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(sources, s), "KnnKn|Kn", &base, &stride, &stp, &tok_p, &n, &more, &more2))
+            return -1;
+        const int64_t *tok = (const int64_t *)(uintptr_t)tok_p;
+        if ((tok == NULL && n != T) || n < 0 || n > T) {
+            PyErr_Format(PyExc_ValueError, "source %zd has %zd rows for %zd tokens", s, n, T);
+            return -1;
+        }
+        for (Py_ssize_t r = 0; r < n; r++) {
+            const int64_t t = tok ? tok[r] : r;
+            if (t < 0 || t >= T || addr[t * S + s]) {
+                PyErr_Format(PyExc_IndexError, "source %zd: combine token %lld out of range [0, %zd) or repeated", s,
+                             (long long)t, T);
+                return -1;
+            }
+            addr[t * S + s] = (int64_t)(base + (uint64_t)(r * stride));
+            step[t * S + s] = stp;
+        }
+    }
+    return 0;
+}
+
 static PyObject *combine_rows_bf16(PyObject *self, PyObject *args) {
     Py_ssize_t T, H;
     PyObject *sources;
@@ -1595,25 +1844,9 @@ static PyObject *combine_rows_bf16(PyObject *self, PyObject *args) {
     int64_t *addr = PyMem_Calloc(2 * (size_t)(T * S > 0 ? T * S : 1), sizeof(int64_t));
     if (addr == NULL) return PyErr_NoMemory();
     int64_t *step = addr + T * S;
-    for (Py_ssize_t s = 0; s < S; s++) {
-        unsigned long long base, tok_p;
-        Py_ssize_t stride, stp, n;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(sources, s), "KnnKn", &base, &stride, &stp, &tok_p, &n)) goto fail;
-        const int64_t *tok = (const int64_t *)(uintptr_t)tok_p;
-        if ((tok == NULL && n != T) || n < 0 || n > T) {
-            PyErr_Format(PyExc_ValueError, "source %zd has %zd rows for %zd tokens", s, n, T);
-            goto fail;
-        }
-        for (Py_ssize_t r = 0; r < n; r++) {
-            const int64_t t = tok ? tok[r] : r;
-            if (t < 0 || t >= T || addr[t * S + s]) {
-                PyErr_Format(PyExc_IndexError, "source %zd: combine token %lld out of range [0, %zd) or repeated", s,
-                             (long long)t, T);
-                goto fail;
-            }
-            addr[t * S + s] = (int64_t)(base + (uint64_t)(r * stride));
-            step[t * S + s] = stp;
-        }
+    if (sum_operands(sources, T, addr, step) < 0) {
+        PyMem_Free(addr);
+        return NULL;
     }
     int64_t took;
     Py_BEGIN_ALLOW_THREADS
@@ -1624,9 +1857,94 @@ static PyObject *combine_rows_bf16(PyObject *self, PyObject *args) {
     store_read(flag, way, read_bytes, took);
     PyMem_Free(addr);
     Py_RETURN_NONE;
-fail:
+}
+
+/* exchange_combine(send, ctrl, T, H, sources, out, spin_ns) -> 0, 1 or 2
+ *
+ * A normal combine's exchange in one call, for a caller that expects the control messages of the last one
+ * again (as exchange_reorder): send_exchange(*send); every source's control message as expected (``ctrl``
+ * as exchange_reorder takes it); then, once every peer's rows carry the send's flag in every block, out =
+ * the sum combine_rows_bf16(T, H, sources, out) makes. ``sources``: (base, stride, step, tok, n, rows, rank)
+ * per source, the first five as combine_rows_bf16 takes them; ``rows`` 0 for rows that are there (this
+ * rank's own), else the address of the peer's first slot row (nb blocks of 512 B each, nb the send's), and
+ * ``rank`` the source's rank. 0: summed; the sum is timed for the store policy where every peer's message
+ * names the same way (the bytes its rows take), and the peers' reports are taken in (as exchange_reorder).
+ * 1: a message missing or not as expected; 2: rows missing: then only the send has happened (out is not
+ * written) and the caller receives the call the general way. */
+static PyObject *exchange_combine(PyObject *self, PyObject *args) {
+    PyObject *send_args, *ctrl_args, *sources;
+    Py_ssize_t T, H;
+    unsigned long long out_p;
+    long long spin_ns;
+    expect_t e;
+    if (!PyArg_ParseTuple(args, "O!O!nnO!KL", &PyTuple_Type, &send_args, &PyTuple_Type, &ctrl_args, &T, &H,
+                          &PyTuple_Type, &sources, &out_p, &spin_ns))
+        return NULL;
+    if (expect_parse(ctrl_args, &e) < 0) return NULL;
+    const Py_ssize_t S = PyTuple_GET_SIZE(sources);
+    if (S > MAX_DESTS || T < 0 || H < 0) {
+        PyErr_SetString(PyExc_ValueError, "exchange_combine: bad sources or sizes");
+        return NULL;
+    }
+    uint64_t peers[MAX_DESTS][3];      /* rows address, n, rank of each peer source */
+    Py_ssize_t np = 0;
+    for (Py_ssize_t s = 0; s < S; s++) {
+        unsigned long long base, tok_p, rows_p = 0;
+        Py_ssize_t stride, stp, n, rank = -1;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(sources, s), "KnnKnKn", &base, &stride, &stp, &tok_p, &n, &rows_p, &rank))
+            return NULL;
+        if (rows_p) {
+            peers[np][0] = rows_p;
+            peers[np][1] = (uint64_t)(n < 0 ? 0 : n);
+            peers[np][2] = (uint64_t)rank;
+            np++;
+        }
+    }
+    int64_t *addr = PyMem_Calloc(2 * (size_t)(T * S > 0 ? T * S : 1), sizeof(int64_t));
+    if (addr == NULL) return PyErr_NoMemory();
+    int64_t *step = addr + T * S;
+    send_t snd;
+    if (sum_operands(sources, T, addr, step) < 0 || send_parse(send_args, &snd) < 0) {
+        PyMem_Free(addr);
+        return NULL;
+    }
+    const long long flag = snd.flag;
+    const Py_ssize_t nb = snd.nb;
+    int status;
+    int64_t took, summed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    took = send_run(&snd);
+    const int64_t t0 = now_ns();
+    status = expect_wait(&e, flag, t0, spin_ns);
+    for (Py_ssize_t i = 0; status == 0 && i < np;) {     /* every peer's rows: each row's every block */
+        if (complete_run((const uint8_t *)(uintptr_t)peers[i][0], (Py_ssize_t)peers[i][1], nb, flag, 0) ==
+            (Py_ssize_t)peers[i][1]) {
+            i++;
+            continue;
+        }
+        if (now_ns() - t0 > spin_ns) status = 2;
+        else sched_yield();
+    }
+    if (status == 0) {
+        const int64_t t1 = now_ns();
+        plain_sum(T, S, H, addr, step, (uint16_t *)(uintptr_t)out_p);
+        summed = now_ns() - t1;
+    }
+    Py_END_ALLOW_THREADS
+    store_measured(flag, snd.way, snd.bytes, took);
+    PyMem_Free(snd.d);
     PyMem_Free(addr);
-    return NULL;
+    if (status) return PyLong_FromLong(status);
+    long long way = -1;
+    Py_ssize_t bytes = 0;
+    for (Py_ssize_t i = 0; i < np; i++) {      /* (one way named by every peer: the sum's read of those rows) */
+        const int64_t w = (int64_t)peers[i][2] < e.R ? expect_note(&e, (Py_ssize_t)peers[i][2], 1) : 0;
+        way = way < 0 || way == w ? w : 0;
+        bytes += (Py_ssize_t)peers[i][1] * nb * BLOCK_BYTES;
+    }
+    if (way > 0) store_read(flag, way, bytes, summed);
+    expect_peer_reads(&e, flag, snd.rank);
+    return PyLong_FromLong(0);
 }
 
 /* weighted_combine_bf16(T, K, H, topk, pos, weights, out, rows, nrows, row_bytes, payload_off,
@@ -1845,6 +2163,7 @@ static PyMethodDef methods[] = {
     {"store_read", py_store_read, METH_VARARGS, "count the receive side of a normal call for the store policy"},
     {"store_peer_reads", store_peer_reads, METH_VARARGS, "what the peers report reading this rank's rows costs"},
     {"send_exchange", send_exchange, METH_VARARGS, "TFF send phase: every destination's counts, then rows"},
+    {"exchange_reorder", exchange_reorder, METH_VARARGS, "a normal dispatch's exchange expected to repeat the last"},
     {"poll_ctrl", poll_ctrl, METH_VARARGS, "arrived control messages of every missing source"},
     {"arrived", arrived, METH_VARARGS, "whether every block of the rows carries the flag"},
     {"arrived_rows", arrived_rows, METH_VARARGS, "end of the run of complete rows from a start row"},
@@ -1861,6 +2180,7 @@ static PyMethodDef methods[] = {
     {"token_rows", token_rows, METH_VARARGS, "rows and meta items of one-row-per-token low-latency dispatch"},
     {"unpack_items", unpack_items, METH_VARARGS, "low-latency Token-Reordering of one-row-per-token rows"},
     {"combine_rows_bf16", combine_rows_bf16, METH_VARARGS, "bf16 normal combine of any number of sources"},
+    {"exchange_combine", exchange_combine, METH_VARARGS, "a normal combine's exchange expected to repeat the last"},
     {"weighted_combine_bf16", weighted_combine_bf16, METH_VARARGS, "bf16 low-latency weighted combine"},
     {"fp8_cast", fp8_cast, METH_VARARGS, "per-128-channel e4m3 quantization of bf16 or float32 rows"},
     {"fp8_dequant", fp8_dequant, METH_VARARGS, "e4m3 rows times their per-128-channel scales, to bf16"},
