@@ -44,6 +44,8 @@ class Scenario:
     timeout_s: float = 1.5
     reap: bool = True
     stall_extra_s: float = 1.0    #: a stalled victim sleeps timeout_s + this
+    steady: bool = False          #: every call routes as the first (new x), and only the victim has a delay
+    #: hook: the others' calls take the one-step exchanges of a repeated routing (Buffer._steady_dispatch)
 
 
 @dataclass
@@ -129,9 +131,14 @@ def _make_inputs(rank: int, call: int, E: int, T: int, H: int, K: int):
 
 def _one_call(buf, sc: Scenario, rank: int, call: int, E: int, N: int, H: int) -> None:
     x, topk, w = _make_inputs(rank, call, E, T=6, H=H, K=2)
+    if sc.steady:
+        _, topk, w = _make_inputs(rank, 0, E, T=6, H=H, K=2)
     if sc.op == "normal":
         recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=E)
-        buf.combine(recv_x, handle, topk_weights=recv_w)
+        if sc.steady:       # (unweighted, as the one-step combine takes it)
+            buf.combine(recv_x, handle)
+        else:
+            buf.combine(recv_x, handle, topk_weights=recv_w)
         return
     hook = sc.op == "ll_hook"
     recv_x, _, handle, _, hk = buf.low_latency_dispatch(x, topk, N, E, use_fp8=False, return_recv_hook=hook)
@@ -201,7 +208,8 @@ def _rank_main(rank: int, world: int, port: int, shm_dir: str, sc: Scenario, q) 
                 report(kind="fault", phase=phase)
                 time.sleep(sc.timeout_s + sc.stall_extra_s)
 
-        buf.delay_hook = hook
+        if victim or not sc.steady:
+            buf.delay_hook = hook
         for call in range(sc.calls):
             state["call"] = call
             _one_call(buf, sc, rank, call, E, N, H)

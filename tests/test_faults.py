@@ -70,6 +70,24 @@ def test_stall_at_every_phase(tmp_path):
         assert rep["call"] == o.reports[0]["call"], (o.scenario.phase, o.reports)
 
 
+@pytest.mark.parametrize("fault", ["kill", "stall"])
+def test_a_fault_while_peers_take_the_one_step_exchanges(tmp_path, fault):
+    """Every call repeats the routing, so rank 0's calls take the C path's one-step exchanges; rank 1 is
+    killed or stalled at each wait of dispatch and combine in call 3: rank 0, whose one-step call finds
+    messages or rows missing, goes on the general way and raises as in the other scenarios."""
+    scenarios = [FR.Scenario("normal", "tff", fault, ph, fault_call=3, timeout_s=1.0, stall_extra_s=0.5, steady=True)
+                 for ph in FR.PHASES["normal"]]
+    outcomes = FR.run_many(2, scenarios, str(tmp_path), parallel=6)
+    assert not _explain(outcomes), _explain(outcomes)
+    for o in outcomes:
+        rep = o.reports[0]
+        if fault == "kill":
+            assert rep["type"] in ("UBEPPeerLostError", "UBEPPeerAbortedError") and rep["call"] in (3, 4), rep
+        else:
+            assert rep["type"] == "UBEPTimeoutError" and rep["missing"] == [1], rep
+        assert rep["phase"].split(":")[0] in ("dispatch", "combine"), rep
+
+
 @pytest.mark.parametrize("victim,phase,op", [
     (0, "dispatch: Token-Reordering", "normal"),         # rank 0 also hosts the bootstrap store
     (1, "combine: TokenCnt", "normal"),
