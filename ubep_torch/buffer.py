@@ -2038,12 +2038,14 @@ class Buffer:
                 self._gather_own_rows(meta, sel, out["meta"], o)
             out["src_idx"][o:o + n].copy_(sel)
 
-        steady = None if num_worst_tokens or T > cap else self._steady_dispatch(
+        # (a routing sent before, by the last call or an earlier one: the messages may repeat the last ones)
+        steady = None if num_worst_tokens or T > cap or "sent" not in derived else self._steady_dispatch(
             fmt, cap, T, E_local, send_idx, messages(send_idx), fields_data, meta, src_index, allocate)
         rows_from, first = steady or (None, None)
         if rows_from is None:
             rows_from = self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, send_idx, exchange, allocate,
                                               local_copy, own_src=(fields_data, meta), first=first)
+        derived["sent"] = True
         self._call_complete("dispatch")
         off_l = list(accumulate(rows_from, initial=0))
         num_recv, recv = off_l[-1], out["recv"]
@@ -2434,6 +2436,9 @@ class Buffer:
                 or not hasattr(eng, "exchange_reorder") or words.__class__ is not list:
             return None
         checked, said = seen
+        own = words[0]      # (this rank's own message of this call must be the one it sent last: checked first)
+        if [own[P.CTRL_NROWS], own[P.CTRL_SIGNATURE], *own[P.CTRL_NUM_EXPERTS:]] != checked[me]:
+            return None
         plan = said.get(("steady", cap, me))
         if plan is None:
             # what the messages must say again, all their words but the checksum (word 3 is every rank's
@@ -2445,8 +2450,7 @@ class Buffer:
             plan = said["steady", cap, me] = fits and (
                 rows_from, list(accumulate(rows_from, initial=0)), expected,
                 np.array(expected, dtype=np.int64).tobytes())
-        # (and this rank's own message of this call is the one it sent last)
-        if not plan or list(words[0]) != plan[2][me]:
+        if not plan or list(own) != plan[2][me]:
             return None
         rows_from, off, expected, expected_bytes = plan
         recv = {"said": said, "ctrl": expected}
@@ -2807,16 +2811,15 @@ class Buffer:
         toks, bounds = base.send_idx, base.recv_offsets
         if said["nrows"] != [t.numel() for t in toks]:      # (each rank returns the rows of this rank's tokens)
             return None
+        words = [(bounds[d + 1] - bounds[d], fmt.signature(), 0, paired, 0, 0, T)
+                 for d in self._send_order]
+        own = words[0]      # (this rank's own message of this call must be the one it sent last)
+        if [own[P.CTRL_NROWS], own[P.CTRL_SIGNATURE], *own[P.CTRL_NUM_EXPERTS:]] != checked[me]:
+            return None
         expected = said.get(("steady", me))
         if expected is None:
             expected = said["steady", me] = np.array([c[:P.CTRL_CHECKSUM] + [0, 0] + c[P.CTRL_CHECKSUM:]
                                                       for c in checked], dtype=np.int64)
-        words = [(bounds[d + 1] - bounds[d], fmt.signature(), 0, paired, 0, 0, T)
-                 for d in self._send_order]
-        mine = expected[me].tolist()
-        mine[P.CTRL_PAIRED_CALL] = paired
-        if list(words[0]) != mine:       # (this rank's own message of this call is the one it sent last)
-            return None
         want = expected.copy()
         want[:, P.CTRL_PAIRED_CALL] = paired
         skip = 1 << P.CTRL_CHECKSUM | (0 if paired else 1 << P.CTRL_PAIRED_CALL)   # (0: a handle that cannot tell)

@@ -223,6 +223,15 @@ def _patch_rows(fmt: P.RowFormat, patch: Optional[torch.Tensor], n: int) -> Opti
     return patch, patch.shape[1]
 
 
+def _rows_of(t: torch.Tensor, dtype: torch.dtype, width: int, exact: bool = True) -> bool:
+    """``t`` is a 2-D ``dtype`` tensor of rows of contiguous bytes (any row stride), ``width`` wide (at least
+    ``width`` where not ``exact``): what the C loops address (``_rowwise``, in one step)."""
+    if t.dtype is not dtype or t.dim() != 2:
+        return False
+    n = t.shape[1]
+    return (n == width if exact else n >= width) and (n <= 1 or t.stride(1) == 1)
+
+
 def _reorder_outputs(fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]], meta_out: Optional[torch.Tensor],
                      src_out: Optional[torch.Tensor]) -> Optional[tuple]:
     """The outputs of Token-Reordering as the C loops take them: ``(fields, rows of every output, meta bytes,
@@ -233,18 +242,19 @@ def _reorder_outputs(fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]], m
     for i, out in enumerate(outs):
         if out is None or blocks[i] == 0:
             continue
-        if out.dtype is not uint8 or not _rowwise(out) or out.shape[1] != sizes[i][1]:
+        if not _rows_of(out, uint8, sizes[i][1]):
             return None
         fields.append((out.data_ptr(), out.stride(0), sizes[i][1], fmt.field_offset_blocks(i)))
         targets.append(out.shape[0])
     meta_bytes = meta_stride = 0
     if meta_out is not None:
-        if meta_out.dtype != torch.int32 or not _rowwise(meta_out) or meta_out.shape[1] > fmt.meta_words:
+        m = meta_out.shape[1] if meta_out.dim() == 2 else -1
+        if not (0 <= m <= fmt.meta_words and _rows_of(meta_out, torch.int32, m)):
             return None
-        meta_bytes, meta_stride = meta_out.shape[1] * 4, meta_out.stride(0) * 4
+        meta_bytes, meta_stride = m * 4, meta_out.stride(0) * 4
         targets.append(meta_out.shape[0])
     if src_out is not None:
-        if src_out.dtype != torch.int32 or not src_out.is_contiguous():
+        if src_out.dtype is not torch.int32 or not src_out.is_contiguous():
             return None
         targets.append(src_out.numel())
     if not targets:     # (nothing to write: rows of hidden size 0 alone, as in a cached dispatch of such rows)
@@ -259,18 +269,18 @@ def _own_sources(fmt: P.RowFormat, outs: Sequence[Optional[torch.Tensor]], meta_
     is narrower than what its output takes."""
     fields_src, meta_src = own_src
     srcs, rows = [], []
+    uint8, blocks, sizes = torch.uint8, fmt.field_blocks, fmt.fields
     for i, out in enumerate(outs):
-        if out is None or fmt.field_blocks[i] == 0:
+        if out is None or blocks[i] == 0:
             continue
         src = fields_src[i] if i < len(fields_src) else None
-        if not _rowwise(src) or src.dtype != torch.uint8 or src.shape[1] != fmt.fields[i][1]:
+        if src is None or not _rows_of(src, uint8, sizes[i][1]):
             return None
         srcs.append((src.data_ptr(), src.stride(0)))
         rows.append(src.shape[0])
     meta_p = meta_stride = 0
     if meta_bytes:
-        if meta_src is None or meta_src.dtype != torch.int32 or not _rowwise(meta_src) \
-                or meta_src.shape[1] * 4 < meta_bytes:
+        if meta_src is None or not _rows_of(meta_src, torch.int32, -(-meta_bytes // 4), exact=False):
             return None
         meta_p, meta_stride = meta_src.data_ptr(), meta_src.stride(0) * 4
         rows.append(meta_src.shape[0])
@@ -490,7 +500,7 @@ class NativeEngine(TorchEngine):
             dests = _kept_dests(plan, sels, words)
             if dests is None:
                 return None
-            self._last_dests[key] = (list(words), list(sels), dests)
+            self._last_dests[key] = (words, sels, dests)     # (the caller does not change them after the call)
         if meta is not None:
             meta_items.copy_(meta)
         self._send_plans.move_to_end(key)
