@@ -85,7 +85,7 @@ _DEFAULT_NVL_BYTES = 256 << 20
 # the phases of a call's waits, as its errors name them
 _TOKENCNT_PHASE = {rid: f"{name}: TokenCnt (waiting for the count messages)" for rid, name in P.REGION_NAMES.items()}
 _REORDER_PHASE = {rid: f"{name}: Token-Reordering (waiting for token blocks)" for rid, name in P.REGION_NAMES.items()}
-_MAX_SEEN_KINDS = 16    # kinds of exchange whose last checked control messages a Buffer keeps (see _exchange)
+_MAX_SEEN_KINDS = 16    # kinds of exchange whose last checked control messages a Buffer keeps (see _exchange_receive)
 _POLLS_BEFORE_REGION_CHECK = 16   # polls of a control-message wait before it also looks at the other regions
 _STREAM_ROWS = 32         # fewest arrived rows of a source that streaming Token-Reordering copies at once
 _STEADY_SPIN_NS = 1_000_000    # how long the engine's one-step dispatch waits for its peers (see _steady_dispatch)
@@ -685,7 +685,7 @@ class Buffer:
         self.group_size = dist.get_world_size(group)
         # the order an exchange sends in: this rank first, then the next ranks round the ring
         self._send_order = [(self.rank + i) % self.group_size for i in range(self.group_size)]
-        self._ctrl_seen: dict = {}    # (see _exchange)
+        self._ctrl_seen: dict = {}    # (see _exchange_receive)
         self._global_ranks = _group_global_ranks(group)   # (errors on a sub-group name these too)
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = num_qps_per_rank
@@ -2060,7 +2060,7 @@ class Buffer:
         if K:   # global expert ids -> this rank's local ids (-1 for -1, other ranks' experts and unused rows)
             recv_topk_idx, recv_topk_weights = self.engine.local_topk(
                 recv_meta, K, None if weights is None else weights.dtype, self.rank * E_local, E_local, num_recv)
-        # what the control messages say for the outputs, worked out once per messages (see _exchange: the
+        # what the control messages say for the outputs, worked out once per messages (see _exchange_receive: the
         # usual call gets the same ones as the last)
         said = recv["said"]
         if "dispatch" not in said:
