@@ -86,6 +86,19 @@ _DEFAULT_NVL_BYTES = 256 << 20
 _TOKENCNT_PHASE = {rid: f"{name}: TokenCnt (waiting for the count messages)" for rid, name in P.REGION_NAMES.items()}
 _REORDER_PHASE = {rid: f"{name}: Token-Reordering (waiting for token blocks)" for rid, name in P.REGION_NAMES.items()}
 _MAX_SEEN_KINDS = 16    # kinds of exchange whose last checked control messages a Buffer keeps (see _exchange_receive)
+
+
+def _checked_words(m, used: int):
+    """The words of a control message (``m``, its first ``used`` payload words) that ``_exchange_receive``'s
+    checks read: all but the checksum and the call-specific word 3 (num_worst_tokens, the paired dispatch)."""
+    return m[:P.CTRL_CHECKSUM] + m[P.CTRL_NUM_EXPERTS:used]
+
+
+def _full_words(checked: List[list]) -> List[list]:
+    """Every source's message again from its ``_checked_words``, with the checksum and word 3 0."""
+    return [c[:P.CTRL_CHECKSUM] + [0, 0] + c[P.CTRL_CHECKSUM:] for c in checked]
+
+
 _POLLS_BEFORE_REGION_CHECK = 16   # polls of a control-message wait before it also looks at the other regions
 _STREAM_ROWS = 32         # fewest arrived rows of a source that streaming Token-Reordering copies at once
 _STEADY_SPIN_NS = 1_000_000    # how long the engine's one-step dispatch waits for its peers (see _steady_dispatch)
@@ -2323,7 +2336,7 @@ class Buffer:
         # (the usual case: the same routing call after call). It is read-only, but for what callers work out from
         # it alone and keep in it (``out["said"]``).
         used = x["used"]
-        checked = [m[:P.CTRL_CHECKSUM] + m[P.CTRL_NUM_EXPERTS:used] for m in msgs]
+        checked = [_checked_words(m, used) for m in msgs]
         seen_key = (rid, fmt, n_counts, with_matrix)
         seen = self._ctrl_seen.get(seen_key)
         if seen is not None and seen[0] == checked:
@@ -2431,14 +2444,12 @@ class Buffer:
         the general way, and the caller goes on from there (``_dispatch_rounds``' ``first``: the outputs made
         here are dropped; nothing was acknowledged)."""
         rid, R, me, eng = P.REGION_DISPATCH, self.group_size, self.rank, self.engine
-        seen = self._ctrl_seen.get((rid, fmt, n_counts, True))
-        if seen is None or meta is None or fmt.sync != "tff" or self.delay_hook is not None \
-                or not hasattr(eng, "exchange_reorder") or words.__class__ is not list:
+        if meta is None or not hasattr(eng, "exchange_reorder") or words.__class__ is not list:
             return None
-        checked, said = seen
-        own = words[0]      # (this rank's own message of this call must be the one it sent last: checked first)
-        if [own[P.CTRL_NROWS], own[P.CTRL_SIGNATURE], *own[P.CTRL_NUM_EXPERTS:]] != checked[me]:
+        kept = self._kept_messages(rid, fmt, n_counts, True, words[0])
+        if kept is None:
             return None
+        checked, said = kept
         plan = said.get(("steady", cap, me))
         if plan is None:
             # what the messages must say again, all their words but the checksum (word 3 is every rank's
@@ -2446,11 +2457,11 @@ class Buffer:
             # tokens in it
             rows_from = [row[me] for row in said["ntpr_matrix"]]
             fits = max(said["num_tokens"]) <= cap and rows_from == said["nrows"] and min(rows_from) >= 0
-            expected = [c[:P.CTRL_CHECKSUM] + [0, 0] + c[P.CTRL_CHECKSUM:] for c in checked]
+            expected = _full_words(checked)
             plan = said["steady", cap, me] = fits and (
                 rows_from, list(accumulate(rows_from, initial=0)), expected,
                 np.array(expected, dtype=np.int64).tobytes())
-        if not plan or list(own) != plan[2][me]:
+        if not plan or list(words[0]) != plan[2][me]:
             return None
         rows_from, off, expected, expected_bytes = plan
         recv = {"said": said, "ctrl": expected}
@@ -2465,12 +2476,33 @@ class Buffer:
             region.ctrl_sources(local, half), x["nctrl"], expected_bytes, 1 << P.CTRL_CHECKSUM, outs,
             recv_meta if fmt.meta_words else None, recv_src_idx, _STREAM_ROWS, (fields_data, meta),
             (send_idx[me], off[me]), sources, min(_STEADY_SPIN_NS, int(self.timeout_s * 2.5e8)))
-        if status == 0:
+        rest = self._steady_rest(x, status, fmt, fields_data, meta, src_index)
+        if rest is None:
             recv.update(epoch=x["epoch"], half=half, flag=x["flag"])
-            self._send_acks(rid, range(R), x["epoch"])   # (the slots may be written again)
             return rows_from, None
+        return None, rest
+
+    def _kept_messages(self, rid: int, fmt: P.RowFormat, n_counts: int, with_matrix: bool, own: tuple
+                       ) -> Optional[tuple]:
+        """``(checked words, what they said)`` of the last control messages of this kind of exchange that
+        ``_exchange_receive`` kept, where a one-step exchange may expect them again: TFF rows, no delay hook,
+        and this rank's own message of this call (``own``, its words) the one it sent last; else None."""
+        seen = self._ctrl_seen.get((rid, fmt, n_counts, with_matrix))
+        if seen is None or fmt.sync != "tff" or self.delay_hook is not None \
+                or _checked_words(list(own), len(own)) != seen[0][self.rank]:
+            return None
+        return seen
+
+    def _steady_rest(self, x: dict, status: Optional[int], fmt: P.RowFormat, fields_data, meta,
+                     src_index) -> Optional[dict]:
+        """After the engine's one-step exchange of ``x`` (``_exchange_begin``) ended with ``status``: None once
+        it moved everything (every source acknowledged: its slots may be written again); else what the
+        messages said, received the general way (the exchange sent first where the engine did not: None)."""
+        if status == 0:
+            self._send_acks(x["rid"], range(self.group_size), x["epoch"])
+            return None
         staged = self._exchange_send(x, fmt, fields_data, meta, src_index, None) if status is None else None
-        return None, self._exchange_receive(x, fmt, staged)
+        return self._exchange_receive(x, fmt, staged)
 
     def _dispatch_rounds(self, rid: int, fmt: P.RowFormat, cap: int, T: int, send_idx: List[torch.Tensor],
                          exchange: Callable, allocate: Callable, local_copy: Callable,
@@ -2802,24 +2834,21 @@ class Buffer:
         ``(False, recv)`` where the exchange was sent but its messages or rows did not come as expected within
         the engine's short wait: ``recv`` is what the messages said, received the general way."""
         rid, R, me, eng = P.REGION_COMBINE, self.group_size, self.rank, self.engine
-        seen = self._ctrl_seen.get((rid, fmt, 0, False))
         peer_tokens = getattr(base, "peer_tokens", None)
-        if seen is None or fmt.sync != "tff" or x.dtype != torch.bfloat16 or self.delay_hook is not None \
-                or not hasattr(eng, "exchange_combine") or T > cap or peer_tokens is None or max(peer_tokens) > cap:
+        if x.dtype != torch.bfloat16 or not hasattr(eng, "exchange_combine") or T > cap or peer_tokens is None \
+                or max(peer_tokens) > cap:
             return None
-        checked, said = seen
         toks, bounds = base.send_idx, base.recv_offsets
-        if said["nrows"] != [t.numel() for t in toks]:      # (each rank returns the rows of this rank's tokens)
-            return None
         words = [(bounds[d + 1] - bounds[d], fmt.signature(), 0, paired, 0, 0, T)
                  for d in self._send_order]
-        own = words[0]      # (this rank's own message of this call must be the one it sent last)
-        if [own[P.CTRL_NROWS], own[P.CTRL_SIGNATURE], *own[P.CTRL_NUM_EXPERTS:]] != checked[me]:
+        kept = self._kept_messages(rid, fmt, 0, False, words[0])
+        # (each rank returns the rows of this rank's tokens)
+        if kept is None or kept[1]["nrows"] != [t.numel() for t in toks]:
             return None
+        checked, said = kept
         expected = said.get(("steady", me))
         if expected is None:
-            expected = said["steady", me] = np.array([c[:P.CTRL_CHECKSUM] + [0, 0] + c[P.CTRL_CHECKSUM:]
-                                                      for c in checked], dtype=np.int64)
+            expected = said["steady", me] = np.array(_full_words(checked), dtype=np.int64)
         want = expected.copy()
         want[:, P.CTRL_PAIRED_CALL] = paired
         skip = 1 << P.CTRL_CHECKSUM | (0 if paired else 1 << P.CTRL_PAIRED_CALL)   # (0: a handle that cannot tell)
@@ -2834,11 +2863,8 @@ class Buffer:
             xs["key"], fmt, fields_data, src_index, me, xs["flag"], xs["sels"], xs["words"],
             region.ctrl_sources(local, half), xs["nctrl"], want.tobytes(), skip, out, sources,
             min(_STEADY_SPIN_NS, int(self.timeout_s * 2.5e8)))
-        if status == 0:
-            self._send_acks(rid, range(R), xs["epoch"])   # (the slots may be written again)
-            return True, None
-        staged = self._exchange_send(xs, fmt, fields_data, None, src_index, None) if status is None else None
-        return False, self._exchange_receive(xs, fmt, staged)
+        rest = self._steady_rest(xs, status, fmt, fields_data, None, src_index)
+        return rest is None, rest
 
     def _reduce_poller(self, recv: dict, fmt: P.RowFormat, out: torch.Tensor, biases: list, x: torch.Tensor,
                        first: int, toks: list):
