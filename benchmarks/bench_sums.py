@@ -1,11 +1,12 @@
 """The normal combine's reduction on one core: every token's bf16 rows summed, its own rank's rows from a tensor
-and a peer's rows from TFF slots (512 B blocks, 32 B flag each), as in a 2-rank combine.
+and each peer's rows from TFF slots (512 B blocks, 32 B flag each), as in a combine of ``--peers`` + 1 ranks.
 
-Prints, side by side in one run, the C path with its AVX-512 sum (where the CPU has it), the C path with its
-portable loops, the torch path, and ``torch.add`` of the same two operands as plain tensors (no slots), with the
-rows in cache and with the cache flushed before each call (the combine reads rows a peer has just written).
+Prints, side by side in one run, the C path with its pair loops (two bf16 elements a 32-bit word: the sums
+calls use), the C path with its element loops (the reference form of the same sums), the torch path, and
+``torch.add`` of the own rows and the first peer's as plain tensors (no slots), with the rows in cache and with
+the cache flushed before each call (the combine reads rows a peer has just written).
 
-    python benchmarks/bench_sums.py [--tokens 128] [--hidden 7168] [--iters 50]
+    python benchmarks/bench_sums.py [--tokens 128] [--hidden 7168] [--peers 1] [--iters 50]
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int_at_least(1), default=128)
     ap.add_argument("--hidden", type=int_at_least(1), default=7168)
+    ap.add_argument("--peers", type=int_at_least(1), default=1)
     ap.add_argument("--iters", type=int_at_least(1), default=50)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -40,7 +42,7 @@ def main() -> None:
     slots = torch.zeros_like(staging)
     TorchEngine().write_rows(fmt, staging, checked, None, slots, P.flag_word(1, P.REGION_COMBINE))
     tok = torch.arange(T)
-    sources = [(own, tok), (slots, tok)]
+    sources = [(own, tok)] + [(slots, tok)] * a.peers
     out = torch.empty(T, H, dtype=torch.bfloat16)
     flush = torch.empty(64 << 20, dtype=torch.uint8)
 
@@ -49,18 +51,14 @@ def main() -> None:
     native = native_engine.available()
     if native:
         from ubep_torch import _native
-        simd = _native.set_simd(True)
 
-        def c_path(on):
+        def c_path(pairs):
             def run():
-                _native.set_simd(on)
+                _native.use_pair_sums(pairs)
                 native_engine.NativeEngine().reduce_sources(fmt, sources, out)
             return run
-        if simd:
-            paths["C path, AVX-512 sum"] = c_path(True)
-        else:
-            print("(this CPU has no AVX-512: no row for the C path's AVX-512 sum)")
-        paths["C path, portable loops"] = c_path(False)
+        paths["C path, pair loops"] = c_path(True)
+        paths["C path, element loops"] = c_path(False)
     want = torch.zeros(T, H, dtype=torch.bfloat16)
     TorchEngine().reduce_sources(fmt, sources, want)
     for name, f in paths.items():   # every path must give the torch path's bits before it is timed
@@ -79,8 +77,8 @@ def main() -> None:
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts) * 1e6
 
-    nbytes = 3 * T * H * 2   # two operands read, one written
-    print(f"bf16 sum of {T} rows x {H} (own rows + one peer's slots), one thread, median of {a.iters} calls"
+    nbytes = (a.peers + 2) * T * H * 2   # the operands read, the sum written
+    print(f"bf16 sum of {T} rows x {H} (own rows and the slots of {a.peers} peer{'s' if a.peers > 1 else ''}), one thread, median of {a.iters} calls"
           + ("" if native else "  (C path not built: only the torch rows)"))
     res = {name: (median_us(f, False), median_us(f, True)) for name, f in paths.items()}
     ref = res["torch.add (plain tensors)"]
@@ -89,7 +87,7 @@ def main() -> None:
         print(f"{name:<28}{hot:>12.1f}{nbytes / hot / 1e3:>8.2f}{ref[0] / hot:>7.2f}x"
               f"{cold:>12.1f}{nbytes / cold / 1e3:>8.2f}{ref[1] / cold:>7.2f}x")
     if native:
-        _native.set_simd(True)
+        _native.use_pair_sums(True)
 
 
 if __name__ == "__main__":

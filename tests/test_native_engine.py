@@ -1196,16 +1196,14 @@ def _awkward_bf16(n: int, H: int, g: torch.Generator) -> torch.Tensor:
 
 
 @needs_native
-@pytest.mark.parametrize("H", [7168, 250, 17, 1])
-@pytest.mark.parametrize("simd", [True, False], ids=["avx512", "portable"])
-def test_simd_sums_have_the_portable_loops_bits(H, simd):
-    """The AVX-512 sums (where the CPU has them) and the portable loops give the torch path's bits for the
-    normal combine (0 to 3 operands per token, strided and slot rows) and the weighted low-latency combine
-    (masked slots, local rows), with NaN, infinities, subnormals and signed zeros in the operands."""
+@pytest.mark.parametrize("H", [7168, 250, 241, 17, 1])
+@pytest.mark.parametrize("pairs", [True, False], ids=["pair_loops", "element_loops"])
+def test_pair_sums_have_the_element_loops_bits(H, pairs):
+    """The sums two elements a word (the C path's default) and element by element give the torch path's bits
+    for the normal combine (0 to 3 operands per token, strided and slot rows, odd widths whose rows start
+    2 B apart) and the weighted low-latency combine (masked slots, local rows), with NaN, infinities,
+    subnormals and signed zeros in the operands."""
     from ubep_torch import _native
-    if _native.set_simd(simd) != simd:
-        _native.set_simd(True)
-        pytest.skip("this CPU has no AVX-512 (F, BW, VL): the portable loops are compared in the other case")
     g = torch.Generator().manual_seed(H)
     T, n = 11, 7
     fmt = P.row_format("tff", (("x", H * 2),), 0)
@@ -1236,7 +1234,7 @@ def test_simd_sums_have_the_portable_loops_bits(H, simd):
         TorchEngine().write_rows(wfmt, staged, chk, None, torch_slots[p:p + 1], P.flag_word(1, P.REGION_COMBINE))
     TorchEngine().weighted_combine(wfmt, torch_slots, topk, w, wwant, pos)
     try:
-        _native.set_simd(simd)
+        _native.use_pair_sums(pairs)
         got = torch.full((T, H), 5.0, dtype=torch.bfloat16)
         native_engine.NativeEngine().reduce_sources(fmt, sources, got)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
@@ -1244,4 +1242,4 @@ def test_simd_sums_have_the_portable_loops_bits(H, simd):
         native_engine.NativeEngine().weighted_combine(wfmt, slot_rows[0], topk, w, wgot, pos, local=local)
         assert torch.equal(wgot.view(torch.int16), wwant.view(torch.int16))
     finally:
-        _native.set_simd(True)
+        _native.use_pair_sums(True)

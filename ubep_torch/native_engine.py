@@ -37,7 +37,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 26
+API_VERSION = 27
 
 
 def _matches() -> bool:

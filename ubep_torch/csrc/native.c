@@ -56,7 +56,7 @@
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
 #define MAX_ROW_BLOCKS (1 << 20)         /* a row of 512 MiB: far past any hidden size a Buffer takes */
-#define API_VERSION 26             /* bumped whenever a function's arguments or results change */
+#define API_VERSION 27             /* bumped whenever a function's arguments or results change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -1633,12 +1633,16 @@ static PyObject *layout_rows(PyObject *self, PyObject *args) {
 }
 
 /* ---------------------------------------------------------------- bf16 reductions
- * Plain scalar loops that GCC vectorizes; they are compiled twice, for AVX2 and for the baseline ISA,
- * and the loader picks the one this CPU runs. Where the CPU has AVX-512, a hand-written version of the
- * same loop (sum_avx512) runs instead. Vector lanes do exactly the scalar operations, so the result does
- * not depend on the width or the version. */
+ * The sums of bf16 rows in float32, in two forms that make the same operations in the same order, so their
+ * bits agree: pair_loop (used) reads two neighbouring elements as one 32-bit word, whose low element is
+ * (w << 16) and high one (w & 0xffff0000) as float32 bits, and writes both rounded halves back as one word:
+ * nothing crosses vector lanes, so GCC vectorizes it at any width, and it is compiled for AVX-512, AVX2 and
+ * the baseline ISA, the loader picking the one this CPU runs. sum_loop goes element by element (the
+ * reference; use_pair_sums(False) selects it). On 128 rows of 7168 in cache, two operands, the pair loops
+ * took 0.6-0.7x the time of the hand-written AVX-512 element loop they replaced, and 0.7-0.95x with more
+ * operands or weights (benchmarks/bench_sums.py times both forms as the combine makes its sums). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define HOT __attribute__((target_clones("avx2", "default")))
+#define HOT __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define HOT
 #endif
@@ -1694,104 +1698,145 @@ sum_loop(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const in
     }
 }
 
-/* sum_loop compiled apart for the unweighted sum, where the weights are the constant 1.0 (no multiplies) */
-HOT static void plain_sum_c(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
-                            uint16_t *restrict out) {
-    sum_loop(T, K, H, addr, step, NULL, out);
+/* Two bf16 elements as one 32-bit word (any alignment: rows of an odd width start on 2 B), each element's
+ * float32 value, and two rounded results packed back into a word */
+static inline uint32_t load_pair(const uint16_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
 }
 
-HOT static void weighted_sum_c(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
-                               const float *w, uint16_t *restrict out) {
-    sum_loop(T, K, H, addr, step, w, out);
+static inline float low_of(uint32_t w) {
+    return bf16_to_f32((uint16_t)w);
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define HAVE_SUM512 1
-/* sum_loop written out for AVX-512 (F, BW, VL): 16 elements at a time, every operand of the token added
- * into one register (+0.0, then the operands in order, each multiplied by its weight first when w is
- * given), then rounded to bf16 with the same integer steps as f32_to_bf16. The operations and their
- * order are sum_loop's, so the bits are too. The float32 accumulator never leaves a register and the
- * piece's tail is one masked load and store: about 1.1x as fast as the portable loops on rows in cache
- * (benchmarks/bench_sums.py). */
-__attribute__((target("avx512f,avx512bw,avx512vl"))) static void
-sum_avx512(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step, const float *w,
-           uint16_t *restrict out) {
-    const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
-    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-    const __m512i nan = _mm512_set1_epi32(0xffff);
+static inline float high_of(uint32_t w) {
+    const uint32_t u = w & 0xffff0000u;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void store_pair(uint16_t *p, float low, float high) {
+    const uint32_t v = (uint32_t)f32_to_bf16(low) | (uint32_t)f32_to_bf16(high) << 16;
+    memcpy(p, &v, 4);
+}
+
+/* sum_loop's sums, two elements at a time (see above): the same operations per element, in the same order;
+ * a piece of odd length ends with one element done alone */
+static inline __attribute__((always_inline)) void
+pair_loop(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step, const float *w,
+          uint16_t *restrict out) {
+    float lo[BF16_PER_BLOCK / 2], hi[BF16_PER_BLOCK / 2];
     for (Py_ssize_t t = 0; t < T; t++) {
         const int64_t *a = addr + t * K, *st = step + t * K;
-        uint16_t *restrict o = out + t * H;
-        for (Py_ssize_t j0 = 0, b = 0; j0 < H; j0 += BF16_PER_BLOCK, b++) {
-            const Py_ssize_t m = H - j0 < BF16_PER_BLOCK ? H - j0 : BF16_PER_BLOCK;
-            for (Py_ssize_t j = 0; j < m; j += 16) {
-                const __mmask16 lanes = m - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (m - j)) - 1u);
-                __m512 acc = _mm512_setzero_ps();
-                for (Py_ssize_t k = 0; k < K; k++) {
-                    if (!a[k]) continue;
-                    const uint16_t *p = (const uint16_t *)(uintptr_t)(a[k] + b * st[k]) + j;
-                    __m512 v = _mm512_castsi512_ps(
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
-                    if (w) v = _mm512_mul_ps(v, _mm512_set1_ps(w[t * K + k]));
-                    acc = _mm512_add_ps(acc, v);
-                }
-                const __m512i u = _mm512_castps_si512(acc);
-                const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-                __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), lsb), 16);
-                r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, magnitude), inf), nan);
-                _mm256_mask_storeu_epi16(o + j0 + j, lanes, _mm512_cvtepi32_epi16(r));
+        Py_ssize_t first = -1, last = -1, count = 0;
+        for (Py_ssize_t k = 0; k < K; k++)
+            if (a[k]) {
+                if (first < 0) first = k;
+                last = k;
+                count++;
             }
+        const float wf = first >= 0 && w ? w[t * K + first] : 1.0f, wl = last >= 0 && w ? w[t * K + last] : 1.0f;
+        for (Py_ssize_t j0 = 0, b = 0; j0 < H; j0 += BF16_PER_BLOCK, b++) {
+            const Py_ssize_t m = H - j0 < BF16_PER_BLOCK ? H - j0 : BF16_PER_BLOCK, np = m / 2, e = m - 1;
+            uint16_t *restrict o = out + t * H + j0;
+            if (count == 0) {
+                memset(o, 0, (size_t)m * 2);
+                continue;
+            }
+            const uint16_t *restrict pf = (const uint16_t *)(uintptr_t)(a[first] + b * st[first]);
+            if (count == 1) {
+                for (Py_ssize_t j = 0; j < np; j++) {
+                    const uint32_t x = load_pair(pf + 2 * j);
+                    store_pair(o + 2 * j, 0.0f + low_of(x) * wf, 0.0f + high_of(x) * wf);
+                }
+                if (m & 1) o[e] = f32_to_bf16(0.0f + bf16_to_f32(pf[e]) * wf);
+                continue;
+            }
+            const uint16_t *restrict pl = (const uint16_t *)(uintptr_t)(a[last] + b * st[last]);
+            if (count == 2) {
+                for (Py_ssize_t j = 0; j < np; j++) {
+                    const uint32_t x = load_pair(pf + 2 * j), y = load_pair(pl + 2 * j);
+                    store_pair(o + 2 * j, (0.0f + low_of(x) * wf) + low_of(y) * wl,
+                               (0.0f + high_of(x) * wf) + high_of(y) * wl);
+                }
+                if (m & 1) o[e] = f32_to_bf16((0.0f + bf16_to_f32(pf[e]) * wf) + bf16_to_f32(pl[e]) * wl);
+                continue;
+            }
+            float odd = 0.0f + bf16_to_f32(pf[e]) * wf;     /* (element e, used where m is odd) */
+            for (Py_ssize_t j = 0; j < np; j++) {
+                const uint32_t x = load_pair(pf + 2 * j);
+                lo[j] = 0.0f + low_of(x) * wf;
+                hi[j] = 0.0f + high_of(x) * wf;
+            }
+            for (Py_ssize_t k = first + 1; k < last; k++) {
+                if (!a[k]) continue;
+                const float wk = w ? w[t * K + k] : 1.0f;
+                const uint16_t *restrict p = (const uint16_t *)(uintptr_t)(a[k] + b * st[k]);
+                for (Py_ssize_t j = 0; j < np; j++) {
+                    const uint32_t x = load_pair(p + 2 * j);
+                    lo[j] = lo[j] + low_of(x) * wk;
+                    hi[j] = hi[j] + high_of(x) * wk;
+                }
+                odd = odd + bf16_to_f32(p[e]) * wk;
+            }
+            for (Py_ssize_t j = 0; j < np; j++) {
+                const uint32_t x = load_pair(pl + 2 * j);
+                store_pair(o + 2 * j, lo[j] + low_of(x) * wl, hi[j] + high_of(x) * wl);
+            }
+            if (m & 1) o[e] = f32_to_bf16(odd + bf16_to_f32(pl[e]) * wl);
         }
     }
 }
 
-/* 1 where this CPU runs sum_avx512 (checked once), 0 to force the portable loops (set_simd) */
-static int use_sum512 = -1;
-
-static int sum512(void) {
-    if (use_sum512 < 0) {
-        __builtin_cpu_init();
-        use_sum512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                     __builtin_cpu_supports("avx512vl");
-    }
-    return use_sum512;
+/* each loop compiled apart for the unweighted sum, where the weights are the constant 1.0 (no multiplies) */
+HOT static void plain_pairs(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
+                            uint16_t *restrict out) {
+    pair_loop(T, K, H, addr, step, NULL, out);
 }
-#endif
+
+HOT static void weighted_pairs(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
+                               const float *w, uint16_t *restrict out) {
+    pair_loop(T, K, H, addr, step, w, out);
+}
+
+static void plain_elements(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
+                           uint16_t *restrict out) {
+    sum_loop(T, K, H, addr, step, NULL, out);
+}
+
+static void weighted_elements(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
+                              const float *w, uint16_t *restrict out) {
+    sum_loop(T, K, H, addr, step, w, out);
+}
+
+/* 1: the pair loops; 0: the element loops (use_pair_sums) */
+static int pair_sums = 1;
 
 static void plain_sum(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
                       uint16_t *restrict out) {
-#ifdef HAVE_SUM512
-    if (sum512()) {
-        sum_avx512(T, K, H, addr, step, NULL, out);
-        return;
-    }
-#endif
-    plain_sum_c(T, K, H, addr, step, out);
+    if (pair_sums)
+        plain_pairs(T, K, H, addr, step, out);
+    else
+        plain_elements(T, K, H, addr, step, out);
 }
 
 static void weighted_sum(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const int64_t *step,
                          const float *w, uint16_t *restrict out) {
-#ifdef HAVE_SUM512
-    if (sum512()) {
-        sum_avx512(T, K, H, addr, step, w, out);
-        return;
-    }
-#endif
-    weighted_sum_c(T, K, H, addr, step, w, out);
+    if (pair_sums)
+        weighted_pairs(T, K, H, addr, step, w, out);
+    else
+        weighted_elements(T, K, H, addr, step, w, out);
 }
 
-/* set_simd(on) -> whether the AVX-512 sums are used now. on=False forces the portable loops (tests compare
- * the two); on=True uses AVX-512 where the CPU has it. */
-static PyObject *set_simd(PyObject *self, PyObject *args) {
+/* use_pair_sums(on) -> on: the sums take the pair loops (True, the default) or the element loops (False);
+ * tests compare the two, and benchmarks/bench_sums.py times both */
+static PyObject *use_pair_sums(PyObject *self, PyObject *args) {
     int on;
     if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
-#ifdef HAVE_SUM512
-    use_sum512 = -1;
-    if (!on) use_sum512 = 0;
-    return PyBool_FromLong(sum512());
-#else
-    return PyBool_FromLong(0);
-#endif
+    pair_sums = on;
+    return PyBool_FromLong(pair_sums);
 }
 
 /* combine_rows_bf16(T, H, sources, out[, flag, way, bytes])
@@ -2050,7 +2095,7 @@ static inline float ceil_pow2(float s) {
  *   helper: scale = amax / 448, values times (1/amax) * 448 (rounded: scale = 2^ceil(log2(amax/448))).
  * Then saturated at +-448 and rounded to e4m3: each step one float32 operation, the same ones and in the
  * same order as ubep_torch/fp8.py's torch code, so the bits agree with it. */
-/* the groups of fp8_cast; compiled for AVX2 and the baseline ISA like the sums (HOT) */
+/* the groups of fp8_cast; compiled for AVX-512, AVX2 and the baseline ISA like the sums (HOT) */
 HOT static void cast_groups(const void *src, Py_ssize_t groups, int kind, int rounded, int helper, uint8_t *q,
                             float *scales) {
     const uint16_t *src16 = (const uint16_t *)src;
@@ -2184,7 +2229,7 @@ static PyMethodDef methods[] = {
     {"weighted_combine_bf16", weighted_combine_bf16, METH_VARARGS, "bf16 low-latency weighted combine"},
     {"fp8_cast", fp8_cast, METH_VARARGS, "per-128-channel e4m3 quantization of bf16 or float32 rows"},
     {"fp8_dequant", fp8_dequant, METH_VARARGS, "e4m3 rows times their per-128-channel scales, to bf16"},
-    {"set_simd", set_simd, METH_VARARGS, "use the AVX-512 sums where the CPU has them (True) or not (False)"},
+    {"use_pair_sums", use_pair_sums, METH_VARARGS, "sum bf16 rows two elements a word (True) or one by one (False)"},
     {NULL, NULL, 0, NULL},
 };
 
