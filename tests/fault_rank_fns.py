@@ -571,6 +571,57 @@ def destroy_under_views(ctx):
     return total, waited
 
 
+def destroy_during_one_step_calls(ctx, delays):
+    """``destroy()`` from another thread while rank 0 makes normal round trips that take the one-step C
+    exchanges (a repeated routing): rank 1 makes the same calls 3 ms apart, so rank 0 spends most of its
+    time in the C calls' short wait for rank 1's messages and rows, then in the general wait after it. One
+    trial per delay (seconds before the destroy), each with a fresh Buffer. Returns per trial (rank 0's
+    error type, seconds from the destroy to it, round trips completed before it) on rank 0, (rank 1's error
+    type, its message) on rank 1."""
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer
+    T, H, K, E = 32, 256, 2, 4
+    g = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    topk = torch.rand(T, E, generator=g).topk(K, dim=-1).indices
+    out = []
+    for delay in delays:
+        buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
+        ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
+
+        def rt():
+            d = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
+                             topk_idx=topk)
+            return buf.combine(d[0], d[4])
+        for _ in range(3):      # (a routing sent before: the calls below take the one-step exchanges)
+            rt()
+        dist.barrier()
+        done, when = 0, {}
+        try:
+            if ctx.rank == 0:
+                timer = threading.Timer(delay, lambda: (when.setdefault("t", time.monotonic()), buf.destroy()))
+                timer.start()
+            while True:
+                rt()
+                done += 1
+                if ctx.rank == 1:
+                    time.sleep(0.003)
+        except Exception as e:  # noqa: BLE001
+            if ctx.rank == 0:
+                timer.join()
+                out.append((type(e).__name__, time.monotonic() - when["t"], done))
+            else:
+                out.append((type(e).__name__, str(e)[:200]))
+        buf.destroy()
+        dist.barrier()
+    return out
+
+
 def build_on_full_tmpfs(ctx, which):
     """Buffer construction when reserving the segment's pages fails with ENOSPC (as ``posix_fallocate`` does
     on a full tmpfs) on every rank (``which="all"``) or on rank 1 only (``"one"``: the others learn it in

@@ -603,6 +603,20 @@ def test_destroy_leaves_live_views_and_ends_waits():
     assert waited[0] == "UBEPBrokenError" and waited[1] < 3.0 and "destroyed while waiting" in waited[2], waited
 
 
+def test_destroy_from_another_thread_during_one_step_calls():
+    """``destroy()`` from another thread while the calling thread is inside the one-step C exchanges (or the
+    general wait after their short one): the call raises ``UBEPBrokenError`` at once, the process does not
+    crash, and the peer learns of it (``UBEPPeerLostError``: "destroyed its Buffer") well before its
+    deadline (20 s; its pool run would time out)."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    delays = [0.05, 0.113, 0.171, 0.25, 0.31, 0.37]
+    with RankPool(2, env=env) as pool:
+        mine, peer = pool.run(FR.destroy_during_one_step_calls, delays, timeout_s=120)
+    for (kind, after, done), (peer_kind, message) in zip(mine, peer):
+        assert kind == "UBEPBrokenError" and after < 3.0 and done > 0, mine
+        assert peer_kind == "UBEPPeerLostError" and "destroyed its Buffer" in message, peer
+
+
 def test_dropped_and_destroyed_buffers_release_their_memory():
     """(former bugs: a Buffer dropped without destroy() stayed mapped until the cycle collector ran, through
     a reference cycle of its own; after destroy(), a kept view or a kept exception's frames kept every
