@@ -78,7 +78,8 @@ def main() -> None:
         return statistics.median(ts) * 1e6
 
     nbytes = (a.peers + 2) * T * H * 2   # the operands read, the sum written
-    print(f"bf16 sum of {T} rows x {H} (own rows and the slots of {a.peers} peer{'s' if a.peers > 1 else ''}), one thread, median of {a.iters} calls"
+    peers = f"{a.peers} peer" + ("s" if a.peers > 1 else "")
+    print(f"bf16 sum of {T} rows x {H} (own rows and the slots of {peers}), one thread, median of {a.iters} calls"
           + ("" if native else "  (C path not built: only the torch rows)"))
     res = {name: (median_us(f, False), median_us(f, True)) for name, f in paths.items()}
     ref = res["torch.add (plain tensors)"]

@@ -594,7 +594,7 @@ def destroy_during_one_step_calls(ctx, delays):
         buf = Buffer(dist.group.WORLD, 1 << 22, timeout_s=20.0)
         ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
 
-        def rt():
+        def rt(buf=buf, ntpr=ntpr, itr=itr, ntpe=ntpe):
             d = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
                              topk_idx=topk)
             return buf.combine(d[0], d[4])
@@ -604,7 +604,7 @@ def destroy_during_one_step_calls(ctx, delays):
         done, when = 0, {}
         try:
             if ctx.rank == 0:
-                timer = threading.Timer(delay, lambda: (when.setdefault("t", time.monotonic()), buf.destroy()))
+                timer = threading.Timer(delay, lambda b=buf, w=when: (w.setdefault("t", time.monotonic()), b.destroy()))
                 timer.start()
             while True:
                 rt()
