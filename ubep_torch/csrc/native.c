@@ -1961,10 +1961,12 @@ static PyObject *exchange_combine(PyObject *self, PyObject *args) {
     took = send_run(&snd);
     const int64_t t0 = now_ns();
     status = expect_wait(&e, flag, t0, spin_ns);
+    Py_ssize_t got = 0;     /* rows of peer i complete so far (they stay so until this rank acknowledges) */
     for (Py_ssize_t i = 0; status == 0 && i < np;) {     /* every peer's rows: each row's every block */
-        if (complete_run((const uint8_t *)(uintptr_t)peers[i][0], (Py_ssize_t)peers[i][1], nb, flag, 0) ==
-            (Py_ssize_t)peers[i][1]) {
+        got = complete_run((const uint8_t *)(uintptr_t)peers[i][0], (Py_ssize_t)peers[i][1], nb, flag, got);
+        if (got == (Py_ssize_t)peers[i][1]) {
             i++;
+            got = 0;
             continue;
         }
         if (now_ns() - t0 > spin_ns) status = 2;
