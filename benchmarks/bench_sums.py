@@ -1,10 +1,10 @@
 """The normal combine's reduction on one core: every token's bf16 rows summed, its own rank's rows from a tensor
 and each peer's rows from TFF slots (512 B blocks, 32 B flag each), as in a combine of ``--peers`` + 1 ranks.
 
-Prints, side by side in one run, the C path with its pair loops (two bf16 elements a 32-bit word: the sums
-calls use), the C path with its element loops (the reference form of the same sums), the torch path, and
-``torch.add`` of the own rows and the first peer's as plain tensors (no slots), with the rows in cache and with
-the cache flushed before each call (the combine reads rows a peer has just written).
+Prints, side by side in one run, the C path with its pair loops (two bf16 elements a 32-bit word: the sums a
+Buffer's combines make), the C path with its element loops (the reference form of the same sums), the torch
+path, and ``torch.add`` of the own rows and the first peer's as plain tensors (no slots), with the rows in cache
+and with the cache flushed before each call (the combine reads rows a peer has just written).
 
     python benchmarks/bench_sums.py [--tokens 128] [--hidden 7168] [--peers 1] [--iters 50]
 """

@@ -1200,8 +1200,8 @@ def _awkward_bf16(n: int, H: int, g: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("pairs", [True, False], ids=["pair_loops", "element_loops"])
 def test_pair_sums_have_the_element_loops_bits(H, pairs):
     """The sums two elements a word (the C path's default) and element by element give the torch path's bits
-    for the normal combine (0 to 3 operands per token, strided and slot rows, odd widths whose rows start
-    2 B apart) and the weighted low-latency combine (masked slots, local rows), with NaN, infinities,
+    for the normal combine (0 to 3 operands per token, strided and slot rows, odd widths, whose rows start on
+    2-byte boundaries) and the weighted low-latency combine (masked slots, local rows), with NaN, infinities,
     subnormals and signed zeros in the operands."""
     from ubep_torch import _native
     g = torch.Generator().manual_seed(H)
