@@ -1647,6 +1647,28 @@ static PyObject *layout_rows(PyObject *self, PyObject *args) {
 #define HOT
 #endif
 
+/* A token's operands (addresses a[0, K), 0 where none): the first and last present (-1: none), how many, and
+ * the first's and last's weights (from w, its K weights, or 1.0 where w is NULL) */
+typedef struct {
+    Py_ssize_t first, last, count;
+    float wf, wl;
+} operands_t;
+
+static inline operands_t operands_of(const int64_t *a, Py_ssize_t K, const float *w) {
+    operands_t op = {-1, -1, 0, 1.0f, 1.0f};
+    for (Py_ssize_t k = 0; k < K; k++)
+        if (a[k]) {
+            if (op.first < 0) op.first = k;
+            op.last = k;
+            op.count++;
+        }
+    if (w && op.first >= 0) {
+        op.wf = w[op.first];
+        op.wl = w[op.last];
+    }
+    return op;
+}
+
 /* One pass over the tokens: out[t] = bf16(sum over the operands of t, in order), the sum starting at
  * +0.0 in float32; operand (t, k) is the bf16 row at addr[t * K + k] (0: none, adds nothing), its elements
  * in pieces of 240 ``step[t * K + k]`` bytes apart (a plain row: 480; a slot row: 512), each multiplied by
@@ -1660,14 +1682,9 @@ sum_loop(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const in
     float acc[BF16_PER_BLOCK];
     for (Py_ssize_t t = 0; t < T; t++) {
         const int64_t *a = addr + t * K, *st = step + t * K;
-        Py_ssize_t first = -1, last = -1, count = 0;
-        for (Py_ssize_t k = 0; k < K; k++)
-            if (a[k]) {
-                if (first < 0) first = k;
-                last = k;
-                count++;
-            }
-        const float wf = first >= 0 && w ? w[t * K + first] : 1.0f, wl = last >= 0 && w ? w[t * K + last] : 1.0f;
+        const operands_t op = operands_of(a, K, w ? w + t * K : NULL);
+        const Py_ssize_t first = op.first, last = op.last, count = op.count;
+        const float wf = op.wf, wl = op.wl;
         uint16_t *restrict o = out + t * H;
         for (Py_ssize_t j0 = 0, b = 0; j0 < H; j0 += BF16_PER_BLOCK, b++) {
             const Py_ssize_t m = H - j0 < BF16_PER_BLOCK ? H - j0 : BF16_PER_BLOCK;
@@ -1730,14 +1747,9 @@ pair_loop(Py_ssize_t T, Py_ssize_t K, Py_ssize_t H, const int64_t *addr, const i
     float lo[BF16_PER_BLOCK / 2], hi[BF16_PER_BLOCK / 2];
     for (Py_ssize_t t = 0; t < T; t++) {
         const int64_t *a = addr + t * K, *st = step + t * K;
-        Py_ssize_t first = -1, last = -1, count = 0;
-        for (Py_ssize_t k = 0; k < K; k++)
-            if (a[k]) {
-                if (first < 0) first = k;
-                last = k;
-                count++;
-            }
-        const float wf = first >= 0 && w ? w[t * K + first] : 1.0f, wl = last >= 0 && w ? w[t * K + last] : 1.0f;
+        const operands_t op = operands_of(a, K, w ? w + t * K : NULL);
+        const Py_ssize_t first = op.first, last = op.last, count = op.count;
+        const float wf = op.wf, wl = op.wl;
         for (Py_ssize_t j0 = 0, b = 0; j0 < H; j0 += BF16_PER_BLOCK, b++) {
             const Py_ssize_t m = H - j0 < BF16_PER_BLOCK ? H - j0 : BF16_PER_BLOCK, np = m / 2, e = m - 1;
             uint16_t *restrict o = out + t * H + j0;
