@@ -384,6 +384,51 @@ def skip_buffer(ctx, timeout_s):
 
 
 
+def stalled_in(ctx, where, timeout_s=1.0):
+    """Rank 1 leaves out what rank 0 then waits in: the recv hook of a low-latency dispatch (``"hook"``) or the
+    backward of ``functional.combine`` (``"backward"``). Rank 0's wait ends at its deadline; returns the
+    error's type, phase and missing ranks there (rank 1 destroys its Buffer once rank 0 has given up)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ubep_torch import Buffer, functional
+    from ubep_torch.errors import UBEPError
+
+    T, H, K, E, N = 8, 64, 2, 4, 8
+    g = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn(T, H, generator=g)
+    topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+    if where == "hook":
+        buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(N, H, 2, E), low_latency_mode=True,
+                     timeout_s=timeout_s)
+    else:
+        buf = Buffer(dist.group.WORLD, 1 << 20, timeout_s=timeout_s)
+    try:
+        if where == "hook":
+            if ctx.rank == 1:
+                time.sleep(timeout_s + 1.5)
+                return None
+            hook = buf.low_latency_dispatch(x.bfloat16(), topk, N, E, use_fp8=False, return_recv_hook=True)[-1]
+            wait = hook
+        else:
+            x.requires_grad_(True)
+            recv_x, _, recv_w, handle = functional.dispatch(buf, x, topk, torch.rand(T, K, generator=g), E)
+            out = functional.combine(buf, recv_x * 2.0, handle)
+            if ctx.rank == 1:
+                time.sleep(timeout_s + 1.5)
+                return None
+            wait = out.sum().backward
+        try:
+            wait()
+        except UBEPError as e:
+            return type(e).__name__, e.phase, list(e.missing_ranks)
+        return "completed"
+    finally:
+        buf.destroy()
+
+
 def late_rank(ctx, case):
     """Rank 1 gives up waiting for rank 0, which is 2.5 s late. ``"hook"``: both ranks issue two low-latency
     dispatches with recv hooks, then run the first hook; rank 0 starts late and rank 1 times out in that

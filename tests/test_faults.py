@@ -420,6 +420,21 @@ def test_sweep_removes_only_dead_owners_segments(tmp_path):
     assert ugas.sweep_stale_segments(os.path.join(d, "missing-dir")) == []
 
 
+@pytest.mark.parametrize("where,context", [
+    ("hook", "in its recv hook"),
+    ("backward", "in the backward of ubep_torch.functional.combine"),
+])
+def test_a_wait_names_the_hook_or_backward_it_is_in(where, context):
+    """A wait in a recv hook, or in the backward of a differentiable call, belongs to a call the user made
+    earlier or did not make by that name: its error says where it is after the phase."""
+    with RankPool(2) as pool:
+        res, _ = pool.run(FR.stalled_in, where)
+    kind, phase, missing = res
+    assert kind == "UBEPTimeoutError" and missing == [1], res
+    assert phase.endswith(", " + context), phase
+    assert phase.startswith("low_latency_dispatch: " if where == "hook" else "dispatch: "), phase
+
+
 def test_setup_has_a_deadline(tmp_path):
     """Buffer construction waits for the peers under timeout_s, not under gloo's 30-minute default."""
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": str(tmp_path)}

@@ -550,7 +550,7 @@ def _collective(fn):
             try:
                 # The hook fills tensors the call created, in the caller's mode then: under inference mode
                 # they may be inference tensors, which only inference mode may write (it records no grad).
-                with torch.inference_mode():
+                with torch.inference_mode(), self._waits_in("in its recv hook"):
                     return hook()
             except BaseException as e:
                 _raise_if_destroyed(self, e, f"{fn.__name__} recv hook")
@@ -812,6 +812,7 @@ class Buffer:
         self._out = TensorCache()   # output tensors are reused once the caller has dropped them
         self._layout_cache = None   # (num_experts, layout, routing snapshot, derived send lists) of the last routing
         self.delay_hook: Optional[Callable[[str], None]] = None  # test-only: called at every protocol step
+        self._wait_context: Optional[str] = None    # where the waits are, for their errors (see _waits_in)
 
     # ================================================================== housekeeping
     @property
@@ -1016,9 +1017,23 @@ class Buffer:
     def _ack_slot(self, mem_words: torch.Tensor, rid: int, src: int) -> torch.Tensor:
         return mem_words[rid * self.group_size + src: rid * self.group_size + src + 1]
 
+    @contextlib.contextmanager
+    def _waits_in(self, where: str):
+        """The errors of the waits inside this block say ``where`` after their phase ("in its recv hook", "in
+        the backward of ubep_torch.functional.combine"): a wait there belongs to a call the user made earlier
+        (a recv hook's) or did not make by that name (a backward's)."""
+        outer = self._wait_context
+        self._wait_context = where if outer is None else f"{outer}, {where}"
+        try:
+            yield
+        finally:
+            self._wait_context = outer
+
     def _wait(self, phase: str, poll: Callable[[], Sequence[int]]) -> None:
         if self.delay_hook is not None:
             self.delay_hook(phase)
+        if self._wait_context is not None:      # (the phase the errors name; the delay hook gets the plain one)
+            phase = f"{phase}, {self._wait_context}"
         try:
             if not self._destroyed and not poll():    # (most waits are over at the first poll)
                 return

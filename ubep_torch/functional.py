@@ -125,6 +125,21 @@ def _refuses_bad_input(fn):
     return wrapper
 
 
+def _backward_of(name: str):
+    """The backward of ``ubep_torch.functional.<name>``: the errors of the Buffer's waits inside it say so
+    after their phase (its calls are the reverse exchange, which the user did not call by that name)."""
+    def wrap(backward):
+        @functools.wraps(backward)
+        def named(ctx, *grads):
+            waits_in = getattr(ctx.buffer, "_waits_in", None)     # (an object with the Buffer's API may lack it)
+            if waits_in is None:
+                return backward(ctx, *grads)
+            with waits_in(f"in the backward of ubep_torch.functional.{name}"):
+                return backward(ctx, *grads)
+        return named
+    return wrap
+
+
 def check_buffer(buffer, where: str) -> None:
     """``buffer`` has a Buffer's ``rank`` and ``group_size`` (a ``ubep_torch.Buffer``, or an object with its
     API: these functions only call it); else TypeError naming ``where``."""
@@ -236,6 +251,7 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @_backward_of("dispatch")
     def backward(ctx, grad_recv_x, _grad_recv_topk_idx, grad_recv_topk_weights):
         handle: AutogradHandle = ctx.handle
         buffer = ctx.buffer
@@ -285,6 +301,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @_backward_of("combine")
     def backward(ctx, grad_out):
         handle: AutogradHandle = ctx.handle
         grad_y = ctx.buffer.dispatch(grad_out.contiguous(), handle=handle.buffer_handle)[0]
@@ -425,6 +442,7 @@ class _LowLatencyDispatch(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @_backward_of("low_latency_dispatch")
     def backward(ctx, grad_recv_x, _grad_count):
         h: LowLatencyAutogradHandle = ctx.handle
         g = _ll_combine_raw(ctx.buffer, grad_recv_x.contiguous(), h.topk_idx, _unit_weights(h.topk_idx),
@@ -443,6 +461,7 @@ class _LowLatencyCombine(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @_backward_of("low_latency_combine")
     def backward(ctx, grad_out):
         h: LowLatencyAutogradHandle = ctx.handle
         buffer = ctx.buffer
