@@ -384,6 +384,31 @@ def skip_buffer(ctx, timeout_s):
 
 
 
+def failure_while_destroying(ctx):
+    """A call that fails because ``destroy()`` runs meanwhile in another thread may record its failure between
+    the destroy's first step (the Buffer marked destroyed) and its word to the peers. Rank 0 recreates that
+    order: marked destroyed, the failure, then the rest of ``destroy()``. Rank 1 returns the cause rank 0's
+    word gives it, which must be the destroy."""
+    import torch.distributed as dist
+
+    import ubep_torch.buffer as B
+    from ubep_torch import Buffer
+    from ubep_torch import protocol as P
+    from ubep_torch.errors import UBEPBrokenError
+
+    buf = Buffer(dist.group.WORLD, 1 << 20, timeout_s=20.0)
+    dist.barrier()
+    if ctx.rank == 0:
+        buf._destroyed = True           # (destroy()'s first step)
+        buf._fail(UBEPBrokenError("ubep_torch: rank 0: this Buffer was destroyed while waiting"))
+        buf._destroyed = False
+        buf.destroy()
+    dist.barrier()
+    how = P.abort_how(int(buf._aux_words[B._ABORT_ROW * ctx.world_size + 0])) if ctx.rank == 1 else None
+    buf.destroy()
+    return None if how is None else P.GONE_CAUSES.get(how, f"abort {how}")
+
+
 def stalled_in(ctx, where, timeout_s=1.0):
     """Rank 1 leaves out what rank 0 then waits in: the recv hook of a low-latency dispatch (``"hook"``) or the
     backward of ``functional.combine`` (``"backward"``). Rank 0's wait ends at its deadline; returns the

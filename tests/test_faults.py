@@ -632,6 +632,15 @@ def test_destroy_from_another_thread_during_one_step_calls():
         assert peer_kind == "UBEPPeerLostError" and "destroyed its Buffer" in message, peer
 
 
+def test_a_failure_while_destroying_leaves_the_destroy_as_the_cause():
+    """(former race, seen once in the test above: the call that failed because of the destroy told the peers
+    that this rank failed, and the destroy then told them nothing, so they named an abort, not the destroy)"""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        _, cause = pool.run(FR.failure_while_destroying, timeout_s=60)
+    assert cause == "destroyed its Buffer", cause
+
+
 def test_dropped_and_destroyed_buffers_release_their_memory():
     """(former bugs: a Buffer dropped without destroy() stayed mapped until the cycle collector ran, through
     a reference cycle of its own; after destroy(), a kept view or a kept exception's frames kept every

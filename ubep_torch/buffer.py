@@ -1622,6 +1622,8 @@ class Buffer:
         """Tell every peer that this rank failed inside a call (``how``: see ``_peer_aborted``; ``call``: its
         number, the active call's by default), so they fail fast instead of timing out, and their errors name
         the rank that caused it."""
+        if self._destroyed and how != P.ABORT_DESTROYED:     # (the cause the peers are told stays the destroy)
+            return
         slot = _ABORT_ROW * self.group_size + self.rank
         word = P.abort_word(how, self._active_call if call is None else call)
         for r in range(self.group_size):
@@ -1665,6 +1667,10 @@ class Buffer:
 
     def _fail(self, e: BaseException) -> None:
         name_global_ranks(e, self._global_ranks)      # (its text is kept for later calls' errors)
+        if self._destroyed:
+            # a call that failed because destroy() ran meanwhile (another thread, a signal handler): destroy()
+            # tells the peers that this rank destroyed its Buffer, whichever of the two gets there first
+            return
         if self._broken is None:
             # (an exception without a message, such as Ctrl-C's KeyboardInterrupt, is named with its call)
             self._broken = f"{type(e).__name__}: {e}" if str(e) else \
