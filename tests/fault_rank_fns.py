@@ -439,7 +439,7 @@ def stalled_in(ctx, where, timeout_s=1.0):
             wait = hook
         else:
             x.requires_grad_(True)
-            recv_x, _, recv_w, handle = functional.dispatch(buf, x, topk, torch.rand(T, K, generator=g), E)
+            recv_x, _, _, handle = functional.dispatch(buf, x, topk, torch.rand(T, K, generator=g), E)
             out = functional.combine(buf, recv_x * 2.0, handle)
             if ctx.rank == 1:
                 time.sleep(timeout_s + 1.5)

@@ -427,7 +427,8 @@ def test_sweep_removes_only_dead_owners_segments(tmp_path):
 def test_a_wait_names_the_hook_or_backward_it_is_in(where, context):
     """A wait in a recv hook, or in the backward of a differentiable call, belongs to a call the user made
     earlier or did not make by that name: its error says where it is after the phase."""
-    with RankPool(2) as pool:
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
         res, _ = pool.run(FR.stalled_in, where)
     kind, phase, missing = res
     assert kind == "UBEPTimeoutError" and missing == [1], res
