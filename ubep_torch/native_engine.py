@@ -139,7 +139,7 @@ def _source_spec(fmt: P.RowFormat, rows: torch.Tensor, tok: Optional[torch.Tenso
     if tok is not None and tok.numel() != n:
         raise ValueError(f"{tok.numel()} tokens for {n} combine rows")
     tok_p = 0 if tok is None or n == 0 else tok.data_ptr()
-    if rows.dim() == 2 and rows.dtype == torch.bfloat16 and _rowwise(rows) and rows.shape[1] == H:
+    if _rows_of(rows, torch.bfloat16, H):
         return _plain_spec(rows, 0, tok_p, n)
     if _slots(rows, fmt):
         return _slot_spec(fmt, rows.data_ptr(), tok_p, n)
@@ -189,7 +189,7 @@ def _field_spec(data: torch.Tensor, n: int, off: int, full: int, rem: int) -> Op
     block)``: ``full`` whole blocks and ``rem`` bytes from block ``off`` on; None when ``data`` is not [n or
     more, bytes or more] uint8 rows, addressable row by row."""
     nbytes = full * P.TFF_PAYLOAD_BYTES + rem
-    if not (_rowwise(data) and data.dtype is torch.uint8 and data.shape[0] >= n and data.shape[1] >= nbytes):
+    if not (data is not None and _rows_of(data, torch.uint8, nbytes, exact=False) and data.shape[0] >= n):
         return None
     return data.data_ptr(), data.stride(0), nbytes, off
 
@@ -324,7 +324,7 @@ def _sum_spec(fmt: P.RowFormat, out: torch.Tensor, sources: Sequence[tuple]) -> 
         tok_p = 0 if tok is None else tok.data_ptr()
         if len(src) == 4:     # plain rows
             rows, first = src[0], src[1]
-            if not (rows.dtype == torch.bfloat16 and _rowwise(rows) and rows.shape[1] == H
+            if not (_rows_of(rows, torch.bfloat16, H)
                     and 0 <= first and first + n <= rows.shape[0]):
                 return None
             spec.append(_plain_spec(rows, first, tok_p, n) + (0, -1))
@@ -763,7 +763,7 @@ class NativeEngine(TorchEngine):
         for i, out in enumerate(outs):
             if out is None or fmt.field_blocks[i] == 0:
                 continue
-            if not (_rowwise(out) and out.dtype == torch.uint8 and out.shape[1] == fmt.fields[i][1]):
+            if not _rows_of(out, torch.uint8, fmt.fields[i][1]):
                 usable = False
                 break
             fields.append((out.data_ptr(), out.stride(0), fmt.fields[i][1], fmt.field_offset_blocks(i)))
