@@ -46,6 +46,14 @@ outputs.
   that does not grow with the rows: the routing checks, control messages, waits, acks and outputs. Set
   against the plain-copies round trip above, it shows how far each part is from the target.
 
+* Where the normal round trip goes (the C path only): after the rounds, ``--iters`` times ``--rounds``
+  more ``ubep normal`` round trips, with the engine's one-step exchanges timed inside them on every rank
+  (``time.perf_counter``, one clock for every process of the host). For the dispatch's and the combine's
+  exchange: how long a rank spends in it, how far apart the ranks enter it (the wait for the slower
+  rank), and how long the last rank to leave takes after the last one entered (moving the rows); then
+  the rest of the round trip, outside the exchanges: the calls' Python (checks, outputs, handles,
+  control words).
+
 The C path stores rows into a peer's slots with plain or streaming stores, whichever it measured cheaper
 (``native_engine.store_policy``; ``UBEP_STORES`` fixes one): the last lines print each rank's choice and
 its estimates. On a VM whose vCPUs are sometimes placed far apart, plain stores into memory another core
@@ -359,9 +367,78 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
         res["cross"].append(t_store + statistics.median(loads))
     heap.close()
     floor_heap.close()
+    disp, comb = paths[bufs[0].backend][:2]
+    timeline = _exchange_times(bufs[0], disp, comb, iters * rounds)
     for buf in bufs:
         buf.destroy()
-    return res, recv_bytes, ll_bytes, list(paths), native_store_policy()
+    return res, recv_bytes, ll_bytes, list(paths), native_store_policy(), timeline
+
+
+def _exchange_times(buf, disp, comb, calls: int):
+    """``calls`` normal round trips with the C path's one-step exchanges timed inside them: ``(seconds per
+    round trip, [(kind, start, end, status)] of every exchange, calls)``, with ``time.perf_counter`` stamps,
+    which every process of this host reads from the same clock. None where the engine has no one-step
+    exchange."""
+    eng = buf.engine
+    if not (hasattr(eng, "exchange_reorder") and hasattr(eng, "exchange_combine")):
+        return None
+    stamps = []
+
+    def timed(kind, step):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            status = step(*args, **kwargs)
+            stamps.append((kind, t0, time.perf_counter(), status))
+            return status
+        return call
+    comb(disp())        # (the calls before may have sent other rows: this one sends these again)
+    # (instance attributes in front of the engine's methods, removed again below)
+    eng.exchange_reorder = timed("dispatch", eng.exchange_reorder)
+    eng.exchange_combine = timed("combine", eng.exchange_combine)
+    try:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            comb(disp())
+        per_call = (time.perf_counter() - t0) / calls
+    finally:
+        del eng.exchange_reorder, eng.exchange_combine
+    return per_call, stamps, calls
+
+
+def print_exchange_times(timelines) -> None:
+    """Where the normal round trip goes (see ``_exchange_times``): for each one-step exchange, how long a rank
+    spent in it, how far apart the ranks entered it and how long the last rank to leave took after the last
+    one entered; then the rest of the round trip, outside the exchanges."""
+    if any(t is None for t in timelines):
+        print("\nwhere the normal round trip goes: not timed (the engine has no one-step exchange)")
+        return
+    stamps = [t[1] for t in timelines]
+    # (every rank makes the same calls; an exchange that was not a one-step one on some rank is left out)
+    if len({len(s) for s in stamps}) != 1 or any(len({s[i][0] for s in stamps}) != 1 for i in range(len(stamps[0]))):
+        print("\nwhere the normal round trip goes: not timed (the ranks' exchanges did not pair up one to one)")
+        return
+    calls = timelines[0][2]
+    print(f"\nwhere the normal round trip goes: the C path's one-step exchanges timed inside {calls} round "
+          f"trip{'s' if calls != 1 else ''}\n  (the exchange stores the rows into the peers' memory, waits for "
+          f"theirs and copies or sums them out)")
+    for kind in ("dispatch", "combine"):
+        at = [i for i, e in enumerate(stamps[0]) if e[0] == kind and all(s[i][3] == 0 for s in stamps)]
+        if not at:
+            print(f"  {kind}: no call took the one-step exchange")
+            continue
+        spent = statistics.median(statistics.mean(s[i][2] - s[i][1] for s in stamps) for i in at)
+        apart = statistics.median(max(s[i][1] for s in stamps) - min(s[i][1] for s in stamps) for i in at)
+        after = statistics.median(max(s[i][2] for s in stamps) - max(s[i][1] for s in stamps) for i in at)
+        print(f"  {kind}'s exchange (medians): {spent * 1e3:.3f} ms on a rank (mean over ranks); the ranks "
+              f"entered it {apart * 1e3:.3f} ms apart,\n    and the last to leave left {after * 1e3:.3f} ms after "
+              f"the last one entered ({len(at)} of {calls} calls one-step on every rank)")
+    # (means over the calls, then over the ranks: a call that was not one-step has its receive outside)
+    per_call = statistics.mean(t[0] for t in timelines)
+    inside = statistics.mean(sum(e[2] - e[1] for e in s) / calls for s in stamps)
+    print(f"  the rest of the round trip, outside the exchanges (the calls' checks, outputs, handles and control "
+          f"words):\n    {(per_call - inside) * 1e3:.3f} ms of {per_call * 1e3:.3f} ms (means over the calls "
+          f"and the ranks)")
 
 
 def main() -> None:
@@ -464,6 +541,7 @@ def main() -> None:
     print(f"\nper-call work: the same normal round trip with rows of hidden {min(a.hidden, SMALL_HIDDEN)} (the "
           f"routing checks, control\n  messages, waits and outputs of every call, with next to no bytes): "
           f"{small * 1e3:.3f} ms; at hidden {a.hidden} the rows add\n  {(rt - small) * 1e3:.3f} ms to it{floor}")
+    print_exchange_times([r[5] for r in per_rank])
     print("\nrows into the peers' slots (the C path's stores, native_engine.store_policy), per rank at the end:")
     for r, st in enumerate(r[4] for r in per_rank):
         if not st:

@@ -179,6 +179,14 @@ def test_buffer_benchmark_prints_its_table_on_three_ranks():
     assert any(line.startswith("store to peer + load back, round by round") for line in lines), out
     work = re.search(r"per-call work: .*?next to no bytes\): ([0-9.]+) ms", out, re.S)
     assert work is not None and float(work.group(1)) > 0, out
+    if make_engine("auto").name != "torch":     # (the C path's one-step exchanges, timed inside round trips)
+        for kind in ("dispatch", "combine"):
+            ex = re.search(kind + r"'s exchange \(medians\): ([0-9.]+) ms on a rank .*? entered it ([0-9.]+) ms "
+                           r"apart,\s+and the last to leave left ([0-9.]+) ms after .*?\((\d+) of (\d+) calls",
+                           out, re.S)
+            assert ex is not None and float(ex.group(1)) > 0 and int(ex.group(4)) == int(ex.group(5)) == 2, out
+        rest = re.search(r"outside the exchanges .*?:\s+([0-9.]+) ms of ([0-9.]+) ms", out, re.S)
+        assert rest is not None and 0 < float(rest.group(1)) < float(rest.group(2)), out
     loops = ("torch operators", "the C data path's") if make_engine("auto").name != "torch" else ("torch operators",)
     for how in loops:
         floor = next((line for line in lines if line.startswith(how) and "naive gloo" in line), None)
