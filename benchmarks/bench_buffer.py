@@ -380,7 +380,7 @@ def _exchange_times(buf, disp, comb, calls: int):
     which every process of this host reads from the same clock. None where the engine has no one-step
     exchange."""
     eng = buf.engine
-    if not (hasattr(eng, "exchange_reorder") and hasattr(eng, "exchange_combine")):
+    if not (hasattr(eng, "run_reorder") and hasattr(eng, "run_combine")):
         return None
     stamps = []
 
@@ -393,8 +393,8 @@ def _exchange_times(buf, disp, comb, calls: int):
         return call
     comb(disp())        # (the calls before may have sent other rows: this one sends these again)
     # (instance attributes in front of the engine's methods, removed again below)
-    eng.exchange_reorder = timed("dispatch", eng.exchange_reorder)
-    eng.exchange_combine = timed("combine", eng.exchange_combine)
+    eng.run_reorder = timed("dispatch", eng.run_reorder)
+    eng.run_combine = timed("combine", eng.run_combine)
     try:
         dist.barrier()
         t0 = time.perf_counter()
@@ -402,7 +402,7 @@ def _exchange_times(buf, disp, comb, calls: int):
             comb(disp())
         per_call = (time.perf_counter() - t0) / calls
     finally:
-        del eng.exchange_reorder, eng.exchange_combine
+        del eng.run_reorder, eng.run_combine
     return per_call, stamps, calls
 
 

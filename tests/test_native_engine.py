@@ -303,6 +303,16 @@ def test_calls_that_repeat_a_routing_take_one_engine_step_with_the_same_bits(poo
 
 
 @needs_native
+def test_one_engine_step_calls_of_two_row_sizes_in_turn_keep_the_same_bits(pool):
+    """A repeated routing whose calls take two hidden sizes in turn: every one-step call runs with the engine
+    arguments kept for its own row size, and the bits are the torch path's."""
+    res = pool.run(F.steady_equivalence, calls=10, sizes=(1000, 520))
+    F.assert_all_same(res)
+    for r in res:      # (the first call of each row size takes the general path)
+        assert r["steady"].get("dispatch 0", 0) >= 7 and r["steady"].get("combine 0", 0) >= 7, res
+
+
+@needs_native
 @pytest.mark.parametrize("case", ["late peer", "new routing on one rank"])
 def test_one_engine_step_that_finds_other_messages_goes_on_the_general_way(pool, case):
     """A peer that is late for the engine's wait (rank 0 waits 0 ns), or that routes anew while this rank

@@ -90,12 +90,14 @@ def normal_equivalence(ctx, sync: str, fp8: bool = False, T: int = 6, H: int = 2
 
 
 def steady_equivalence(ctx, sync: str = "tff", T: int = 12, H: int = 1000, K: int = 3, E: int = 8, calls: int = 5,
-                       spin_ns: int = 100_000_000, lag_s: float = 0.0, change_at: int = -1) -> dict:
-    """Calls that repeat one routing with new x every time, on torch and native: dispatch with weights and an
-    unweighted combine, each call's outputs compared as bytes. The native Buffer's one-step exchanges
+                       spin_ns: int = 100_000_000, lag_s: float = 0.0, change_at: int = -1,
+                       sizes: tuple = ()) -> dict:
+    """Calls that repeat one routing with new x and weights every time, on torch and native: dispatch with
+    weights and an unweighted combine, each call's outputs compared as bytes. The native Buffer's one-step exchanges
     (``_steady_dispatch``, ``_steady_combine``) wait ``spin_ns`` for their peers on this rank; rank 1 sleeps
-    ``lag_s`` before each call, and from call ``change_at`` on routes anew every call. Returns {call:
-    bit-identical?} and the engine's one-step results, counted ({"dispatch 0": n, "combine 1": n, ...})."""
+    ``lag_s`` before each call, and from call ``change_at`` on routes anew every call. ``sizes``: hidden sizes
+    that calls take in turn (x's first columns of the last one; H by default). Returns {call: bit-identical?}
+    and the engine's one-step results, counted ({"dispatch 0": n, "combine 1": n, ...})."""
     import ubep_torch.buffer as B
     bt, bk = get_buffer(ctx, sync, backend="torch"), get_buffer(ctx, sync, backend="native")
     seen: dict = {}
@@ -107,15 +109,18 @@ def steady_equivalence(ctx, sync: str = "tff", T: int = 12, H: int = 1000, K: in
             return status
         return call
     eng = bk.engine
-    eng.exchange_reorder = counted("dispatch", type(eng).exchange_reorder.__get__(eng))
-    eng.exchange_combine = counted("combine", type(eng).exchange_combine.__get__(eng))
+    eng.run_reorder = counted("dispatch", type(eng).run_reorder.__get__(eng))
+    eng.run_combine = counted("combine", type(eng).run_combine.__get__(eng))
     spin, B._STEADY_SPIN_NS = B._STEADY_SPIN_NS, spin_ns
     same = {}
     try:
         for i in range(calls):
             anew = ctx.rank == 1 and 0 <= change_at <= i
             topk, w = make_routing(100 + i if anew else 7, ctx.rank, T, K, E)
+            w = w * (1.0 + i / 8)       # (the same experts, new weights: each call's meta items are its own)
             x = torch.randn(T, H, generator=torch.Generator().manual_seed(50 * i + ctx.rank)).bfloat16()
+            if sizes:
+                x = x[:, :sizes[i % len(sizes)]].contiguous()
             outs = []
             for buf in (bt, bk):
                 if ctx.rank == 1 and lag_s:
@@ -128,7 +133,7 @@ def steady_equivalence(ctx, sync: str = "tff", T: int = 12, H: int = 1000, K: in
             same[f"call {i}"] = _same(outs[0], outs[1])
     finally:
         B._STEADY_SPIN_NS = spin
-        del eng.exchange_reorder, eng.exchange_combine
+        del eng.run_reorder, eng.run_combine
     return {"same": same, "steady": seen}
 
 
