@@ -375,10 +375,10 @@ def bench_rank(ctx, T, H, K, E, iters, rounds, sync, backends, nvl_tokens=0):
 
 
 def _exchange_times(buf, disp, comb, calls: int):
-    """``calls`` normal round trips with the C path's one-step exchanges timed inside them: ``(seconds per
-    round trip, [(kind, start, end, status)] of every exchange, calls)``, with ``time.perf_counter`` stamps,
-    which every process of this host reads from the same clock. None where the engine has no one-step
-    exchange."""
+    """``calls`` normal round trips with the C path's one-step exchanges timed inside them: ``(start of every
+    round trip and end of the last, [(kind, start, end, status)] of every exchange, calls)``, with
+    ``time.perf_counter`` stamps, which every process of this host reads from the same clock. None where the
+    engine has no one-step exchange."""
     eng = buf.engine
     if not (hasattr(eng, "run_reorder") and hasattr(eng, "run_combine")):
         return None
@@ -395,15 +395,16 @@ def _exchange_times(buf, disp, comb, calls: int):
     # (instance attributes in front of the engine's methods, removed again below)
     eng.run_reorder = timed("dispatch", eng.run_reorder)
     eng.run_combine = timed("combine", eng.run_combine)
+    starts = []
     try:
         dist.barrier()
-        t0 = time.perf_counter()
         for _ in range(calls):
+            starts.append(time.perf_counter())
             comb(disp())
-        per_call = (time.perf_counter() - t0) / calls
+        starts.append(time.perf_counter())
     finally:
         del eng.run_reorder, eng.run_combine
-    return per_call, stamps, calls
+    return starts, stamps, calls
 
 
 def print_exchange_times(timelines) -> None:
@@ -433,12 +434,19 @@ def print_exchange_times(timelines) -> None:
         print(f"  {kind}'s exchange (medians): {spent * 1e3:.3f} ms on a rank (mean over ranks); the ranks "
               f"entered it {apart * 1e3:.3f} ms apart,\n    and the last to leave left {after * 1e3:.3f} ms after "
               f"the last one entered ({len(at)} of {calls} calls one-step on every rank)")
-    # (means over the calls, then over the ranks: a call that was not one-step has its receive outside)
-    per_call = statistics.mean(t[0] for t in timelines)
-    inside = statistics.mean(sum(e[2] - e[1] for e in s) / calls for s in stamps)
+    # each round trip's time outside its exchanges, the mean over the ranks, then the median over the round
+    # trips (a call that was not one-step has its receive outside; a rare stall of a process stays out of it)
+    rest, whole = [], []
+    for i in range(calls):
+        per_rank = []
+        for t, s in zip(timelines, stamps):
+            a, b = t[0][i], t[0][i + 1]
+            per_rank.append((b - a, b - a - sum(e[2] - e[1] for e in s if a <= e[1] < b)))
+        whole.append(statistics.mean(p[0] for p in per_rank))
+        rest.append(statistics.mean(p[1] for p in per_rank))
     print(f"  the rest of the round trip, outside the exchanges (the calls' checks, outputs, handles and control "
-          f"words):\n    {(per_call - inside) * 1e3:.3f} ms of {per_call * 1e3:.3f} ms (means over the calls "
-          f"and the ranks)")
+          f"words):\n    {statistics.median(rest) * 1e3:.3f} ms of {statistics.median(whole) * 1e3:.3f} ms "
+          f"(medians over the round trips of the means over the ranks)")
 
 
 def main() -> None:
