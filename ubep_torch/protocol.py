@@ -220,6 +220,13 @@ class RowFormat:
     def field_offset_blocks(self, i: int) -> int:
         return self.meta_blocks + sum(self.field_blocks[:i])
 
+    def __hash__(self) -> int:      # (formats key the Buffer's and the engine's caches: hashed once)
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.sync, self.fields, self.meta_words, self.kind))
+
     def signature(self) -> int:
         return self._signature
 
