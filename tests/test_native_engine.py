@@ -313,6 +313,16 @@ def test_one_engine_step_calls_of_two_row_sizes_in_turn_keep_the_same_bits(pool)
 
 
 @needs_native
+def test_one_engine_step_calls_of_fp8_rows_keep_the_same_bits(pool):
+    """A repeated routing of fp8 rows and their scales (two payload fields): the one-step calls' bits are the
+    torch path's."""
+    res = pool.run(F.steady_equivalence, H=1024, fp8=True)
+    F.assert_all_same(res)
+    for r in res:
+        assert r["steady"].get("dispatch 0", 0) >= 3 and r["steady"].get("combine 0", 0) >= 3, res
+
+
+@needs_native
 @pytest.mark.parametrize("case", ["late peer", "new routing on one rank"])
 def test_one_engine_step_that_finds_other_messages_goes_on_the_general_way(pool, case):
     """A peer that is late for the engine's wait (rank 0 waits 0 ns), or that routes anew while this rank

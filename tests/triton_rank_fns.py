@@ -91,13 +91,14 @@ def normal_equivalence(ctx, sync: str, fp8: bool = False, T: int = 6, H: int = 2
 
 def steady_equivalence(ctx, sync: str = "tff", T: int = 12, H: int = 1000, K: int = 3, E: int = 8, calls: int = 5,
                        spin_ns: int = 100_000_000, lag_s: float = 0.0, change_at: int = -1,
-                       sizes: tuple = ()) -> dict:
+                       sizes: tuple = (), fp8: bool = False) -> dict:
     """Calls that repeat one routing with new x and weights every time, on torch and native: dispatch with
     weights and an unweighted combine, each call's outputs compared as bytes. The native Buffer's one-step exchanges
     (``_steady_dispatch``, ``_steady_combine``) wait ``spin_ns`` for their peers on this rank; rank 1 sleeps
     ``lag_s`` before each call, and from call ``change_at`` on routes anew every call. ``sizes``: hidden sizes
-    that calls take in turn (x's first columns of the last one; H by default). Returns {call: bit-identical?}
-    and the engine's one-step results, counted ({"dispatch 0": n, "combine 1": n, ...})."""
+    that calls take in turn (x's first columns of the last one; H by default); ``fp8``: x as fp8 rows and
+    per-128 scales (two payload fields). Returns {call: bit-identical?} and the engine's one-step results,
+    counted ({"dispatch 0": n, "combine 1": n, ...})."""
     import ubep_torch.buffer as B
     bt, bk = get_buffer(ctx, sync, backend="torch"), get_buffer(ctx, sync, backend="native")
     seen: dict = {}
@@ -121,6 +122,10 @@ def steady_equivalence(ctx, sync: str = "tff", T: int = 12, H: int = 1000, K: in
             x = torch.randn(T, H, generator=torch.Generator().manual_seed(50 * i + ctx.rank)).bfloat16()
             if sizes:
                 x = x[:, :sizes[i % len(sizes)]].contiguous()
+            if fp8:
+                xf = x.float().view(T, -1, 128)
+                sc = xf.abs().amax(-1).clamp(min=1e-4) / 448.0
+                x = ((xf / sc.unsqueeze(-1)).view(T, -1).to(torch.float8_e4m3fn), sc.contiguous())
             outs = []
             for buf in (bt, bk):
                 if ctx.rank == 1 and lag_s:
@@ -128,7 +133,8 @@ def steady_equivalence(ctx, sync: str = "tff", T: int = 12, H: int = 1000, K: in
                 ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
                 rx, ri, rw, cnt, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr,
                                                           num_tokens_per_expert=ntpe, topk_idx=topk, topk_weights=w)
-                comb, _, _ = buf.combine(rx * 2, handle)
+                comb, _, _ = buf.combine((rx[0].float() * rx[1].repeat_interleave(128, 1)).bfloat16() if fp8
+                                         else rx * 2, handle)
                 outs.append((rx, ri, rw, torch.tensor(cnt), handle[0], handle[3], handle[5], comb))
             same[f"call {i}"] = _same(outs[0], outs[1])
     finally:
