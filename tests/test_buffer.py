@@ -595,3 +595,18 @@ def test_results_sent_to_another_process_are_never_overwritten(pool2):
         for rank, (recv_x, combined) in enumerate(per_rank):
             assert combined.eq(v).all(), (v, rank)
             assert recv_x.shape[0] == (128 if rank == 0 else 0) and recv_x.eq(v).all(), (v, rank)
+
+
+def test_a_row_format_hashes_once_and_anew_in_another_process():
+    """A row format keys the Buffer's caches: its hash is computed once, equals that of an equal format made
+    apart, and is not carried in a pickle (a string's hash differs between processes)."""
+    import pickle
+
+    from ubep_torch import protocol as P
+    fmt = P.row_format("tff", (("x", 14336),), 16, "torch.bfloat16/8/torch.float32")
+    twin = P.RowFormat("tff", (("x", 14336),), 16, "torch.bfloat16/8/torch.float32")
+    assert twin is not fmt and twin == fmt and hash(twin) == hash(fmt) and {fmt: 1}[twin] == 1
+    assert hash(P.RowFormat("tff", (("x", 14336),), 16, "other")) != hash(fmt)
+    assert "_hash" in fmt.__dict__ and fmt.blocks == 31
+    back = pickle.loads(pickle.dumps(fmt))
+    assert back == fmt and "_hash" not in back.__dict__ and back.blocks == 31 and hash(back) == hash(fmt)

@@ -2496,22 +2496,24 @@ class Buffer:
         # this one sends the same row lists and control words (the very objects): (row lists, words, call)
         memo = said.get(("dispatch", me, half))
         call = memo[2] if memo is not None and memo[0] is send_idx and memo[1] is words else None
+        first = False
         if call is None or not call.fits(fields_data, meta, outs, meta_out, recv_src_idx):
             slots = [region.rows(local, half, s, fmt) for s in range(R)]
             call = eng.reorder_call(
-                x["key"], fmt, fields_data, meta, src_index, me, x["sels"], x["words"],
+                x["key"], fmt, fields_data, meta, src_index, me, x["flag"], x["sels"], x["words"],
                 region.ctrl_sources(local, half), x["nctrl"], expected_bytes, 1 << P.CTRL_CHECKSUM, outs, meta_out,
                 recv_src_idx, _STREAM_ROWS, (send_idx[me], off[me]))
             if call is not None:
                 said["dispatch", me, half] = (send_idx, words, call,
                                               tuple((slots[s].data_ptr(), rows_from[s], off[s], s)
                                                     for s in range(R) if s != me))
+                first = True
             memo = said.get(("dispatch", me, half))
         status = None
         if call is not None:    # (the sources' lists are advanced by the engine: new ones every call)
             sources = [[p, n, o, 0, s] for p, n, o, s in memo[3]]
             status = eng.run_reorder(call, fields_data, meta, outs, meta_out, recv_src_idx, x["flag"], sources,
-                                     min(_STEADY_SPIN_NS, int(self.timeout_s * 2.5e8)))
+                                     min(_STEADY_SPIN_NS, int(self.timeout_s * 2.5e8)), first)
         rest = self._steady_rest(x, status, fmt, fields_data, meta, src_index)
         if rest is None:
             recv.update(epoch=x["epoch"], half=half, flag=x["flag"])
@@ -2883,7 +2885,7 @@ class Buffer:
         checked, said = kept
         # the engine's arguments of the last one-step combine of these messages, for each buffer half, where this
         # one answers a dispatch of the same layout (its row lists, the very tensors): (row lists, row bounds,
-        # the spans sent, {half: CombineCall})
+        # the spans sent, {half: CombineCall, or False once one call made its arguments for itself alone})
         memo = said.get(("combine", me))
         if memo is None or memo[0] is not toks or memo[1] != bounds:
             # (each rank returns the rows of this rank's tokens)
@@ -2899,18 +2901,21 @@ class Buffer:
         fields_data, src_index = [P.as_bytes(x)], eng.arange(base.num_recv)
         xs = self._exchange_begin(rid, fmt, memo[2], words, T, 0, False)
         half, spin = xs["half"], min(_STEADY_SPIN_NS, int(self.timeout_s * 2.5e8))
-        call = memo[3].get(half)
-        if call is None or not call.fits(fields_data[0], out):
+        call, first = memo[3].get(half), False
+        if not call or not call.fits(fields_data[0], out):
             region, local = xs["region"], self._heap.local
             slots = [region.rows(local, half, s, fmt) for s in range(R)]    # (held while the engine reads them)
             sources = [(x, bounds[me], said["nrows"][me], toks[me]) if s == me else
                        (s, slots[s].data_ptr(), said["nrows"][s], toks[s], 0) for s in range(R)]
-            call = eng.combine_call(xs["key"], fmt, fields_data, src_index, me, xs["sels"], xs["words"],
-                                    region.ctrl_sources(local, half), xs["nctrl"], want.nbytes, out, sources)
+            # (kept from the second call of these messages on: a routing that changes every call, and so its
+            # messages, pays nothing for it; None: not seen in this half yet, False: seen once)
+            keep = call is not None
+            call = eng.combine_call(xs["key"], fmt, fields_data, src_index, me, xs["flag"], xs["sels"], xs["words"],
+                                    region.ctrl_sources(local, half), xs["nctrl"], want.nbytes, out, sources, keep)
             if call is not None:
-                memo[3][half] = call
+                memo[3][half], first = call if keep else False, True
         status = None if call is None else eng.run_combine(call, fields_data[0], out, xs["flag"], xs["words"],
-                                                           want.tobytes(), skip, spin)
+                                                           want.tobytes(), skip, spin, first)
         rest = self._steady_rest(xs, status, fmt, fields_data, None, src_index)
         return rest is None, rest
 

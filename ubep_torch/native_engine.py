@@ -343,15 +343,17 @@ class CombineCall:
     """The arguments of a one-step normal combine (``NativeEngine.run_combine``) that stay the same from
     call to call of one layout: the staging and slots the rows go to, the row lists, the control blocks, the
     peers' slots and the row lists of the sum (``NativeEngine.combine_call`` makes them). ``run`` adds those
-    of one call: the rows' and the output's addresses, the flag, the control words and the expected ones."""
+    of one call: the rows' and the output's addresses, the flag, the control words and the expected ones.
+    The call it is made for runs with the arguments as made (``first``); the kept form is worked out when
+    another call runs it, so that a layout seen once costs no more than before."""
 
-    __slots__ = ("head", "payload", "dests", "ctrl", "T", "H", "spec", "rows", "alive")
+    __slots__ = ("first", "x_p", "ctrl", "T", "H", "rows", "alive", "head", "payload", "dests", "spec")
 
-    def __init__(self, head: tuple, payload: tuple, dests: tuple, ctrl: tuple, T: int, H: int, spec: tuple,
-                 rows: tuple, alive: tuple):
-        self.head, self.payload, self.dests, self.ctrl = head, payload, dests, ctrl
-        self.T, self.H, self.spec, self.rows = T, H, spec, rows
-        self.alive = alive    # (every tensor whose address the arguments hold)
+    def __init__(self, send: tuple, spec: tuple, x_p: int, ctrl: tuple, T: int, H: int, rows: tuple, alive: tuple):
+        self.first = (send, spec)       # (the C call's arguments for the call it is made with)
+        self.x_p, self.ctrl, self.T, self.H, self.rows = x_p, ctrl, T, H, rows
+        self.alive = alive    # (every kept tensor whose address the arguments hold)
+        self.head = None
 
     def fits(self, x: torch.Tensor, out: torch.Tensor) -> bool:
         """``x`` (uint8 rows, as ``combine_call``'s ``fields[0]``) and ``out`` are laid out as this call's
@@ -360,17 +362,30 @@ class CombineCall:
                 and (x.shape[1] <= 1 or x.stride(1) == 1) and out.dtype is torch.bfloat16
                 and tuple(out.shape) == (self.T, self.H) and out.is_contiguous())
 
+    def _keep(self) -> None:
+        send, spec = self.first
+        self.head, self.payload, self.dests = send[:4], send[5][0][1:], tuple(d[:5] for d in send[6])
+        # (the own rows' spec holds their address as an offset into x; every other value holds again)
+        self.spec = tuple((s[0] - self.x_p,) + s[1:6] + (-2,) if s[6] == -1 else s for s in spec)
+        self.first = None
+
     def run(self, x: torch.Tensor, out: torch.Tensor, flag: int, words: Sequence[Sequence[int]], expected: bytes,
-            skip: int, spin_ns: int) -> int:
+            skip: int, spin_ns: int, first: bool = False) -> int:
         """native.c's ``exchange_combine`` of ``x`` (uint8 rows) into ``out``, which ``fits``: 0, 1 or 2 (see
-        ``NativeEngine.run_combine``)."""
-        x_p = x.data_ptr()
+        ``NativeEngine.run_combine``). ``first``: this is the call ``combine_call`` made it with (those
+        tensors, that flag and those words)."""
+        if first:
+            send, spec = self.first
+        else:
+            if self.head is None:
+                self._keep()
+            x_p = x.data_ptr()
+            send = self.head + (int(flag), ((x_p,) + self.payload,),
+                                tuple(d + (w, 0, 0) for d, w in zip(self.dests, words)))
+            spec = tuple(s if s[6] != -2 else (s[0] + x_p,) + s[1:6] + (-1,) for s in self.spec)
         # (the C loop checks every staging row and every token before it stores or sums anything)
-        return _native.exchange_combine(
-            self.head + (int(flag), ((x_p,) + self.payload,), tuple(d + (w, 0, 0) for d, w in zip(self.dests, words))),
-            self.ctrl + (expected, int(skip)), self.T, self.H,
-            tuple(s if s[6] != -2 else (s[0] + x_p,) + s[1:6] + (-1,) for s in self.spec), out.data_ptr(),
-            int(spin_ns))
+        return _native.exchange_combine(send, self.ctrl + (expected, int(skip)), self.T, self.H, spec,
+                                        out.data_ptr(), int(spin_ns))
 
 
 def _layout_of(ts: Sequence[Optional[torch.Tensor]]) -> tuple:
@@ -382,17 +397,21 @@ class ReorderCall:
     """The arguments of a one-step normal dispatch (``NativeEngine.run_reorder``) that stay the same from call
     to call of one layout: the staging and slots the rows go to, the row lists and control words, the control
     messages expected, the peers' slots and where the own rows go (``NativeEngine.reorder_call`` makes them).
-    ``run`` adds those of one call: the rows', meta items' and outputs' addresses and the flag."""
+    ``run`` adds those of one call: the rows', meta items' and outputs' addresses and the flag. As
+    ``CombineCall``: the call it is made for runs with the arguments as made, and the kept form is worked out
+    when another call runs it."""
 
-    __slots__ = ("head", "pay_idx", "payload", "dests", "ctrl", "step", "meta_out", "out_idx", "out_fields", "own",
-                 "own_strides", "layouts", "meta_items", "alive")
+    __slots__ = ("first", "ctrl", "pay_idx", "out_idx", "layouts", "meta_items", "alive", "head", "payload", "dests",
+                 "step", "meta_out", "out_fields", "own", "own_strides")
 
-    def __init__(self, head, pay_idx, payload, dests, ctrl, step, meta_out, out_idx, out_fields, own, own_strides,
-                 layouts, meta_items, alive):
-        self.head, self.pay_idx, self.payload, self.dests, self.ctrl = head, pay_idx, payload, dests, ctrl
-        self.step, self.meta_out, self.out_idx, self.out_fields = step, meta_out, out_idx, out_fields
-        self.own, self.own_strides, self.layouts, self.meta_items = own, own_strides, layouts, meta_items
+    def __init__(self, send: tuple, ctrl: tuple, reorder: tuple, pay_idx: tuple, out_idx: tuple, layouts: tuple,
+                 meta_items: torch.Tensor, alive: tuple):
+        # (the C call's arguments for the call it is made with; reorder: all but the sources' lists)
+        self.first = (send, reorder)
+        self.ctrl, self.pay_idx, self.out_idx, self.layouts = ctrl, pay_idx, out_idx, layouts
+        self.meta_items = meta_items    # (the staging's meta items: every call's are copied there)
         self.alive = alive    # (the kept tensors whose addresses the arguments hold, and the control words)
+        self.head = None
 
     def fits(self, fields, meta, outs, meta_out, src_out) -> bool:
         """These tensors are laid out as the ones this call was made of: the same addresses work for them."""
@@ -401,13 +420,28 @@ class ReorderCall:
                 and (None if src_out is None else src_out.numel()) == lay[3]
                 and (src_out is None or (src_out.dtype is torch.int32 and src_out.is_contiguous())))
 
-    def run(self, fields, meta, outs, meta_out, src_out, flag: int, sources: list, spin_ns: int) -> int:
+    def _keep(self) -> None:
+        send, (nb, _, min_run, room, _, meta_bytes, meta_stride, _, fields, own) = self.first
+        self.head, self.payload, self.dests = send[:4], tuple(p[1:] for p in send[5]), send[6]
+        self.step, self.meta_out, self.out_fields = (nb, min_run, room), (meta_bytes, meta_stride), \
+            tuple(f[1:] for f in fields)
+        self.own, self.own_strides = own[:4], (own[5], tuple(st for _, st in own[6]))
+        self.first = None
+
+    def run(self, fields, meta, outs, meta_out, src_out, flag: int, sources: list, spin_ns: int,
+            first: bool = False) -> int:
         """native.c's ``exchange_reorder`` of these tensors, which ``fits``: 0, 1 or 2 (see
-        ``NativeEngine.run_reorder``)."""
-        self.meta_items.copy_(meta)     # (the staging's meta items: the stores copy them with the rows)
+        ``NativeEngine.run_reorder``). ``first``: this is the call ``reorder_call`` made it with (those tensors
+        and that flag; the staging holds its meta items)."""
+        # (the C loop checks every staging row, source and output row before it stores or copies anything)
+        if first:
+            send, reorder = self.first
+            return _native.exchange_reorder(send, self.ctrl, reorder[:9] + (sources, reorder[9]), int(spin_ns))
+        if self.head is None:
+            self._keep()
+        self.meta_items.copy_(meta)     # (the stores copy the staging's meta items with the rows)
         flag = int(flag)
         nb, min_run, room = self.step
-        # (the C loop checks every staging row, source and output row before it stores or copies anything)
         return _native.exchange_reorder(
             self.head + (flag, tuple((fields[i].data_ptr(),) + q for i, q in zip(self.pay_idx, self.payload)),
                          self.dests), self.ctrl,
@@ -588,7 +622,8 @@ class NativeEngine(TorchEngine):
         return (fmt.blocks, n, meta_blk.data_ptr(), int(rank), int(flag), tuple(payload), dests), plan
 
     def reorder_call(self, key: tuple, fmt: P.RowFormat, fields: Sequence[torch.Tensor], meta: Optional[torch.Tensor],
-                     src_index: torch.Tensor, rank: int, sels: Sequence[torch.Tensor], words: Sequence[Sequence[int]],
+                     src_index: torch.Tensor, rank: int, flag: int, sels: Sequence[torch.Tensor],
+                     words: Sequence[Sequence[int]],
                      ctrl: torch.Tensor, nctrl: int, expected: bytes, skip: int, outs: Sequence[Optional[torch.Tensor]],
                      meta_out: Optional[torch.Tensor], src_out: Optional[torch.Tensor], min_run: int,
                      own: tuple) -> Optional["ReorderCall"]:
@@ -598,9 +633,10 @@ class NativeEngine(TorchEngine):
         blocks, 512] uint8, ``_Region.ctrl_sources``, of which each message takes the first ``nctrl``; the first
         ``len(expected) // (8 R)`` words of each must equal ``expected``, an int64 buffer, but for the word
         indices in the bit mask ``skip``), then the sources' rows reordered as a ``reorder_sources`` step of
-        ``(fields, meta)`` does with ``own`` (``(rows, first output row)`` of the own rows). A later call of the
-        same layout runs it again with other tensors that ``ReorderCall.fits``. None where the send or the
-        reordering would take a general path."""
+        ``(fields, meta)`` does with ``own`` (``(rows, first output row)`` of the own rows). The call of these
+        arguments (``flag``) runs it first (``run_reorder(..., first=True)``; its meta items are staged here); a
+        later call of the same layout runs it again with other tensors that ``ReorderCall.fits``. None where the
+        send or the reordering would take a general path."""
         R = ctrl.shape[0]
         if not (fmt.sync == "tff" and ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and ctrl.is_contiguous()
                 and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1] and len(expected) % (8 * R) == 0):
@@ -612,7 +648,7 @@ class NativeEngine(TorchEngine):
         sel, offset = own
         if not _contiguous_int64(sel):
             return None
-        send = self._send_args(key, fmt, fields, meta, src_index, rank, 0, sels, words)
+        send = self._send_args(key, fmt, fields, meta, src_index, rank, flag, sels, words)
         if send is None:
             return None
         staged = self._scratch.get((fmt, src_index.shape[0], rank, True))
@@ -623,25 +659,24 @@ class NativeEngine(TorchEngine):
                 [p for p, _ in srcs] != [fields[i].data_ptr() for i in out_idx] or meta_p != meta.data_ptr():
             return None
         return ReorderCall(
-            send[0][:4], pay_idx, tuple(p[1:] for p in send[0][5]), send[0][6],
-            (ctrl.data_ptr(), ctrl.stride(0), int(nctrl), R, len(expected) // (8 * R), expected, int(skip)),
-            (fmt.blocks, int(min_run), room), outputs[1:3], out_idx, tuple(f[1:] for f in outputs[4]),
-            (sel.data_ptr(), sel.numel(), limit, int(offset)), (meta_stride_src, tuple(st for _, st in srcs)),
-            (_layout_of(fields), _layout_of((meta, meta_out)), _layout_of(outs),
-             None if src_out is None else src_out.numel()),
+            send[0], (ctrl.data_ptr(), ctrl.stride(0), int(nctrl), R, len(expected) // (8 * R), expected, int(skip)),
+            (fmt.blocks, int(flag), int(min_run), room, *outputs,
+             (sel.data_ptr(), sel.numel(), limit, int(offset), meta_p, meta_stride_src, tuple(srcs))),
+            pay_idx, out_idx, (_layout_of(fields), _layout_of((meta, meta_out)), _layout_of(outs),
+                               None if src_out is None else src_out.numel()),
             staged[1], (send[1], staged, list(sels), ctrl, sel, words))
 
     def run_reorder(self, call: "ReorderCall", fields: Sequence[torch.Tensor], meta: torch.Tensor,
                     outs: Sequence[torch.Tensor], meta_out: Optional[torch.Tensor], src_out: Optional[torch.Tensor],
-                    flag: int, sources: list, spin_ns: int) -> int:
+                    flag: int, sources: list, spin_ns: int, first: bool = False) -> int:
         """A normal dispatch's exchange in one C call (native.c's ``exchange_reorder``), for a caller that expects
         the control messages of the last one again: the send of ``call`` (``reorder_call``) with these
         ``fields`` and ``meta``, every source's control message as it expects them, then the rows of
         ``sources`` reordered into ``outs``, ``meta_out`` and ``src_out`` (the own rows first), for up to
-        ``spin_ns``; the tensors must fit ``call``. 0 (done: ``sources`` advanced), 1 (a message missing or not
-        as expected) or 2 (rows missing): then only the send has happened, and the caller receives the call
-        the general way."""
-        return call.run(fields, meta, outs, meta_out, src_out, flag, sources, spin_ns)
+        ``spin_ns``; the tensors must fit ``call`` (``first``: the call ``reorder_call`` made it for). 0 (done:
+        ``sources`` advanced), 1 (a message missing or not as expected) or 2 (rows missing): then only the send
+        has happened, and the caller receives the call the general way."""
+        return call.run(fields, meta, outs, meta_out, src_out, flag, sources, spin_ns, first)
 
     def ctrl_poller(self, ctrl: torch.Tensor, nctrl: int) -> Optional[Callable[[int, list], list]]:
         """``poll(flag, words)``: one poll of every source's control message, where ``ctrl`` is every
@@ -934,50 +969,52 @@ class NativeEngine(TorchEngine):
         return poll
 
     def run_combine(self, call: "CombineCall", x: torch.Tensor, out: torch.Tensor, flag: int,
-                    words: Sequence[Sequence[int]], expected: bytes, skip: int, spin_ns: int) -> int:
+                    words: Sequence[Sequence[int]], expected: bytes, skip: int, spin_ns: int,
+                    first: bool = False) -> int:
         """A normal combine's exchange in one C call (native.c's ``exchange_combine``), for a caller that expects
         the control messages of the last one again: ``stage_and_send``'s send of ``x`` (uint8 rows without meta
         items) with control words ``words``, every source's control message as ``run_reorder`` checks it
         (``expected``, ``skip``), then ``out`` = the sum of the sources of ``call`` (``combine_call``), which
-        ``x`` and ``out`` must fit, once the peers' rows are all there, for up to ``spin_ns``. 0 (summed), 1 (a
+        ``x`` and ``out`` must fit (``first``: the call ``combine_call`` made it for), once the peers' rows are
+        all there, for up to ``spin_ns``. 0 (summed), 1 (a
         message missing or not as expected) or 2 (rows missing): then only the send has happened (``out`` is
         not written), and the caller receives the call the general way."""
-        return call.run(x, out, flag, words, expected, skip, spin_ns)
+        return call.run(x, out, flag, words, expected, skip, spin_ns, first)
 
     def combine_call(self, key: tuple, fmt: P.RowFormat, fields: Sequence[torch.Tensor], src_index: torch.Tensor,
-                     rank: int, sels: Sequence[torch.Tensor], words: Sequence[Sequence[int]], ctrl: torch.Tensor,
-                     nctrl: int, expected_bytes: int, out: torch.Tensor, sources: Sequence[tuple]
-                     ) -> Optional["CombineCall"]:
+                     rank: int, flag: int, sels: Sequence[torch.Tensor], words: Sequence[Sequence[int]],
+                     ctrl: torch.Tensor, nctrl: int, expected_bytes: int, out: torch.Tensor,
+                     sources: Sequence[tuple], keep: bool = True) -> Optional["CombineCall"]:
         """The arguments of ``run_combine`` that stay the same from call to call of one layout (a ``CombineCall``):
         the send of ``fields[0]`` (uint8 rows) to the kept send phase ``key`` (as ``stage_and_send``: row lists
         ``sels``, control words like ``words``), the control blocks ``ctrl`` ([R, max blocks, 512] uint8,
         ``_Region.ctrl_sources``, of which each message takes the first ``nctrl``; ``expected_bytes`` of
         expected words) and the sum of ``sources`` into ``out``, as ``reduce_poller`` takes them; the own
-        source among them must be rows of ``fields[0]``'s tensor (the combine's ``x``). A later call of the same
-        layout runs it again with other rows and outputs that ``CombineCall.fits``. None where the send or the
-        sum would take a general path."""
+        source among them must be rows of ``fields[0]``'s tensor (the combine's ``x``). The call of these
+        arguments (``flag``, ``words``) runs it first (``run_combine(..., first=True)``); a later call of the
+        same layout runs it again with other rows and outputs that ``CombineCall.fits``, unless it was made with
+        ``keep`` False (for that call alone, checked and made with less). None where the send or the sum would
+        take a general path."""
         R = ctrl.shape[0]
         if not (fmt.sync == "tff" and ctrl.dim() == 3 and ctrl.dtype == torch.uint8 and ctrl.is_contiguous()
                 and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1] and expected_bytes % (8 * R) == 0):
             return None
         x_p = fields[0].data_ptr()
-        if any(len(src) == 4 and src[0].data_ptr() != x_p for src in sources):
+        if keep and any(len(src) == 4 and src[0].data_ptr() != x_p for src in sources):
             return None
         plan = _sum_spec(fmt, out, sources)
         if plan is None:
             return None
-        send = self._send_args(key, fmt, fields, None, src_index, rank, 0, sels, words)
+        send = self._send_args(key, fmt, fields, None, src_index, rank, flag, sels, words)
         if send is None or len(send[0][5]) != 1:
             return None
-        # (the own rows' spec holds their address as an offset into x; every other value holds again)
-        spec = tuple((s[0] - x_p,) + s[1:6] + (-2,) if s[6] == -1 else s for s in plan[0])
         T, H = out.shape
         # (kept alive: the row lists, the staging, the send plan's views and the control blocks, not x or out)
-        alive = ([src[3] for src in sources], self._scratch.get((fmt, fields[0].shape[0], rank, False)), send[1],
-                 list(sels), ctrl)
-        return CombineCall(send[0][:4], send[0][5][0][1:], tuple(d[:5] for d in send[0][6]),
-                           (ctrl.data_ptr(), ctrl.stride(0), int(nctrl), R, expected_bytes // (8 * R)),
-                           T, H, spec, (fields[0].stride(0), fields[0].shape[0], fields[0].shape[1]), alive)
+        alive = ([src[3] for src in sources], self._scratch.get((fmt, src_index.shape[0], rank, False)), send[1],
+                 list(sels), ctrl) if keep else None
+        return CombineCall(send[0], tuple(plan[0]), x_p,
+                           (ctrl.data_ptr(), ctrl.stride(0), int(nctrl), R, expected_bytes // (8 * R)), T, H,
+                           (fields[0].stride(0), fields[0].shape[0], fields[0].shape[1]) if keep else None, alive)
 
     combines_local_rows = True
 

@@ -227,6 +227,10 @@ class RowFormat:
     def _hash(self) -> int:
         return hash((self.sync, self.fields, self.meta_words, self.kind))
 
+    def __getstate__(self) -> dict:
+        # (a string's hash differs between processes: another process hashes a format it receives anew)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def signature(self) -> int:
         return self._signature
 
