@@ -623,10 +623,9 @@ class NativeEngine(TorchEngine):
 
     def reorder_call(self, key: tuple, fmt: P.RowFormat, fields: Sequence[torch.Tensor], meta: Optional[torch.Tensor],
                      src_index: torch.Tensor, rank: int, flag: int, sels: Sequence[torch.Tensor],
-                     words: Sequence[Sequence[int]],
-                     ctrl: torch.Tensor, nctrl: int, expected: bytes, skip: int, outs: Sequence[Optional[torch.Tensor]],
-                     meta_out: Optional[torch.Tensor], src_out: Optional[torch.Tensor], min_run: int,
-                     own: tuple) -> Optional["ReorderCall"]:
+                     words: Sequence[Sequence[int]], ctrl: torch.Tensor, nctrl: int, expected: bytes, skip: int,
+                     outs: Sequence[Optional[torch.Tensor]], meta_out: Optional[torch.Tensor],
+                     src_out: Optional[torch.Tensor], min_run: int, own: tuple) -> Optional["ReorderCall"]:
         """The arguments of ``run_reorder`` that stay the same from call to call of one layout (a
         ``ReorderCall``): ``stage_and_send``'s send of ``fields`` and ``meta`` to the kept send phase ``key``
         (row lists ``sels``, control words ``words``), every source's control message (``ctrl``: [R, max
@@ -976,9 +975,9 @@ class NativeEngine(TorchEngine):
         items) with control words ``words``, every source's control message as ``run_reorder`` checks it
         (``expected``, ``skip``), then ``out`` = the sum of the sources of ``call`` (``combine_call``), which
         ``x`` and ``out`` must fit (``first``: the call ``combine_call`` made it for), once the peers' rows are
-        all there, for up to ``spin_ns``. 0 (summed), 1 (a
-        message missing or not as expected) or 2 (rows missing): then only the send has happened (``out`` is
-        not written), and the caller receives the call the general way."""
+        all there, for up to ``spin_ns``. 0 (summed), 1 (a message missing or not as expected) or 2 (rows
+        missing): then only the send has happened (``out`` is not written), and the caller receives the call
+        the general way."""
         return call.run(x, out, flag, words, expected, skip, spin_ns, first)
 
     def combine_call(self, key: tuple, fmt: P.RowFormat, fields: Sequence[torch.Tensor], src_index: torch.Tensor,
