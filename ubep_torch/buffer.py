@@ -2504,21 +2504,25 @@ class Buffer:
                 region.ctrl_sources(local, half), x["nctrl"], expected_bytes, 1 << P.CTRL_CHECKSUM, outs, meta_out,
                 recv_src_idx, _STREAM_ROWS, (send_idx[me], off[me]))
             if call is not None:
-                said["dispatch", me, half] = (send_idx, words, call,
-                                              tuple((slots[s].data_ptr(), rows_from[s], off[s], s)
-                                                    for s in range(R) if s != me))
+                memo = said["dispatch", me, half] = (send_idx, words, call,
+                                                     tuple((slots[s].data_ptr(), rows_from[s], off[s], s)
+                                                           for s in range(R) if s != me))
                 first = True
-            memo = said.get(("dispatch", me, half))
         status = None
         if call is not None:    # (the sources' lists are advanced by the engine: new ones every call)
             sources = [[p, n, o, 0, s] for p, n, o, s in memo[3]]
             status = eng.run_reorder(call, fields_data, meta, outs, meta_out, recv_src_idx, x["flag"], sources,
-                                     min(_STEADY_SPIN_NS, int(self.timeout_s * 2.5e8)), first)
+                                     self._steady_spin_ns(), first)
         rest = self._steady_rest(x, status, fmt, fields_data, meta, src_index)
         if rest is None:
             recv.update(epoch=x["epoch"], half=half, flag=x["flag"])
             return rows_from, None
         return None, rest
+
+    def _steady_spin_ns(self) -> int:
+        """How long a one-step exchange waits for its peers before the call goes on the general way (a quarter of
+        the Buffer's deadline at most)."""
+        return min(_STEADY_SPIN_NS, int(self.timeout_s * 2.5e8))
 
     def _kept_messages(self, rid: int, fmt: P.RowFormat, n_counts: int, with_matrix: bool, own: tuple
                        ) -> Optional[tuple]:
@@ -2900,7 +2904,7 @@ class Buffer:
         skip = 1 << P.CTRL_CHECKSUM | (0 if paired else 1 << P.CTRL_PAIRED_CALL)   # (0: a handle that cannot tell)
         fields_data, src_index = [P.as_bytes(x)], eng.arange(base.num_recv)
         xs = self._exchange_begin(rid, fmt, memo[2], words, T, 0, False)
-        half, spin = xs["half"], min(_STEADY_SPIN_NS, int(self.timeout_s * 2.5e8))
+        half, spin = xs["half"], self._steady_spin_ns()
         call, first = memo[3].get(half), False
         if not call or not call.fits(fields_data[0], out):
             region, local = xs["region"], self._heap.local
