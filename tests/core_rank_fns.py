@@ -572,6 +572,86 @@ def repeated(ctx, sync, calls=12):
     return True
 
 
+def repeated_dispatch_checks(ctx, sync, backend="auto", T=9, H=256, K=3, E=8):
+    """A dispatch that repeats the last one's form and routing checks its arguments against that call's
+    (``Buffer._repeated_dispatch``): its outputs must be those of the full checks bit for bit, for new x and
+    weights, both layouts and an expert alignment; and anything that differs from that call, a routing
+    changed in place through numpy (no version bump) included, must take the full checks, which raise the
+    same errors as ever. Returns how many calls took the short checks, and the errors seen."""
+    buf = get_buffer(ctx, sync, backend=backend)
+    topk, w = make_routing(61, ctx.rank, T, K, E)
+    ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
+    short = []
+    inner = type(buf)._repeated_dispatch
+
+    def counted(*args, **kwargs):
+        plan = inner(buf, *args, **kwargs)
+        short.append(plan is not None)
+        return plan
+    buf._repeated_dispatch = counted
+
+    def call(x, weights, full, **kw):
+        if full:
+            buf._dispatch_plan = None       # (the next call takes the full checks)
+        args = dict(num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk,
+                    topk_weights=weights)
+        args.update(kw)
+        rx, ri, rw, cnt, h, _ = buf.dispatch(x, **args)
+        comb, _, _ = buf.combine(rx * 2 if h.layout == "rank_major" else rx, h)
+        return [rx, ri, rw, torch.tensor(cnt), *h, comb]
+
+    errors = {}
+    try:
+        call(torch.randn(T, H).bfloat16(), w, True)
+        for i, kw in enumerate([{}, {"layout": "expert_major"}, {"expert_alignment": 4}, {"num_tokens_per_rank": None},
+                                {"topk_weights": None}]):
+            x = torch.randn(T, H, generator=torch.Generator().manual_seed(i + 10 * ctx.rank)).bfloat16()
+            wi = w * (1.0 + i)
+            kw = {"topk_weights": wi, **kw}
+            call(x, w, False, **kw)         # (the form of this call, made the plan of the next)
+            fast, full = call(x, w, False, **kw), call(x, w, True, **kw)
+            for a, b in zip(fast, full):
+                if isinstance(a, torch.Tensor):
+                    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+                        a.view(torch.uint8) if a.is_floating_point() else a,
+                        b.view(torch.uint8) if b.is_floating_point() else b), (i, kw)
+        # the same call again, with one argument off: each raises as the full checks do (on every rank alike)
+        x = torch.randn(T, H).bfloat16()
+        bad = {
+            "expert counts": dict(num_tokens_per_expert=ntpe + 1),
+            "rank counts": dict(num_tokens_per_rank=ntpr.flip(0) + 1),
+            "weights shape": dict(topk_weights=w[:, :1].contiguous()),
+            "alignment": dict(expert_alignment=0),
+            "layout": dict(layout="by_rank"),
+        }
+        for name, kw in bad.items():
+            call(x, w, False)
+            try:
+                call(x, w, False, **kw)
+            except (ValueError, TypeError) as e:
+                errors[name] = type(e).__name__
+        call(x, w, False)
+        t0, k0 = (topk >= 0).nonzero()[0].tolist()
+        topk.numpy()[t0, k0] = E + 3        # (in place, through numpy: the tensor's version stays)
+        try:
+            call(x, w, False)
+        except ValueError as e:
+            errors["routing changed in place"] = f"values must be in [-1, {E})" in str(e)
+        topk.numpy()[t0, k0] = -1           # (a valid routing again, but not the one of the layout tensors)
+        try:
+            call(x, w, False)
+        except ValueError as e:
+            errors["counts of another routing"] = type(e).__name__
+        # still usable: a full round trip of a fresh layout of the new routing
+        ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
+        call(x, w, False)
+        assert call(x, w, False)[-1].float().allclose(
+            x.float() * (itr.sum(1, keepdim=True).float()).clamp(max=ctx.world_size) * 2, rtol=2e-2, atol=2e-2)
+    finally:
+        del buf._repeated_dispatch
+    return sum(short), errors
+
+
 def some_ranks_repeat_their_routing(ctx, sync, calls=8):
     """Calls in which some ranks repeat their routing while the others change theirs (a rank's control
     messages then equal its last ones on some ranks only), then every rank repeats, then none: every result

@@ -122,6 +122,17 @@ def test_repeated_calls_with_changing_shapes(pool2, sync):
     pool2.run(F.repeated, sync)
 
 
+@pytest.mark.parametrize("sync,backend", [("tff", "auto"), ("sp", "auto"), ("tff", "torch")])
+def test_a_dispatch_that_repeats_the_last_one_checks_less_and_gives_the_same_bits(pool2, sync, backend):
+    res = pool2.run(F.repeated_dispatch_checks, sync, backend)
+    for short, errors in res:
+        assert short >= 10, res      # (every repeated call of the loop took the short checks)
+        assert errors == {"expert counts": "ValueError", "rank counts": "ValueError", "weights shape": "ValueError",
+                          "alignment": "ValueError", "layout": "ValueError",
+                          "routing changed in place": True,
+                          "counts of another routing": "ValueError"}, res
+
+
 @pytest.mark.parametrize("sync", ["tff", "sp"])
 def test_ranks_that_repeat_their_routing_next_to_ranks_that_change_it(pool2, sync):
     assert pool2.run(F.some_ranks_repeat_their_routing, sync) == [True, True]
