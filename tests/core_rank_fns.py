@@ -581,23 +581,27 @@ def repeated_dispatch_checks(ctx, sync, backend="auto", T=9, H=256, K=3, E=8):
     buf = get_buffer(ctx, sync, backend=backend)
     topk, w = make_routing(61, ctx.rank, T, K, E)
     ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
-    short = []
-    inner = type(buf)._repeated_dispatch
+    short = {"dispatch": 0, "combine": 0}
 
-    def counted(*args, **kwargs):
-        plan = inner(buf, *args, **kwargs)
-        short.append(plan is not None)
-        return plan
-    buf._repeated_dispatch = counted
+    def counted(name):
+        inner = getattr(type(buf), f"_repeated_{name}")
+
+        def call(*args, **kwargs):
+            plan = inner(buf, *args, **kwargs)
+            short[name] += plan is not None
+            return plan
+        return call
+    buf._repeated_dispatch, buf._repeated_combine = counted("dispatch"), counted("combine")
 
     def call(x, weights, full, **kw):
         if full:
-            buf._dispatch_plan = None       # (the next call takes the full checks)
+            buf._dispatch_plan = buf._combine_plan = None      # (the next calls take the full checks)
         args = dict(num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe, topk_idx=topk,
                     topk_weights=weights)
         args.update(kw)
         rx, ri, rw, cnt, h, _ = buf.dispatch(x, **args)
         comb, _, _ = buf.combine(rx * 2 if h.layout == "rank_major" else rx, h)
+        call.last = rx, h
         return [rx, ri, rw, torch.tensor(cnt), *h, comb]
 
     errors = {}
@@ -630,6 +634,15 @@ def repeated_dispatch_checks(ctx, sync, backend="auto", T=9, H=256, K=3, E=8):
                 call(x, w, False, **kw)
             except (ValueError, TypeError) as e:
                 errors[name] = type(e).__name__
+        for name, args in {"combine rows": lambda rx, h: (rx[:-1], h), "combine hidden": lambda rx, h: (rx[:, 1:], h),
+                           "combine of a copied handle": lambda rx, h: (rx, h.__class__(tuple(h), **vars(h)))}.items():
+            call(x, w, False)
+            try:
+                errors[name] = "ok" if buf.combine(*args(*call.last))[0].shape == x[:, 1:].shape else "ok, all columns"
+            except (ValueError, TypeError) as e:
+                errors[name] = type(e).__name__
+            # (a combine that raised before reaching the peers leaves its dispatch to a combine that fits)
+            buf.combine(*call.last)
         call(x, w, False)
         t0, k0 = (topk >= 0).nonzero()[0].tolist()
         topk.numpy()[t0, k0] = E + 3        # (in place, through numpy: the tensor's version stays)
@@ -648,8 +661,8 @@ def repeated_dispatch_checks(ctx, sync, backend="auto", T=9, H=256, K=3, E=8):
         assert call(x, w, False)[-1].float().allclose(
             x.float() * (itr.sum(1, keepdim=True).float()).clamp(max=ctx.world_size) * 2, rtol=2e-2, atol=2e-2)
     finally:
-        del buf._repeated_dispatch
-    return sum(short), errors
+        del buf._repeated_dispatch, buf._repeated_combine
+    return short, errors
 
 
 def some_ranks_repeat_their_routing(ctx, sync, calls=8):

@@ -824,6 +824,7 @@ class Buffer:
         self._out = TensorCache()   # output tensors are reused once the caller has dropped them
         self._layout_cache = None   # (num_experts, layout, routing snapshot, derived send lists) of the last routing
         self._dispatch_plan: Optional[_DispatchPlan] = None   # the last dispatch's checks (see _repeated_dispatch)
+        self._combine_plan: Optional[tuple] = None   # the last plain combine's row format (see _repeated_combine)
         self.delay_hook: Optional[Callable[[str], None]] = None  # test-only: called at every protocol step
         self._wait_context: Optional[str] = None    # where the waits are, for their errors (see _waits_in)
 
@@ -2782,6 +2783,12 @@ class Buffer:
             ``(combined_x [T, H] in x's dtype, combined_topk_weights [T, K] or None, event)``.
         """
         self._check_usable()
+        fmt = self._repeated_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                     allocate_on_comm_stream)
+        if fmt is not None:
+            self._apply_config(None)
+            return self._combine_with(x, handle, handle, handle.pair, None, [], fmt, self._combine_plan[1],
+                                      async_finish)
         _check_overlap(previous_event, async_finish, allocate_on_comm_stream)
         self._apply_config(config)
         # the dispatch this combine answers, for the peers to check (see _dispatch_pair)
@@ -2835,12 +2842,42 @@ class Buffer:
                 if b.dtype not in _FLOAT_DTYPES:
                     raise TypeError(f"bias must be bfloat16, float32, float16 or float64, got {b.dtype}")
                 biases.append(_resolved(b))
-        R = self.group_size
         wsz = topk_weights.element_size() // 4 if K else 0
         fmt = P.row_format(self.sync, (("x", H * x.element_size()),), K * wsz,
                            f"{x.dtype}/{K}/{topk_weights.dtype if K else None}")
         fmt.check_fits()
         cap = self._normal_capacity(P.REGION_COMBINE, fmt)
+        # (the rows of a plain combine, which a later call may repeat: see _repeated_combine)
+        self._combine_plan = (fmt, cap, x.dtype, H) if not K and not biases and base is handle else None
+        return self._combine_with(x, handle, base, paired, topk_weights, biases, fmt, cap, async_finish)
+
+    def _repeated_combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
+                          allocate_on_comm_stream) -> Optional[P.RowFormat]:
+        """The row format of the last plain combine (``_combine_plan``: no weights or bias, a rank-major handle)
+        where this call is one of the same form: no weights, bias, config or event, flags False, a handle
+        object one of this Buffer's recent dispatches returned (rank-major), and x a contiguous tensor of its
+        dtype and hidden size with the handle's rows. Else None: the call takes the full checks."""
+        p = self._combine_plan
+        if p is None or topk_weights is not None or bias is not None or config is not None \
+                or previous_event is not None or async_finish is not False or allocate_on_comm_stream is not False \
+                or handle.__class__ is not DispatchHandle or handle.layout != "rank_major" \
+                or not _returned_by(self, handle):
+            return None
+        if x.__class__ is not _TENSOR or x.dtype is not p[2] or x.shape != (handle.num_recv, p[3]) \
+                or not x.is_contiguous() or x.is_neg():
+            return None
+        return p[0]
+
+    def _combine_with(self, x: torch.Tensor, handle: "DispatchHandle", base: "DispatchHandle", paired: int,
+                      topk_weights: Optional[torch.Tensor], biases: list, fmt: P.RowFormat, cap: int,
+                      async_finish: bool):
+        """The rest of ``combine`` once its arguments are checked: ``x`` [num_recv, H] contiguous (summed per
+        token first for an expert-major handle, whose ``base`` is the rank-major one), ``topk_weights``
+        contiguous or None, ``biases`` a list of [T, H] tensors, ``fmt`` and ``cap`` its rows' format and
+        capacity."""
+        R, T, H = self.group_size, base.num_tokens, x.shape[1]
+        K = 0 if topk_weights is None else topk_weights.shape[1]
+        wsz = topk_weights.element_size() // 4 if K else 0
         # Destination d gets back the rows that came from d, in d's send order. An exchange carries the rows
         # of d's tokens in one range (see _more_rounds): rows [lo, hi) of x, found among d's rows by their
         # source token; this rank's tokens in that range come back from every rank in the same exchange, so
