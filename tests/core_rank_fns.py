@@ -573,11 +573,12 @@ def repeated(ctx, sync, calls=12):
 
 
 def repeated_dispatch_checks(ctx, sync, backend="auto", T=9, H=256, K=3, E=8):
-    """A dispatch that repeats the last one's form and routing checks its arguments against that call's
-    (``Buffer._repeated_dispatch``): its outputs must be those of the full checks bit for bit, for new x and
-    weights, both layouts and an expert alignment; and anything that differs from that call, a routing
-    changed in place through numpy (no version bump) included, must take the full checks, which raise the
-    same errors as ever. Returns how many calls took the short checks, and the errors seen."""
+    """A dispatch that repeats the last one's form, with the routing the Buffer laid out last, checks its
+    arguments against that call's and that layout (``Buffer._repeated_dispatch``): its outputs must be those of
+    the full checks bit for bit, for new x and weights, both layouts, an expert alignment and a new routing
+    laid out by ``get_dispatch_layout``; and anything that differs, a routing changed in place through numpy
+    (no version bump) included, must take the full checks, which raise the same errors as ever. Returns how
+    many calls took the short checks, whether each compared call did, and the errors seen."""
     buf = get_buffer(ctx, sync, backend=backend)
     topk, w = make_routing(61, ctx.rank, T, K, E)
     ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E)
@@ -604,16 +605,27 @@ def repeated_dispatch_checks(ctx, sync, backend="auto", T=9, H=256, K=3, E=8):
         call.last = rx, h
         return [rx, ri, rw, torch.tensor(cnt), *h, comb]
 
-    errors = {}
+    errors, took = {}, []
     try:
         call(torch.randn(T, H).bfloat16(), w, True)
+        topk2, w2 = make_routing(62, ctx.rank, T, K, E)
+        ntpr2, _, ntpe2, itr2, _ = buf.get_dispatch_layout(topk2, E)
         for i, kw in enumerate([{}, {"layout": "expert_major"}, {"expert_alignment": 4}, {"num_tokens_per_rank": None},
-                                {"topk_weights": None}]):
+                                {"topk_weights": None},
+                                dict(topk_idx=topk2, topk_weights=w2, num_tokens_per_rank=ntpr2, is_token_in_rank=itr2,
+                                     num_tokens_per_expert=ntpe2)]):
             x = torch.randn(T, H, generator=torch.Generator().manual_seed(i + 10 * ctx.rank)).bfloat16()
             wi = w * (1.0 + i)
             kw = {"topk_weights": wi, **kw}
-            call(x, w, False, **kw)         # (the form of this call, made the plan of the next)
-            fast, full = call(x, w, False, **kw), call(x, w, True, **kw)
+            if "topk_idx" not in kw:
+                call(x, w, False, **kw)     # (the form of this call, made the plan of the next)
+            else:                           # (a new routing, laid out: the plan is of the last call's form)
+                call(x, w, False, topk_weights=wi)
+                buf.get_dispatch_layout(topk2, E)
+            before = dict(short)
+            fast = call(x, w, False, **kw)
+            took.append((short["dispatch"] - before["dispatch"], short["combine"] - before["combine"]))
+            full = call(x, w, True, **kw)
             for a, b in zip(fast, full):
                 if isinstance(a, torch.Tensor):
                     assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(
@@ -627,6 +639,7 @@ def repeated_dispatch_checks(ctx, sync, backend="auto", T=9, H=256, K=3, E=8):
             "weights shape": dict(topk_weights=w[:, :1].contiguous()),
             "alignment": dict(expert_alignment=0),
             "layout": dict(layout="by_rank"),
+            "no expert counts": dict(num_tokens_per_expert=None),
         }
         for name, kw in bad.items():
             call(x, w, False)
@@ -662,7 +675,7 @@ def repeated_dispatch_checks(ctx, sync, backend="auto", T=9, H=256, K=3, E=8):
             x.float() * (itr.sum(1, keepdim=True).float()).clamp(max=ctx.world_size) * 2, rtol=2e-2, atol=2e-2)
     finally:
         del buf._repeated_dispatch, buf._repeated_combine
-    return short, errors
+    return short, took, errors
 
 
 def some_ranks_repeat_their_routing(ctx, sync, calls=8):

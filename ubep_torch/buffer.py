@@ -574,11 +574,10 @@ def _collective(fn):
 
 
 class _DispatchPlan:
-    """What the checks of a normal dispatch found: the sizes, the row format and the routing (the Buffer's
-    snapshot and layout tensors). A later call of the same form (``Buffer._repeated_dispatch``) checks its
-    arguments against these in a few comparisons and goes on from here."""
-    __slots__ = ("T", "H", "K", "E", "fmt", "cap", "dtype", "wdtype", "lc", "routed", "topk_idx",
-                 "token_in_rank", "ntpr", "ntpe")
+    """What the checks of a normal dispatch found of its form: the sizes, the dtypes and the row format. A
+    later call of the same form (``Buffer._repeated_dispatch``) checks its arguments against these in a few
+    comparisons, and its routing against the Buffer's layout of the last routing, and goes on from here."""
+    __slots__ = ("T", "H", "K", "E", "fmt", "cap", "dtype", "wdtype")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -1919,7 +1918,9 @@ class Buffer:
                                        allocate_on_comm_stream, layout, num_experts)
         if plan is not None:
             self._apply_config(None)
-            return self._dispatch_with(plan, x, x, None, topk_weights, 0, expert_alignment, layout, async_finish)
+            routing, layout_of = self._layout_cache[2], self._layout_cache[1]
+            return self._dispatch_with(plan, x, x, None, topk_weights, routing, routing, layout_of[3], layout_of[2], 0,
+                                       expert_alignment, layout, async_finish)
         _check_overlap(previous_event, async_finish, allocate_on_comm_stream)
         if num_tokens_per_rdma_rank is not None and not isinstance(num_tokens_per_rdma_rank, torch.Tensor):
             raise TypeError(f"num_tokens_per_rdma_rank must be None or a tensor (get_dispatch_layout's, unused "
@@ -2016,33 +2017,34 @@ class Buffer:
         fmt.check_fits()
         cap = self._normal_capacity(P.REGION_DISPATCH, fmt)
         plan = _DispatchPlan(T=T, H=H, K=K, E=E, fmt=fmt, cap=cap, dtype=xd.dtype,
-                             wdtype=None if weights is None else weights.dtype, lc=self._layout_cache,
-                             routed=routed, topk_idx=topk_idx, token_in_rank=is_token_in_rank, ntpr=ntpr_cached,
-                             ntpe=ntpe)
-        # (a call whose rows and routing a later call may repeat: see _repeated_dispatch)
+                             wdtype=None if weights is None else weights.dtype)
+        # (a call of a form a later call may repeat, with this routing or another one the Buffer laid out: see
+        # _repeated_dispatch)
+        lc = self._layout_cache
         self._dispatch_plan = plan if routed is not None and scales is None and not num_worst_tokens \
-            and ntpr_cached is not None and plan.lc is not None and plan.lc[2] is routed else None
-        return self._dispatch_with(plan, x, xd, scales, weights, num_worst_tokens, expert_alignment, layout,
-                                   async_finish)
+            and ntpr_cached is not None and lc is not None and lc[2] is routed else None
+        return self._dispatch_with(plan, x, xd, scales, weights, topk_idx, routed, is_token_in_rank, ntpe,
+                                   num_worst_tokens, expert_alignment, layout, async_finish)
 
     def _repeated_dispatch(self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                            config, previous_event, async_finish, allocate_on_comm_stream, layout,
                            num_experts) -> Optional[_DispatchPlan]:
-        """The plan of the last dispatch (``_dispatch_plan``) where this call has the same form and routing:
-        no handle, config, event or rdma counts, flags False, a known layout, ``num_worst_tokens`` 0, x a
+        """The plan of the last dispatch (``_dispatch_plan``) where this call has the same form: no handle,
+        config, event, rdma counts or ``num_experts``, flags False, a known layout, ``num_worst_tokens`` 0, x a
         contiguous tensor of the same dtype and shape (no fp8 pair), weights of the same dtype and shape (or none
-        again), and a routing equal by content to that call's (``topk_idx`` to its snapshot, every given layout
-        tensor to the Buffer's, in the same dtype), the Buffer's layout still that of that routing. Else None:
-        the call takes the full checks, which also raise whatever error its arguments deserve."""
-        p = self._dispatch_plan
-        if p is None or handle is not None or config is not None or previous_event is not None \
+        again) and ``num_tokens_per_expert`` given; and where its routing is the one the Buffer laid out last
+        (``get_dispatch_layout`` or an earlier dispatch), of that call's size and expert count, by content:
+        ``topk_idx`` equal to the Buffer's snapshot, every given layout tensor to the Buffer's, in the same dtype.
+        Else None: the call takes the full checks, which also raise whatever error its arguments deserve."""
+        p, lc = self._dispatch_plan, self._layout_cache
+        if p is None or lc is None or handle is not None or config is not None or previous_event is not None \
                 or async_finish is not False or allocate_on_comm_stream is not False \
-                or num_tokens_per_rdma_rank is not None or num_experts is not None \
+                or num_tokens_per_rdma_rank is not None or num_experts is not None or num_tokens_per_expert is None \
                 or layout.__class__ is not str or layout not in ("rank_major", "expert_major") \
                 or num_worst_tokens.__class__ is not int or num_worst_tokens \
                 or expert_alignment.__class__ is not int or expert_alignment < 1 \
-                or self._layout_cache is not p.lc:
+                or lc[0] != p.E or lc[2].shape != (p.T, p.K):
             return None
         if x.__class__ is not _TENSOR or x.dtype is not p.dtype or x.shape != (p.T, p.H) or not x.is_contiguous() \
                 or x.is_neg():
@@ -2052,20 +2054,23 @@ class Buffer:
                 w.__class__ is not _TENSOR or w.dtype is not p.wdtype or w.shape != (p.T, p.K)
                 or not w.is_contiguous() or w.is_neg()):
             return None
-        for given, expected in ((num_tokens_per_rank, p.ntpr), (is_token_in_rank, p.token_in_rank),
-                                (num_tokens_per_expert, p.ntpe)):
+        laid = lc[1]
+        for given, expected in ((num_tokens_per_rank, laid[0]), (is_token_in_rank, laid[3]),
+                                (num_tokens_per_expert, laid[2])):
             if given is not None and (given.__class__ is not _TENSOR or given.dtype is not expected.dtype
                                       or given.shape != expected.shape or not torch.equal(given, expected)):
                 return None
-        return p if _same_routing(topk_idx, p.routed) else None
+        return p if _same_routing(topk_idx, lc[2]) else None
 
     def _dispatch_with(self, plan: _DispatchPlan, x, xd: torch.Tensor, scales: Optional[torch.Tensor],
-                       weights: Optional[torch.Tensor], num_worst_tokens: int, expert_alignment: int, layout: str,
-                       async_finish: bool):
+                       weights: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                       routed: Optional[torch.Tensor], is_token_in_rank: torch.Tensor, ntpe: Optional[torch.Tensor],
+                       num_worst_tokens: int, expert_alignment: int, layout: str, async_finish: bool):
         """The rest of ``dispatch`` once its arguments are checked (``plan``): the exchange, Token-Reordering
-        and the outputs. ``x`` as given, ``xd`` and ``scales`` its rows and scales, ``weights`` contiguous."""
+        and the outputs. ``x`` as given, ``xd`` and ``scales`` its rows and scales, ``weights`` contiguous;
+        ``topk_idx`` the Buffer's snapshot of the routing (or None), ``routed`` the routing the rows follow (None
+        where ``is_token_in_rank`` decides otherwise), ``ntpe`` the per-expert counts (or None)."""
         T, H, K, E, fmt, cap = plan.T, plan.H, plan.K, plan.E, plan.fmt, plan.cap
-        topk_idx, routed, is_token_in_rank, ntpe = plan.topk_idx, plan.routed, plan.token_in_rank, plan.ntpe
         R = self.group_size
         E_local = E // R
 
