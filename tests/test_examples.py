@@ -210,6 +210,18 @@ def test_stores_benchmark_prints_every_policy():
         assert all(float(v) > 0 for v in r[1:7]) and r[7] in ("plain", "streaming"), r
 
 
+@needs_buffer
+def test_checks_benchmark_prints_both_routings_of_every_hidden_size():
+    """bench_checks.py: a row per hidden size and routing, with the short and the full checks' times."""
+    out = _run([sys.executable, "benchmarks/bench_checks.py", "--tokens", "6", "--hidden", "64,96", "--blocks", "2",
+                "--calls", "2"], timeout=240)
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], " ".join(r[1:3])) for r in rows] == [("64", "one, repeated"), ("64", "new every"),
+                                                      ("96", "one, repeated"), ("96", "new every")], out
+    for r in rows:
+        assert all(float(v) > 0 for v in r[-4:-1]), r
+
+
 def test_sums_benchmark_prints_every_path():
     """The sum benchmark checks every path's bits against the torch path before it times them."""
     out = _run([sys.executable, "benchmarks/bench_sums.py", "--tokens", "5", "--hidden", "300", "--iters", "2"],
@@ -232,6 +244,8 @@ BAD_OPTIONS = [
     (["examples/infer_moe.py", "--single", "--ckpt", "README.md"], "not a checkpoint"),
     (["benchmarks/bench_buffer.py", "--ranks", "0"], "--ranks"),
     (["benchmarks/bench_sums.py", "--hidden", "0"], "--hidden"),
+    (["benchmarks/bench_checks.py", "--hidden", "128,x"], "--hidden"),
+    (["benchmarks/bench_checks.py", "--ranks", "3"], "--ranks 3"),
     (["examples/demo.py"], "torchrun"),                 # (not under torchrun)
     (["examples/train_moe.py", "--tiny"], "--single"),
     (["examples/infer_moe.py"], "--single"),
