@@ -1738,15 +1738,19 @@ class Buffer:
                     values: bool = True) -> torch.Tensor:
         """``topk_idx`` as a contiguous CPU int64 [T, K] tensor, its type and shape checked, and (``values``)
         every id in [-1, num_experts); callers that pass ``values=False`` check the ids themselves."""
-        if not isinstance(topk_idx, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(topk_idx).__name__}")
-        if topk_idx.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{name} must be int64 (DeepEP's topk_idx_t; int32 is also taken), got {topk_idx.dtype}")
-        if topk_idx.dim() != 2:
-            raise ValueError(f"{name} must be [num_tokens, num_topk], got shape {tuple(topk_idx.shape)}")
-        if topk_idx.device.type != "cpu":
-            topk_idx = topk_idx.cpu()
-        topk_idx = _resolved(topk_idx.to(torch.int64)).contiguous()
+        # (the usual routing is already what the steps below make of one: a contiguous CPU int64 [T, K] tensor)
+        if not (topk_idx.__class__ is _TENSOR and topk_idx.dtype is torch.int64 and topk_idx.dim() == 2
+                and topk_idx.is_cpu and topk_idx.is_contiguous() and not topk_idx.is_neg()):
+            if not isinstance(topk_idx, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(topk_idx).__name__}")
+            if topk_idx.dtype not in (torch.int64, torch.int32):
+                raise TypeError(f"{name} must be int64 (DeepEP's topk_idx_t; int32 is also taken), got "
+                                f"{topk_idx.dtype}")
+            if topk_idx.dim() != 2:
+                raise ValueError(f"{name} must be [num_tokens, num_topk], got shape {tuple(topk_idx.shape)}")
+            if topk_idx.device.type != "cpu":
+                topk_idx = topk_idx.cpu()
+            topk_idx = _resolved(topk_idx.to(torch.int64)).contiguous()
         if values and topk_idx.numel():
             lo, hi = int(topk_idx.min()), int(topk_idx.max())
             if lo < -1 or hi >= num_experts:
@@ -1861,7 +1865,8 @@ class Buffer:
         if hit is not None and hit[0] == E and _same_routing(topk_idx, hit[2]):
             return hit[1], hit[2]
         checked = self._check_topk(topk_idx, E, values=False)
-        with torch.inference_mode(False):   # kept between calls: plain tensors, whatever the caller's mode
+        # kept between calls: plain tensors, whatever the caller's mode (left only where it is on)
+        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
             topk_idx = checked.clone()      # a snapshot: the caller may change its own tensor later
             lo, hi, layout = self.engine.routing_layout(topk_idx, E, self.group_size)
         if layout is None:
