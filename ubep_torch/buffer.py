@@ -2793,12 +2793,11 @@ class Buffer:
             ``(combined_x [T, H] in x's dtype, combined_topk_weights [T, K] or None, event)``.
         """
         self._check_usable()
-        fmt = self._repeated_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                                     allocate_on_comm_stream)
-        if fmt is not None:
+        plan = self._repeated_combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                      allocate_on_comm_stream)
+        if plan is not None:
             self._apply_config(None)
-            return self._combine_with(x, handle, handle, handle.pair, None, [], fmt, self._combine_plan[1],
-                                      async_finish)
+            return self._combine_with(x, handle, handle, handle.pair, None, [], plan[0], plan[1], async_finish)
         _check_overlap(previous_event, async_finish, allocate_on_comm_stream)
         self._apply_config(config)
         # the dispatch this combine answers, for the peers to check (see _dispatch_pair)
@@ -2862,11 +2861,12 @@ class Buffer:
         return self._combine_with(x, handle, base, paired, topk_weights, biases, fmt, cap, async_finish)
 
     def _repeated_combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
-                          allocate_on_comm_stream) -> Optional[P.RowFormat]:
-        """The row format of the last plain combine (``_combine_plan``: no weights or bias, a rank-major handle)
-        where this call is one of the same form: no weights, bias, config or event, flags False, a handle
-        object one of this Buffer's recent dispatches returned (rank-major), and x a contiguous tensor of its
-        dtype and hidden size with the handle's rows. Else None: the call takes the full checks."""
+                          allocate_on_comm_stream) -> Optional[tuple]:
+        """The plan of the last plain combine (``_combine_plan``: its rows' format and capacity, dtype and hidden
+        size; no weights or bias, a rank-major handle) where this call is one of the same form: no weights, bias,
+        config or event, flags False, a handle object one of this Buffer's recent dispatches returned
+        (rank-major), and x a contiguous tensor of its dtype and hidden size with the handle's rows. Else None:
+        the call takes the full checks."""
         p = self._combine_plan
         if p is None or topk_weights is not None or bias is not None or config is not None \
                 or previous_event is not None or async_finish is not False or allocate_on_comm_stream is not False \
@@ -2876,7 +2876,7 @@ class Buffer:
         if x.__class__ is not _TENSOR or x.dtype is not p[2] or x.shape != (handle.num_recv, p[3]) \
                 or not x.is_contiguous() or x.is_neg():
             return None
-        return p[0]
+        return p
 
     def _combine_with(self, x: torch.Tensor, handle: "DispatchHandle", base: "DispatchHandle", paired: int,
                       topk_weights: Optional[torch.Tensor], biases: list, fmt: P.RowFormat, cap: int,
@@ -2886,8 +2886,7 @@ class Buffer:
         contiguous or None, ``biases`` a list of [T, H] tensors, ``fmt`` and ``cap`` its rows' format and
         capacity."""
         R, T, H = self.group_size, base.num_tokens, x.shape[1]
-        K = 0 if topk_weights is None else topk_weights.shape[1]
-        wsz = topk_weights.element_size() // 4 if K else 0
+        K, meta_words = (0, 0) if topk_weights is None else (topk_weights.shape[1], fmt.meta_words)
         # Destination d gets back the rows that came from d, in d's send order. An exchange carries the rows
         # of d's tokens in one range (see _more_rounds): rows [lo, hi) of x, found among d's rows by their
         # source token; this rank's tokens in that range come back from every rank in the same exchange, so
@@ -2917,7 +2916,7 @@ class Buffer:
             return self._exchange(P.REGION_COMBINE, fmt, [P.as_bytes(x)], meta, src_index, send,
                                   lambda d: [int(send[d].numel()), sig, 0, paired, 0, 0], T, staged=staged)
 
-        meta = P.fresh(topk_weights).view(torch.int32).view(-1, K * wsz) if K else None
+        meta = P.fresh(topk_weights).view(torch.int32).view(-1, meta_words) if K else None
         src_index = self.engine.arange(base.num_recv)
         sig = fmt.signature()
         eng = self.engine
@@ -2944,7 +2943,7 @@ class Buffer:
             for s, r in enumerate(slot_rows):
                 if K:
                     w = topk_weights[x_rows[s][0]:x_rows[s][1]] if r is None else \
-                        P.fresh(r[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, :K * wsz]).view(wacc.dtype)
+                        P.fresh(r[:, 0, P.FLAG_BYTES:].view(torch.int32)[:, :meta_words]).view(wacc.dtype)
                     wacc.index_add_(0, toks[s], w)
                 if r is not None:
                     eng.rearm(fmt, r)
