@@ -335,6 +335,30 @@ def test_one_engine_step_that_finds_other_messages_goes_on_the_general_way(pool,
 
 
 @needs_native
+def test_new_routings_with_the_same_rows_per_rank_pair_take_one_engine_step(pool):
+    """Every rank routes anew in every call with as many rows for each rank as before: the rows each rank
+    sends each rank repeat in number while the tokens, the per-expert counts and the rank matrix change, so
+    from the second call on the dispatch is one C call that reads those counts, and the combine one C call
+    of the arguments kept for the last routing with this one's token lists; outputs, counts, handles and
+    sums are the torch path's."""
+    res = pool.run(F.steady_equivalence, calls=8, every_call="same rows")
+    F.assert_all_same(res)
+    for r in res:      # (the first call may find the messages of an earlier test kept: other rows, and a pause)
+        assert r["steady"].get("dispatch 0", 0) >= 6 and r["steady"].get("combine 0", 0) >= 6, res
+
+
+@needs_native
+def test_new_routings_whose_rows_change_try_one_engine_step_less_and_less(pool):
+    """Every rank routes anew in every call and the rows per rank pair change too: a one-step dispatch that
+    finds other messages pauses the tries of new routings for longer each time, and the bits are the torch
+    path's."""
+    res = pool.run(F.steady_equivalence, calls=24, K=2, E=8, every_call="any")
+    F.assert_all_same(res)
+    for r in res:
+        assert r["steady"].get("dispatch 1", 0) <= 8, res
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
 def test_normal_mode_other_dtypes_same_bits(pool, dtype):
     F.assert_all_same(pool.run(F.normal_equivalence, "tff", backend="native", dtype=getattr(torch, dtype),

@@ -91,14 +91,17 @@ def normal_equivalence(ctx, sync: str, fp8: bool = False, T: int = 6, H: int = 2
 
 def steady_equivalence(ctx, sync: str = "tff", T: int = 12, H: int = 1000, K: int = 3, E: int = 8, calls: int = 5,
                        spin_ns: int = 100_000_000, lag_s: float = 0.0, change_at: int = -1,
-                       sizes: tuple = (), fp8: bool = False) -> dict:
+                       sizes: tuple = (), fp8: bool = False, every_call: str = "") -> dict:
     """Calls that repeat one routing with new x and weights every time, on torch and native: dispatch with
     weights and an unweighted combine, each call's outputs compared as bytes. The native Buffer's one-step exchanges
     (``_steady_dispatch``, ``_steady_combine``) wait ``spin_ns`` for their peers on this rank; rank 1 sleeps
     ``lag_s`` before each call, and from call ``change_at`` on routes anew every call. ``sizes``: hidden sizes
     that calls take in turn (x's first columns of the last one; H by default); ``fp8``: x as fp8 rows and
-    per-128 scales (two payload fields). Returns {call: bit-identical?} and the engine's one-step results,
-    counted ({"dispatch 0": n, "combine 1": n, ...})."""
+    per-128 scales (two payload fields). ``every_call``: every rank routes anew in every call, ``"same rows"``
+    with as many rows per rank pair as before (``_every_rank_routing``: the tokens each rank sends each rank and
+    the per-expert counts change), ``"any"``
+    as ``make_routing`` does (the rows per rank pair change too). Returns {call: bit-identical?} and the engine's
+    one-step results, counted ({"dispatch 0": n, "combine 1": n, ...})."""
     import ubep_torch.buffer as B
     bt, bk = get_buffer(ctx, sync, backend="torch"), get_buffer(ctx, sync, backend="native")
     seen: dict = {}
@@ -117,7 +120,9 @@ def steady_equivalence(ctx, sync: str = "tff", T: int = 12, H: int = 1000, K: in
     try:
         for i in range(calls):
             anew = ctx.rank == 1 and 0 <= change_at <= i
-            topk, w = make_routing(100 + i if anew else 7, ctx.rank, T, K, E)
+            topk, w = make_routing(100 + i if anew or every_call else 7, ctx.rank, T, K, E)
+            if every_call == "same rows":
+                topk = _every_rank_routing(100 + i, ctx.rank, T, K, E, ctx.world_size)
             w = w * (1.0 + i / 8)       # (the same experts, new weights: each call's meta items are its own)
             x = torch.randn(T, H, generator=torch.Generator().manual_seed(50 * i + ctx.rank)).bfloat16()
             if sizes:
@@ -141,6 +146,24 @@ def steady_equivalence(ctx, sync: str = "tff", T: int = 12, H: int = 1000, K: in
         B._STEADY_SPIN_NS = spin
         del eng.run_reorder, eng.run_combine
     return {"same": same, "steady": seen}
+
+
+def _every_rank_routing(seed: int, rank: int, T: int, K: int, E: int, R: int) -> torch.Tensor:
+    """[T, K] expert ids of as many rows per rank pair in every call, other tokens and experts: T // 2 tokens
+    (another half every call) name K experts of rank 0 alone; every other token names one expert of every rank
+    (in a shuffled order) and K - R more of any rank, all distinct."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    E_local, rows = E // R, []
+    alone = set(torch.randperm(T, generator=g)[:T // 2].tolist())
+    for t in range(T):
+        if t in alone:
+            rows.append(torch.randperm(E_local, generator=g)[:K].tolist())
+            continue
+        first = [r * E_local + int(torch.randint(E_local, (1,), generator=g)) for r in range(R)]
+        rest = [e for e in torch.randperm(E, generator=g).tolist() if e not in first][:K - R]
+        row = first + rest
+        rows.append([row[j] for j in torch.randperm(K, generator=g).tolist()])
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def _ll_calls(buf, x, topk, w, N, E, use_fp8):

@@ -710,6 +710,7 @@ class Buffer:
         # the order an exchange sends in: this rank first, then the next ranks round the ring
         self._send_order = [(self.rank + i) % self.group_size for i in range(self.group_size)]
         self._ctrl_seen: dict = {}    # (see _exchange_receive)
+        self._fresh_skip = [0, 0]     # (see _steady_dispatch: one-step tries of new routings to skip, the next pause)
         self._global_ranks = _group_global_ranks(group)   # (errors on a sub-group name these too)
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = num_qps_per_rank
@@ -2157,8 +2158,9 @@ class Buffer:
             out["src_idx"][o:o + n].copy_(sel)
 
         # (a routing sent before, by the last call or an earlier one: the messages may repeat the last ones)
-        steady = None if num_worst_tokens or T > cap or "sent" not in derived else self._steady_dispatch(
-            fmt, cap, T, E_local, send_idx, messages(send_idx), fields_data, meta, src_index, allocate)
+        steady = None if num_worst_tokens or T > cap else self._steady_dispatch(
+            fmt, cap, T, E_local, send_idx, messages(send_idx), fields_data, meta, src_index, allocate,
+            "sent" not in derived)
         rows_from, first = steady or (None, None)
         if rows_from is None:
             rows_from = self._dispatch_rounds(P.REGION_DISPATCH, fmt, cap, T, send_idx, exchange, allocate,
@@ -2537,11 +2539,17 @@ class Buffer:
 
     def _steady_dispatch(self, fmt: P.RowFormat, cap: int, T: int, n_counts: int, send_idx: List[torch.Tensor],
                          words: list, fields_data: list, meta: Optional[torch.Tensor], src_index: torch.Tensor,
-                         allocate: Callable) -> Optional[tuple]:
-        """The usual dispatch, in one step of the engine (``run_reorder``): every rank repeats its last
-        call's routing, so every control message repeats the last ones, whose checks and layout are kept (see
-        ``_exchange_receive``); the engine sends, checks that the messages are those again and reorders the
-        rows into outputs allocated for that layout beforehand, and this rank acknowledges every source.
+                         allocate: Callable, fresh: bool) -> Optional[tuple]:
+        """The usual dispatch, in one step of the engine (``run_reorder``): every source sends this rank as
+        many rows as in the last call of the general way, so every control message repeats the last ones (whose
+        checks and layout are kept, see ``_exchange_receive``) but for the per-expert counts and the rank
+        matrix, which follow the routing and are read, not expected; the engine sends, checks that the
+        messages are those again and reorders the rows into outputs allocated for that layout beforehand, and
+        this rank acknowledges every source. Where every rank repeats its routing, the messages are the last
+        ones word for word; where the routings are new (``fresh``: this rank's was not sent before), only where
+        the rows per rank pair are those again (every token reaching every rank, say): a try that finds
+        otherwise pauses the tries of new routings for a number of calls that doubles with each such try in a
+        row (1 to 64), so routings whose rows change call after call cost at most one try in 64 calls.
 
         Returns None where it does not apply, with nothing done; ``(rows from each source, None)`` once the
         call's data has all moved; ``(None, recv)`` where the exchange was sent but its messages or rows did
@@ -2551,41 +2559,52 @@ class Buffer:
         rid, R, me, eng = P.REGION_DISPATCH, self.group_size, self.rank, self.engine
         if meta is None or not hasattr(eng, "reorder_call") or words.__class__ is not list:
             return None
-        kept = self._kept_messages(rid, fmt, n_counts, True, words[0])
-        if kept is None:
+        seen = self._ctrl_seen.get((rid, fmt, n_counts, True))
+        if seen is None or fmt.sync != "tff" or self.delay_hook is not None:
             return None
-        checked, said = kept
+        if fresh and self._fresh_skip[0]:
+            self._fresh_skip[0] -= 1
+            return None
+        checked, said = seen
+        lo, hi = P.CTRL_COUNTS, P.CTRL_COUNTS + n_counts + R    # (the words read, not expected)
         plan = said.get(("steady", cap, me))
         if plan is None:
             # what the messages must say again, all their words but the checksum (word 3 is every rank's
-            # num_worst_tokens: 0), and the rows each source sends, where they go: one exchange, every rank's
-            # tokens in it
+            # num_worst_tokens: 0) and [lo, hi), and the rows each source sends, where they go: one exchange,
+            # every rank's tokens in it
             rows_from = [row[me] for row in said["ntpr_matrix"]]
             fits = max(said["num_tokens"]) <= cap and rows_from == said["nrows"] and min(rows_from) >= 0
             expected = _full_words(checked)
             plan = said["steady", cap, me] = fits and (
                 rows_from, list(accumulate(rows_from, initial=0)), expected,
-                np.array(expected, dtype=np.int64).tobytes())
-        if not plan or list(words[0]) != plan[2][me]:
+                np.array(expected, dtype=np.int64).tobytes(), [tuple(e[:lo]) for e in expected],
+                [tuple(e[hi:]) for e in expected], [e[lo:hi] for e in expected])
+        own = words[0]
+        if not plan or own[:lo] != plan[4][me] or own[hi:] != plan[5][me]:
             return None
-        rows_from, off, expected, expected_bytes = plan
+        rows_from, off, expected, expected_bytes = plan[:4]
         recv = {"said": said, "ctrl": expected}
         recv.update(said)
         _, outs, recv_meta, recv_src_idx = allocate(recv)
         meta_out = recv_meta if fmt.meta_words else None
         x = self._exchange_begin(rid, fmt, send_idx, words, T, n_counts, True)
         region, half, local = x["region"], x["half"], self._heap.local
-        # the engine's arguments of the last one-step dispatch of these messages in this half of the buffer, where
-        # this one sends the same row lists and control words (the very objects): (row lists, words, call)
+        # the engine's arguments of the last one-step dispatch of these messages in this half of the buffer, made for
+        # the row lists and control words (the very objects) of a routing: (row lists, words, call, sources)
         memo = said.get(("dispatch", me, half))
-        call = memo[2] if memo is not None and memo[0] is send_idx and memo[1] is words else None
-        first = False
-        if call is None or not call.fits(fields_data, meta, outs, meta_out, recv_src_idx):
+        call, first, route = None if memo is None else memo[2], False, None
+        if call is not None and not call.fits(fields_data, meta, outs, meta_out, recv_src_idx):
+            call = None
+        elif call is not None and (memo[0] is not send_idx or memo[1] is not words):
+            # (another routing of the same rows per rank pair: the same call, with this one's row lists)
+            route = call.rerouted(x["sels"], x["words"], send_idx[me])
+            call = None if route is None else call
+        if call is None:
             slots = [region.rows(local, half, s, fmt) for s in range(R)]
             call = eng.reorder_call(
                 x["key"], fmt, fields_data, meta, src_index, me, x["flag"], x["sels"], x["words"],
                 region.ctrl_sources(local, half), x["nctrl"], expected_bytes, 1 << P.CTRL_CHECKSUM, outs, meta_out,
-                recv_src_idx, _STREAM_ROWS, (send_idx[me], off[me]))
+                recv_src_idx, _STREAM_ROWS, (send_idx[me], off[me]), (lo, hi))
             if call is not None:
                 memo = said["dispatch", me, half] = (send_idx, words, call,
                                                      tuple((slots[s].data_ptr(), rows_from[s], off[s], s)
@@ -2595,7 +2614,20 @@ class Buffer:
         if call is not None:    # (the sources' lists are advanced by the engine: new ones every call)
             sources = [[p, n, o, 0, s] for p, n, o, s in memo[3]]
             status = eng.run_reorder(call, fields_data, meta, outs, meta_out, recv_src_idx, x["flag"], sources,
-                                     self._steady_spin_ns(), first)
+                                     self._steady_spin_ns(), first, route)
+        if fresh and status == 1:       # (a message not as expected, or late: pause the tries of new routings)
+            pause = self._fresh_skip[1] or 1
+            self._fresh_skip[:] = [pause, min(2 * pause, 64)]
+        elif status == 0:
+            self._fresh_skip[1] = 0
+            read = call.words[:, lo:hi].tolist()
+            if read != plan[6]:     # (other counts than the kept messages': what they say now)
+                counts, matrix = [w[:n_counts] for w in read], [w[n_counts:] for w in read]
+                if [row[me] for row in matrix] != rows_from:
+                    self._broken = "bad row counts"
+                    raise UBEPError(f"dispatch on rank {me}: sources sent {rows_from} rows but their rank matrix rows "
+                                    f"say {[row[me] for row in matrix]} (corrupted control message)")
+                recv.update(said={}, counts=counts, ntpr_matrix=matrix)
         rest = self._steady_rest(x, status, fmt, fields_data, meta, src_index)
         if rest is None:
             recv.update(epoch=x["epoch"], half=half, flag=x["flag"])
@@ -3006,14 +3038,16 @@ class Buffer:
             return None
         checked, said = kept
         # the engine's arguments of the last one-step combine of these messages, for each buffer half, where this
-        # one answers a dispatch of the same layout (its row lists, the very tensors): (row lists, row bounds,
-        # the spans sent, {half: CombineCall, or False once one call made its arguments for itself alone})
+        # one answers a dispatch of the same rows per rank pair: (the last call's row lists, row bounds, the spans
+        # sent, {half: CombineCall, or False once one call made its arguments for itself alone})
         memo = said.get(("combine", me))
         if memo is None or memo[0] is not toks or memo[1] != bounds:
             # (each rank returns the rows of this rank's tokens)
             if said["nrows"] != [t.numel() for t in toks]:
                 return None
-            memo = said["combine", me] = (toks, bounds, [eng.span(bounds[d], bounds[d + 1]) for d in range(R)], {})
+            # (another routing of the same rows per rank pair keeps the calls, which then sum by its token lists)
+            memo = said["combine", me] = (toks, bounds, [eng.span(bounds[d], bounds[d + 1]) for d in range(R)], {}) \
+                if memo is None or memo[1] != bounds else (toks,) + memo[1:]
         expected = said.get(("steady", me))
         if expected is None:
             expected = said["steady", me] = np.array(_full_words(checked), dtype=np.int64)
@@ -3037,7 +3071,7 @@ class Buffer:
             if call is not None:
                 memo[3][half], first = call if keep else False, True
         status = None if call is None else eng.run_combine(call, fields_data[0], out, xs["flag"], xs["words"],
-                                                           want.tobytes(), skip, spin, first)
+                                                           want.tobytes(), skip, spin, first, toks)
         rest = self._steady_rest(xs, status, fmt, fields_data, None, src_index)
         return rest is None, rest
 

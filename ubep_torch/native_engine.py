@@ -23,8 +23,9 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from itertools import accumulate
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from . import protocol as P
@@ -37,7 +38,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 27
+API_VERSION = 28
 
 
 def _matches() -> bool:
@@ -347,12 +348,14 @@ class CombineCall:
     The call it is made for runs with the arguments as made (``first``); the kept form is worked out when
     another call runs it, so that a layout seen once costs no more than before."""
 
-    __slots__ = ("first", "x_p", "ctrl", "T", "H", "rows", "alive", "head", "payload", "dests", "spec")
+    __slots__ = ("first", "x_p", "ctrl", "T", "H", "rows", "alive", "toks", "head", "payload", "dests", "spec")
 
-    def __init__(self, send: tuple, spec: tuple, x_p: int, ctrl: tuple, T: int, H: int, rows: tuple, alive: tuple):
+    def __init__(self, send: tuple, spec: tuple, x_p: int, ctrl: tuple, T: int, H: int, rows: tuple, alive: tuple,
+                 toks: tuple):
         self.first = (send, spec)       # (the C call's arguments for the call it is made with)
         self.x_p, self.ctrl, self.T, self.H, self.rows = x_p, ctrl, T, H, rows
         self.alive = alive    # (every kept tensor whose address the arguments hold)
+        self.toks = toks      # (the sum's sources' token lists, in the order of its spec)
         self.head = None
 
     def fits(self, x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -370,10 +373,12 @@ class CombineCall:
         self.first = None
 
     def run(self, x: torch.Tensor, out: torch.Tensor, flag: int, words: Sequence[Sequence[int]], expected: bytes,
-            skip: int, spin_ns: int, first: bool = False) -> int:
+            skip: int, spin_ns: int, first: bool = False, toks: Optional[Sequence[torch.Tensor]] = None) -> int:
         """native.c's ``exchange_combine`` of ``x`` (uint8 rows) into ``out``, which ``fits``: 0, 1 or 2 (see
         ``NativeEngine.run_combine``). ``first``: this is the call ``combine_call`` made it with (those
-        tensors, that flag and those words)."""
+        tensors, that flag and those words); ``toks``: every source's token list (one per rank, each as long
+        as the one the call was made with), where they may be other than the call's (another routing of the
+        same rows per rank pair)."""
         if first:
             send, spec = self.first
         else:
@@ -383,6 +388,11 @@ class CombineCall:
             send = self.head + (int(flag), ((x_p,) + self.payload,),
                                 tuple(d + (w, 0, 0) for d, w in zip(self.dests, words)))
             spec = tuple(s if s[6] != -2 else (s[0] + x_p,) + s[1:6] + (-1,) for s in self.spec)
+            if toks is not None and any(toks[r] is not t for r, t in self.toks):
+                pairs = tuple(zip(self.toks, spec))
+                if not all(_contiguous_int64(toks[r]) and toks[r].shape[0] == s[4] for (r, _), s in pairs):
+                    raise ValueError("run_combine: a token list of another length or layout than the call's")
+                spec = tuple(s[:3] + (toks[r].data_ptr(),) + s[4:] for (r, _), s in pairs)
         # (the C loop checks every staging row and every token before it stores or sums anything)
         return _native.exchange_combine(send, self.ctrl + (expected, int(skip)), self.T, self.H, spec,
                                         out.data_ptr(), int(spin_ns))
@@ -401,16 +411,17 @@ class ReorderCall:
     ``CombineCall``: the call it is made for runs with the arguments as made, and the kept form is worked out
     when another call runs it."""
 
-    __slots__ = ("first", "ctrl", "pay_idx", "out_idx", "layouts", "meta_items", "alive", "head", "payload", "dests",
-                 "step", "meta_out", "out_fields", "own", "own_strides")
+    __slots__ = ("first", "ctrl", "pay_idx", "out_idx", "layouts", "meta_items", "alive", "words", "head", "payload",
+                 "dests", "step", "meta_out", "out_fields", "own", "own_strides")
 
     def __init__(self, send: tuple, ctrl: tuple, reorder: tuple, pay_idx: tuple, out_idx: tuple, layouts: tuple,
-                 meta_items: torch.Tensor, alive: tuple):
+                 meta_items: torch.Tensor, alive: tuple, words: np.ndarray):
         # (the C call's arguments for the call it is made with; reorder: all but the sources' lists)
         self.first = (send, reorder)
         self.ctrl, self.pay_idx, self.out_idx, self.layouts = ctrl, pay_idx, out_idx, layouts
         self.meta_items = meta_items    # (the staging's meta items: every call's are copied there)
         self.alive = alive    # (the kept tensors whose addresses the arguments hold, and the control words)
+        self.words = words    # every source's control message of the last run that moved everything, [R, m]
         self.head = None
 
     def fits(self, fields, meta, outs, meta_out, src_out) -> bool:
@@ -428,27 +439,40 @@ class ReorderCall:
         self.own, self.own_strides = own[:4], (own[5], tuple(st for _, st in own[6]))
         self.first = None
 
+    def rerouted(self, sels: Sequence[torch.Tensor], words: Sequence[Sequence[int]], own: torch.Tensor
+                 ) -> Optional[tuple]:
+        """``run``'s ``route`` for a call that sends rows ``sels`` with control words ``words`` (both in send
+        order) and takes its own rows ``own`` (as many as the call was made for): the same slots, outputs
+        and messages expected, other row lists. None where a list cannot go this way."""
+        if self.head is None:
+            self._keep()
+        dests = _kept_dests(self.alive[0], sels, words)
+        if dests is None or not _contiguous_int64(own) or own.shape[0] != self.own[1]:
+            return None
+        return dests, (own.data_ptr() if own.shape[0] else 0,) + self.own[1:]
+
     def run(self, fields, meta, outs, meta_out, src_out, flag: int, sources: list, spin_ns: int,
-            first: bool = False) -> int:
+            first: bool = False, route: Optional[tuple] = None) -> int:
         """native.c's ``exchange_reorder`` of these tensors, which ``fits``: 0, 1 or 2 (see
         ``NativeEngine.run_reorder``). ``first``: this is the call ``reorder_call`` made it with (those tensors
-        and that flag; the staging holds its meta items)."""
+        and that flag; the staging holds its meta items); ``route``: other row lists (``rerouted``)."""
         # (the C loop checks every staging row, source and output row before it stores or copies anything)
         if first:
             send, reorder = self.first
             return _native.exchange_reorder(send, self.ctrl, reorder[:9] + (sources, reorder[9]), int(spin_ns))
         if self.head is None:
             self._keep()
+        dests, own = route if route is not None else (self.dests, self.own)
         self.meta_items.copy_(meta)     # (the stores copy the staging's meta items with the rows)
         flag = int(flag)
         nb, min_run, room = self.step
         return _native.exchange_reorder(
             self.head + (flag, tuple((fields[i].data_ptr(),) + q for i, q in zip(self.pay_idx, self.payload)),
-                         self.dests), self.ctrl,
+                         dests), self.ctrl,
             (nb, flag, min_run, room, 0 if meta_out is None else meta_out.data_ptr(), *self.meta_out,
              0 if src_out is None else src_out.data_ptr(),
              tuple((outs[i].data_ptr(),) + q for i, q in zip(self.out_idx, self.out_fields)), sources,
-             self.own + (meta.data_ptr(), self.own_strides[0],
+             own + (meta.data_ptr(), self.own_strides[0],
                          tuple((fields[i].data_ptr(), st) for i, st in zip(self.out_idx, self.own_strides[1])))),
             int(spin_ns))
 
@@ -625,13 +649,15 @@ class NativeEngine(TorchEngine):
                      src_index: torch.Tensor, rank: int, flag: int, sels: Sequence[torch.Tensor],
                      words: Sequence[Sequence[int]], ctrl: torch.Tensor, nctrl: int, expected: bytes, skip: int,
                      outs: Sequence[Optional[torch.Tensor]], meta_out: Optional[torch.Tensor],
-                     src_out: Optional[torch.Tensor], min_run: int, own: tuple) -> Optional["ReorderCall"]:
+                     src_out: Optional[torch.Tensor], min_run: int, own: tuple,
+                     free: Tuple[int, int] = (0, 0)) -> Optional["ReorderCall"]:
         """The arguments of ``run_reorder`` that stay the same from call to call of one layout (a
         ``ReorderCall``): ``stage_and_send``'s send of ``fields`` and ``meta`` to the kept send phase ``key``
         (row lists ``sels``, control words ``words``), every source's control message (``ctrl``: [R, max
         blocks, 512] uint8, ``_Region.ctrl_sources``, of which each message takes the first ``nctrl``; the first
         ``len(expected) // (8 R)`` words of each must equal ``expected``, an int64 buffer, but for the word
-        indices in the bit mask ``skip``), then the sources' rows reordered as a ``reorder_sources`` step of
+        indices in the bit mask ``skip`` and the words [free[0], free[1]), which each run leaves for the caller in
+        the call's ``words``, [R, m] int64), then the sources' rows reordered as a ``reorder_sources`` step of
         ``(fields, meta)`` does with ``own`` (``(rows, first output row)`` of the own rows). The call of these
         arguments (``flag``) runs it first (``run_reorder(..., first=True)``; its meta items are staged here); a
         later call of the same layout runs it again with other tensors that ``ReorderCall.fits``. None where the
@@ -657,25 +683,29 @@ class NativeEngine(TorchEngine):
         if [p[0] for p in send[0][5]] != [fields[i].data_ptr() for i in pay_idx] or \
                 [p for p, _ in srcs] != [fields[i].data_ptr() for i in out_idx] or meta_p != meta.data_ptr():
             return None
+        m = len(expected) // (8 * R)
+        words_out = np.zeros((R, m), dtype=np.int64)
         return ReorderCall(
-            send[0], (ctrl.data_ptr(), ctrl.stride(0), int(nctrl), R, len(expected) // (8 * R), expected, int(skip)),
+            send[0], (ctrl.data_ptr(), ctrl.stride(0), int(nctrl), R, m, expected, int(skip), int(free[0]),
+                      int(free[1]), words_out.ctypes.data),
             (fmt.blocks, int(flag), int(min_run), room, *outputs,
              (sel.data_ptr(), sel.numel(), limit, int(offset), meta_p, meta_stride_src, tuple(srcs))),
             pay_idx, out_idx, (_layout_of(fields), _layout_of((meta, meta_out)), _layout_of(outs),
                                None if src_out is None else src_out.numel()),
-            staged[1], (send[1], staged, list(sels), ctrl, sel, words))
+            staged[1], (send[1], staged, list(sels), ctrl, sel, words), words_out)
 
     def run_reorder(self, call: "ReorderCall", fields: Sequence[torch.Tensor], meta: torch.Tensor,
                     outs: Sequence[torch.Tensor], meta_out: Optional[torch.Tensor], src_out: Optional[torch.Tensor],
-                    flag: int, sources: list, spin_ns: int, first: bool = False) -> int:
+                    flag: int, sources: list, spin_ns: int, first: bool = False, route: Optional[tuple] = None) -> int:
         """A normal dispatch's exchange in one C call (native.c's ``exchange_reorder``), for a caller that expects
         the control messages of the last one again: the send of ``call`` (``reorder_call``) with these
         ``fields`` and ``meta``, every source's control message as it expects them, then the rows of
         ``sources`` reordered into ``outs``, ``meta_out`` and ``src_out`` (the own rows first), for up to
-        ``spin_ns``; the tensors must fit ``call`` (``first``: the call ``reorder_call`` made it for). 0 (done:
-        ``sources`` advanced), 1 (a message missing or not as expected) or 2 (rows missing): then only the send
-        has happened, and the caller receives the call the general way."""
-        return call.run(fields, meta, outs, meta_out, src_out, flag, sources, spin_ns, first)
+        ``spin_ns``; the tensors must fit ``call`` (``first``: the call ``reorder_call`` made it for; ``route``:
+        other row lists, ``ReorderCall.rerouted``). 0 (done: ``sources`` advanced), 1 (a message missing or not
+        as expected) or 2 (rows missing): then only the send has happened, and the caller receives the call the
+        general way."""
+        return call.run(fields, meta, outs, meta_out, src_out, flag, sources, spin_ns, first, route)
 
     def ctrl_poller(self, ctrl: torch.Tensor, nctrl: int) -> Optional[Callable[[int, list], list]]:
         """``poll(flag, words)``: one poll of every source's control message, where ``ctrl`` is every
@@ -969,16 +999,16 @@ class NativeEngine(TorchEngine):
 
     def run_combine(self, call: "CombineCall", x: torch.Tensor, out: torch.Tensor, flag: int,
                     words: Sequence[Sequence[int]], expected: bytes, skip: int, spin_ns: int,
-                    first: bool = False) -> int:
+                    first: bool = False, toks: Optional[Sequence[torch.Tensor]] = None) -> int:
         """A normal combine's exchange in one C call (native.c's ``exchange_combine``), for a caller that expects
         the control messages of the last one again: ``stage_and_send``'s send of ``x`` (uint8 rows without meta
         items) with control words ``words``, every source's control message as ``run_reorder`` checks it
         (``expected``, ``skip``), then ``out`` = the sum of the sources of ``call`` (``combine_call``), which
-        ``x`` and ``out`` must fit (``first``: the call ``combine_call`` made it for), once the peers' rows are
-        all there, for up to ``spin_ns``. 0 (summed), 1 (a message missing or not as expected) or 2 (rows
-        missing): then only the send has happened (``out`` is not written), and the caller receives the call
-        the general way."""
-        return call.run(x, out, flag, words, expected, skip, spin_ns, first)
+        ``x`` and ``out`` must fit (``first``: the call ``combine_call`` made it for; ``toks``: the sources' token
+        lists, see ``CombineCall.run``), once the peers' rows are all there, for up to ``spin_ns``. 0 (summed),
+        1 (a message missing or not as expected) or 2 (rows missing): then only the send has happened (``out``
+        is not written), and the caller receives the call the general way."""
+        return call.run(x, out, flag, words, expected, skip, spin_ns, first, toks)
 
     def combine_call(self, key: tuple, fmt: P.RowFormat, fields: Sequence[torch.Tensor], src_index: torch.Tensor,
                      rank: int, flag: int, sels: Sequence[torch.Tensor], words: Sequence[Sequence[int]],
@@ -1011,9 +1041,11 @@ class NativeEngine(TorchEngine):
         # (kept alive: the row lists, the staging, the send plan's views and the control blocks, not x or out)
         alive = ([src[3] for src in sources], self._scratch.get((fmt, src_index.shape[0], rank, False)), send[1],
                  list(sels), ctrl) if keep else None
+        # (rank and token list of each source the sum's spec has, in its order: those with rows)
+        toks = tuple((r, src[3]) for r, src in enumerate(sources) if src[2])
         return CombineCall(send[0], tuple(plan[0]), x_p,
                            (ctrl.data_ptr(), ctrl.stride(0), int(nctrl), R, expected_bytes // (8 * R)), T, H,
-                           (fields[0].stride(0), fields[0].shape[0], fields[0].shape[1]) if keep else None, alive)
+                           (fields[0].stride(0), fields[0].shape[0], fields[0].shape[1]) if keep else None, alive, toks)
 
     combines_local_rows = True
 

@@ -56,7 +56,7 @@
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
 #define MAX_ROW_BLOCKS (1 << 20)         /* a row of 512 MiB: far past any hidden size a Buffer takes */
-#define API_VERSION 27             /* bumped whenever a function's arguments or results change */
+#define API_VERSION 28             /* bumped whenever a function's arguments or results change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -1375,8 +1375,12 @@ static PyObject *send_exchange(PyObject *self, PyObject *args) {
  * again: send_exchange(*send); then, polling for up to spin_ns in all (the CPU yielded between polls), every
  * source's control message, whose first m payload words must equal the expected ones; then the sources'
  * rows, reordered as they come as reorder_sources(*reorder) does. ``ctrl`` = (base, stride, nctrl, R, m,
- * expected, skip): source s's control blocks lie at base + s * stride, ``expected`` holds R * m int64 words
- * (bytes) and ``skip`` is a bit mask of word indices not compared.
+ * expected, skip[, free_lo, free_hi, words]): source s's control blocks lie at base + s * stride,
+ * ``expected`` holds R * m int64 words (bytes), ``skip`` is a bit mask of word indices not compared, words
+ * [free_lo, free_hi) are not compared either, and ``words`` (an address, 0 for none) receives every
+ * source's m words, R * m int64, once all came as expected: the words a caller reads instead of expecting
+ * them (a dispatch's per-expert counts and rank matrix, which change with the routing while the rows each
+ * source sends, and so the outputs' sizes, may not).
  *
  * 0: every message as expected and every row reordered; the sources' lists are advanced, each source's
  * copies count for the store policy by the way its message names (head word 1 of its first block), and the
@@ -1390,22 +1394,34 @@ typedef struct {
     Py_ssize_t stride, nctrl, R, m;
     const int64_t *want;      /* R * m words, in the caller's bytes object */
     unsigned long long skip;
+    Py_ssize_t free_lo, free_hi;   /* words read, not compared */
+    int64_t *words;           /* R * m words out, or NULL */
 } expect_t;
 
 static int expect_parse(PyObject *ctrl_args, expect_t *e) {
-    unsigned long long base_p;
+    unsigned long long base_p, words_p = 0;
     PyObject *expected;
-    if (!PyArg_ParseTuple(ctrl_args, "KnnnnO!K", &base_p, &e->stride, &e->nctrl, &e->R, &e->m, &PyBytes_Type,
-                          &expected, &e->skip))
+    e->free_lo = e->free_hi = 0;
+    if (!PyArg_ParseTuple(ctrl_args, "KnnnnO!K|nnK", &base_p, &e->stride, &e->nctrl, &e->R, &e->m, &PyBytes_Type,
+                          &expected, &e->skip, &e->free_lo, &e->free_hi, &words_p))
         return -1;
     if (e->nctrl < 1 || e->nctrl > MAX_CTRL || e->m < 0 || e->m > e->nctrl * CTRL_WORDS || e->R < 1 ||
+        e->free_lo < 0 || e->free_hi < e->free_lo || e->free_hi > e->m ||
         PyBytes_GET_SIZE(expected) != (Py_ssize_t)(e->R * e->m * 8)) {
         PyErr_SetString(PyExc_ValueError, "one-step exchange: bad control blocks or expected words");
         return -1;
     }
     e->base = (const uint8_t *)(uintptr_t)base_p;
     e->want = (const int64_t *)PyBytes_AS_STRING(expected);
+    e->words = (int64_t *)(uintptr_t)words_p;
     return 0;
+}
+
+/* Word i of source s's control message (its blocks all carry the call's flag) */
+static inline int64_t expect_word(const expect_t *e, Py_ssize_t s, Py_ssize_t i) {
+    int64_t v;
+    memcpy(&v, e->base + s * e->stride + (i / CTRL_WORDS) * BLOCK_BYTES + FLAG_BYTES + (i % CTRL_WORDS) * 8, 8);
+    return v;
 }
 
 /* Every source's control message of ``flag``, polled until t0 + spin_ns (the CPU yielded between polls), and
@@ -1417,10 +1433,8 @@ static int expect_wait(const expect_t *e, long long flag, int64_t t0, long long 
         while (b < e->nctrl && flag_of(src + b * BLOCK_BYTES) == flag) b++;
         if (b == e->nctrl) {
             for (Py_ssize_t i = 0; i < e->m; i++) {
-                int64_t v;
-                if (i < 64 && (e->skip >> i & 1)) continue;
-                memcpy(&v, src + (i / CTRL_WORDS) * BLOCK_BYTES + FLAG_BYTES + (i % CTRL_WORDS) * 8, 8);
-                if (v != e->want[s * e->m + i]) return 1;
+                if ((i < 64 && (e->skip >> i & 1)) || (i >= e->free_lo && i < e->free_hi)) continue;
+                if (expect_word(e, s, i) != e->want[s * e->m + i]) return 1;
             }
             s++;
             continue;
@@ -1428,6 +1442,9 @@ static int expect_wait(const expect_t *e, long long flag, int64_t t0, long long 
         if (now_ns() - t0 > spin_ns) return 1;
         sched_yield();
     }
+    if (e->words)
+        for (Py_ssize_t s = 0; s < e->R; s++)
+            for (Py_ssize_t i = 0; i < e->m; i++) e->words[s * e->m + i] = expect_word(e, s, i);
     return 0;
 }
 
