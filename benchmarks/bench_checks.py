@@ -1,17 +1,26 @@
-"""Short against full argument checks of a normal round trip, in turn in one run.
+"""A normal round trip with and without one of the Buffer's shortcuts, in turn in one run.
 
-    python benchmarks/bench_checks.py [--ranks 2] [--tokens 128] [--hidden 128,7168] [--blocks 30] [--calls 50]
+    python benchmarks/bench_checks.py [--compare checks|tries] [--ranks 2] [--tokens 128] [--hidden 128,7168]
+                                      [--blocks 30] [--calls 50]
 
-A dispatch of the same form as the Buffer's last one (dtypes, sizes, arguments given), with the routing the
-Buffer laid out last, checks its arguments against that call and that layout in a few comparisons
-(``Buffer._repeated_dispatch``); a plain combine of one of the Buffer's recent handles does the same
-(``Buffer._repeated_combine``). This benchmark times back-to-back round trips (``dispatch`` then ``combine``,
-top-8 of 16 experts, bf16, as ``bench_buffer.py``) in blocks of ``--calls``, alternating blocks with the
-short checks and blocks whose every call takes the full checks (the Buffer's plans dropped before each call,
-as after a call of another form), so that both see the same phases of a noisy machine. Per hidden size, for
-one routing repeated and for a new routing every call (``get_dispatch_layout`` of eight routings in turn, as
-in training), it prints the median time per round trip of each kind of block (slowest rank) and the median
-over the block pairs of short / full.
+``--compare checks`` (the default): short against full argument checks. A dispatch of the same form as the
+Buffer's last one (dtypes, sizes, arguments given), with the routing the Buffer laid out last, checks its
+arguments against that call and that layout in a few comparisons (``Buffer._repeated_dispatch``); a plain
+combine of one of the Buffer's recent handles does the same (``Buffer._repeated_combine``). The blocks
+without it drop the Buffer's plans before each call, as after a call of another form.
+
+``--compare tries``: the one-step exchanges of new routings whose rows per rank pair repeat (see the README's
+protocol paragraph) against the general way that such calls took before (the blocks without them turn off the
+Buffer's ``_fresh_tries``). With two ranks and top-8 of 16 experts nearly every token reaches both ranks, so
+nearly every new routing sends as many rows per rank pair as the last (with more ranks they change, and the
+tries pause). Only new routings are timed: a repeated one takes the one-step exchanges either way.
+
+The benchmark times back-to-back round trips (``dispatch`` then ``combine``, top-8 of 16 experts, bf16, as
+``bench_buffer.py``) in blocks of ``--calls``, alternating blocks with the shortcut and blocks without it, so
+that both see the same phases of a noisy machine. Per hidden size, for one routing repeated and for a new
+routing every call (``get_dispatch_layout`` of eight routings in turn, as in training), it prints the median
+time per round trip of each kind of block (slowest rank) and the median over the block pairs of with /
+without.
 """
 from __future__ import annotations
 
@@ -33,16 +42,18 @@ from ubep_torch.utils import int_at_least, memory_errors_as_usage_errors  # noqa
 K, E = 8, 16
 
 
-def _blocks(buf, x, routes: list, new_routing: bool, blocks: int, calls: int) -> dict:
-    """Seconds per round trip of every block: {False: short-check blocks, True: full-check blocks}."""
+def _blocks(buf, x, routes: list, new_routing: bool, blocks: int, calls: int, compare: str) -> dict:
+    """Seconds per round trip of every block: {False: blocks with the shortcut, True: blocks without it}."""
     turn = [0]
     layout = buf.get_dispatch_layout(routes[0][1], E)
 
-    def rt(full: bool):
+    def rt(without: bool):
         w, topk = routes[turn[0] % len(routes)]
         ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E) if new_routing else layout
         if new_routing:
             turn[0] += 1
+        full = without and compare == "checks"
+        buf._fresh_tries = not (without and compare == "tries")
         if full:
             buf._dispatch_plan = buf._combine_plan = None
         d = buf.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itr, num_tokens_per_expert=ntpe,
@@ -56,17 +67,17 @@ def _blocks(buf, x, routes: list, new_routing: bool, blocks: int, calls: int) ->
         rt(True)
     times = {False: [], True: []}
     for b in range(2 * blocks):
-        full = b % 2 == 1
-        rt(full)
+        without = b % 2 == 1
+        rt(without)
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(calls):
-            rt(full)
-        times[full].append((time.perf_counter() - t0) / calls)
+            rt(without)
+        times[without].append((time.perf_counter() - t0) / calls)
     return times
 
 
-def bench_rank(ctx, T: int, hiddens: list, blocks: int, calls: int) -> dict:
+def bench_rank(ctx, T: int, hiddens: list, blocks: int, calls: int, compare: str) -> dict:
     torch.manual_seed(ctx.rank)
     R = ctx.world_size
     routes = [torch.randn(T, E).softmax(-1).topk(K, dim=-1) for _ in range(8)]
@@ -74,18 +85,20 @@ def bench_rank(ctx, T: int, hiddens: list, blocks: int, calls: int) -> dict:
     for H in hiddens:
         x = torch.randn(T, H).bfloat16()
         buf = Buffer(ctx.group, Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R), 0)
-        for new_routing in (False, True):
-            out[H, new_routing] = _blocks(buf, x, routes, new_routing, blocks, calls)
+        for new_routing in (False, True) if compare == "checks" else (True,):
+            out[H, new_routing] = _blocks(buf, x, routes, new_routing, blocks, calls, compare)
         buf.destroy()
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--compare", choices=("checks", "tries"), default="checks",
+                    help="checks: short against full argument checks; tries: one-step exchanges of new routings")
     ap.add_argument("--ranks", type=int_at_least(1), default=2)
     ap.add_argument("--tokens", type=int_at_least(1), default=128)
     ap.add_argument("--hidden", default="128,7168", help="comma-separated hidden sizes, each timed in turn")
-    ap.add_argument("--blocks", type=int_at_least(1), default=30, help="block pairs (short, then full) per case")
+    ap.add_argument("--blocks", type=int_at_least(1), default=30, help="block pairs (with, then without) per case")
     ap.add_argument("--calls", type=int_at_least(1), default=50, help="round trips per block")
     a = ap.parse_args()
     try:
@@ -98,17 +111,19 @@ def main() -> None:
         ap.error(f"--ranks {a.ranks}: the benchmark's {E} experts must split evenly over the ranks")
     here = os.path.dirname(os.path.abspath(__file__))
     with RankPool(a.ranks, env={"PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])}) as pool:
-        per_rank = pool.run(bench_rank, a.tokens, hiddens, a.blocks, a.calls, timeout_s=1800)
-    print(f"normal round trip, short against full argument checks: {a.ranks} ranks, {a.tokens} tokens, top-{K} of "
-          f"{E} experts, bf16; {a.blocks} block pairs of {a.calls} calls, slowest rank")
-    print(f"{'hidden':>7}  {'routing':<22}{'short us':>10}{'full us':>10}{'short / full (min-max)':>28}")
+        per_rank = pool.run(bench_rank, a.tokens, hiddens, a.blocks, a.calls, a.compare, timeout_s=1800)
+    what = "short against full argument checks" if a.compare == "checks" else \
+        "with against without the one-step exchanges of new routings"
+    print(f"normal round trip, {what}: {a.ranks} ranks, {a.tokens} tokens, top-{K} of {E} experts, bf16; "
+          f"{a.blocks} block pairs of {a.calls} calls, slowest rank")
+    print(f"{'hidden':>7}  {'routing':<22}{'with us':>10}{'without us':>12}{'with / without (min-max)':>28}")
     for key in per_rank[0]:
         H, new_routing = key
-        short, full = ([max(r[key][f][i] for r in per_rank) for i in range(a.blocks)] for f in (False, True))
-        ratios = [s / f for s, f in zip(short, full)]
+        with_, without = ([max(r[key][f][i] for r in per_rank) for i in range(a.blocks)] for f in (False, True))
+        ratios = [s / f for s, f in zip(with_, without)]
         print(f"{H:>7}  {'new every call' if new_routing else 'one, repeated':<22}"
-              f"{statistics.median(short) * 1e6:>10.1f}{statistics.median(full) * 1e6:>10.1f}"
-              f"{statistics.median(ratios):>12.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+              f"{statistics.median(with_) * 1e6:>10.1f}{statistics.median(without) * 1e6:>12.1f}"
+              f"{statistics.median(ratios):>14.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
 
 
 if __name__ == "__main__":

@@ -222,6 +222,17 @@ def test_checks_benchmark_prints_both_routings_of_every_hidden_size():
         assert all(float(v) > 0 for v in r[-4:-1]), r
 
 
+@needs_buffer
+def test_checks_benchmark_compares_the_tries_of_new_routings():
+    """bench_checks.py --compare tries: a row per hidden size, new routings only, with both times."""
+    out = _run([sys.executable, "benchmarks/bench_checks.py", "--compare", "tries", "--tokens", "6", "--hidden", "64",
+                "--blocks", "2", "--calls", "2"], timeout=240)
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], " ".join(r[1:3])) for r in rows] == [("64", "new every")], out
+    assert all(float(v) > 0 for v in rows[0][-4:-1]), rows
+    assert "without the one-step exchanges of new routings" in out, out
+
+
 def test_sums_benchmark_prints_every_path():
     """The sum benchmark checks every path's bits against the torch path before it times them."""
     out = _run([sys.executable, "benchmarks/bench_sums.py", "--tokens", "5", "--hidden", "300", "--iters", "2"],
@@ -246,6 +257,7 @@ BAD_OPTIONS = [
     (["benchmarks/bench_sums.py", "--hidden", "0"], "--hidden"),
     (["benchmarks/bench_checks.py", "--hidden", "128,x"], "--hidden"),
     (["benchmarks/bench_checks.py", "--ranks", "3"], "--ranks 3"),
+    (["benchmarks/bench_checks.py", "--compare", "speed"], "--compare"),
     (["examples/demo.py"], "torchrun"),                 # (not under torchrun)
     (["examples/train_moe.py", "--tiny"], "--single"),
     (["examples/infer_moe.py"], "--single"),

@@ -335,13 +335,14 @@ def test_one_engine_step_that_finds_other_messages_goes_on_the_general_way(pool,
 
 
 @needs_native
-def test_new_routings_with_the_same_rows_per_rank_pair_take_one_engine_step(pool):
+@pytest.mark.parametrize("K,E", [(3, 8), (8, 256)])
+def test_new_routings_with_the_same_rows_per_rank_pair_take_one_engine_step(pool, K, E):
     """Every rank routes anew in every call with as many rows for each rank as before: the rows each rank
     sends each rank repeat in number while the tokens, the per-expert counts and the rank matrix change, so
     from the second call on the dispatch is one C call that reads those counts, and the combine one C call
     of the arguments kept for the last routing with this one's token lists; outputs, counts, handles and
-    sums are the torch path's."""
-    res = pool.run(F.steady_equivalence, calls=8, every_call="same rows")
+    sums are the torch path's (256 experts: control messages of three blocks)."""
+    res = pool.run(F.steady_equivalence, calls=8, K=K, E=E, every_call="same rows")
     F.assert_all_same(res)
     for r in res:      # (the first call may find the messages of an earlier test kept: other rows, and a pause)
         assert r["steady"].get("dispatch 0", 0) >= 6 and r["steady"].get("combine 0", 0) >= 6, res

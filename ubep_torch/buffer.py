@@ -711,6 +711,7 @@ class Buffer:
         self._send_order = [(self.rank + i) % self.group_size for i in range(self.group_size)]
         self._ctrl_seen: dict = {}    # (see _exchange_receive)
         self._fresh_skip = [0, 0]     # (see _steady_dispatch: one-step tries of new routings to skip, the next pause)
+        self._fresh_tries = True      # (one-step exchanges for new routings: benchmarks/bench_checks.py turns it off)
         self._global_ranks = _group_global_ranks(group)   # (errors on a sub-group name these too)
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = num_qps_per_rank
@@ -2562,6 +2563,8 @@ class Buffer:
         seen = self._ctrl_seen.get((rid, fmt, n_counts, True))
         if seen is None or fmt.sync != "tff" or self.delay_hook is not None:
             return None
+        if fresh and not self._fresh_tries:
+            return None
         if fresh and self._fresh_skip[0]:
             self._fresh_skip[0] -= 1
             return None
@@ -3047,7 +3050,7 @@ class Buffer:
                 return None
             # (another routing of the same rows per rank pair keeps the calls, which then sum by its token lists)
             memo = said["combine", me] = (toks, bounds, [eng.span(bounds[d], bounds[d + 1]) for d in range(R)], {}) \
-                if memo is None or memo[1] != bounds else (toks,) + memo[1:]
+                if memo is None or memo[1] != bounds or not self._fresh_tries else (toks,) + memo[1:]
         expected = said.get(("steady", me))
         if expected is None:
             expected = said["steady", me] = np.array(_full_words(checked), dtype=np.int64)
