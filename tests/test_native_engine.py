@@ -331,7 +331,18 @@ def test_one_engine_step_that_finds_other_messages_goes_on_the_general_way(pool,
     kw = {"spin_ns": 0, "lag_s": 0.005} if case == "late peer" else {"change_at": 2}
     res = pool.run(F.steady_equivalence, **kw)
     F.assert_all_same(res)
-    assert res[0]["steady"].get("dispatch 1", 0) + res[0]["steady"].get("combine 1", 0) >= 2, res
+    status = 3 if case == "late peer" else 1     # (a message missing, or one not as expected)
+    assert res[0]["steady"].get(f"dispatch {status}", 0) + res[0]["steady"].get(f"combine {status}", 0) >= 2, res
+
+
+@needs_native
+def test_a_late_peer_does_not_pause_the_tries_of_new_routings(pool):
+    """New routings of the same rows per rank pair, rank 1 late to every call and no wait in the one-step calls:
+    rank 0's tries find a message missing, not other messages, so they go on call after call (a pause is for
+    rows that changed); the bits are the torch path's."""
+    res = pool.run(F.steady_equivalence, calls=6, spin_ns=0, lag_s=0.005, every_call="same rows")
+    F.assert_all_same(res)
+    assert res[0]["steady"].get("dispatch 3", 0) >= 4 and not res[0]["steady"].get("dispatch 1"), res
 
 
 @needs_native
@@ -879,9 +890,10 @@ def test_send_phase_checks_every_destination_before_any_store():
 @needs_native
 def test_one_step_exchanges_wait_for_the_expected_messages_and_every_row():
     """native.c's ``exchange_reorder`` and ``exchange_combine`` (with nothing to send) on blocks laid out by
-    hand: 1 while a message is missing or says other words than the expected ones (skipped words aside),
-    2 while rows are missing, 0 once everything came: then the outputs are those of ``reorder_sources`` and
-    ``combine_rows_bf16``."""
+    hand: 3 while a message is missing, 1 while one says other words than the expected ones (skipped words
+    and the free range aside), 2 while rows are missing, 0 once everything came: then the outputs are those of
+    ``reorder_sources`` and ``combine_rows_bf16``, and every message's words, free ones included, are copied
+    out where the caller asks."""
     C, eng = native_engine._native, native_engine.NativeEngine()
     flag = P.flag_word(9, P.REGION_DISPATCH)
     fmt, data, meta, _, _ = _rows_case((("x", 1500),), 3, n=1, T=6)
@@ -904,15 +916,23 @@ def test_one_step_exchanges_wait_for_the_expected_messages_and_every_row():
         eng.write_ctrl(ctrl[s, :1], w, flag)
 
     sources = [[rows.data_ptr(), 6, 0, 0, 0]]
-    assert C.exchange_reorder(nothing, check, reorder(sources), 0) == 1                  # no message yet
+    assert C.exchange_reorder(nothing, check, reorder(sources), 0) == 3                  # no message yet
     arrive(0, words[0])
     arrive(1, words[1] + torch.tensor([0, 0, 0, 0, 1]))
     assert C.exchange_reorder(nothing, check, reorder(sources), 0) == 1                  # source 1: other words
-    arrive(1, words[1])
+    arrive(1, words[1] + torch.tensor([0, 0, 0, 5, 0]))
+    assert C.exchange_reorder(nothing, check, reorder(sources), 0) == 1                  # word 3 differs too
+    read = torch.full((2, 5), -1, dtype=torch.int64)
+    free = check + (3, 4, read.data_ptr())                                                # word 3 read, not compared
     eng.write_rows(fmt, st, None, eng.arange(3), rows[:3], flag)
-    assert C.exchange_reorder(nothing, check, reorder(sources), 0) == 2 and sources[0][3] == 0   # rows missing
+    assert C.exchange_reorder(nothing, free, reorder(sources), 0) == 2 and sources[0][3] == 0   # rows missing
+    # (the messages came as expected: their words are out, the free one as it was sent)
+    assert read.tolist() == [words[0].tolist(), (words[1] + torch.tensor([0, 0, 0, 5, 0])).tolist()]
     eng.write_rows(fmt, st, None, eng.span(3, 6), rows[3:], flag)
-    assert C.exchange_reorder(nothing, check, reorder(sources), 0) == 0 and sources[0][3] == 6
+    assert C.exchange_reorder(nothing, free, reorder(sources), 0) == 0 and sources[0][3] == 6
+    with pytest.raises(ValueError, match="bad control blocks"):                           # a range past the words
+        C.exchange_reorder(nothing, check + (3, 6, 0), reorder(sources), 0)
+    arrive(1, words[1])
     ref_x = torch.zeros(6, 1500, dtype=torch.uint8)
     assert torch.equal(meta_out, eng.unpack_rows(fmt, rows, [ref_x])) and torch.equal(x, ref_x)
     assert torch.equal(src, torch.arange(6, dtype=torch.int32))

@@ -2618,11 +2618,11 @@ class Buffer:
             sources = [[p, n, o, 0, s] for p, n, o, s in memo[3]]
             status = eng.run_reorder(call, fields_data, meta, outs, meta_out, recv_src_idx, x["flag"], sources,
                                      self._steady_spin_ns(), first, route)
-        if fresh and status == 1:       # (a message not as expected, or late: pause the tries of new routings)
+        if fresh and status == 1:       # (a message not as expected: pause the tries of new routings)
             pause = self._fresh_skip[1] or 1
             self._fresh_skip[:] = [pause, min(2 * pause, 64)]
         elif status == 0:
-            self._fresh_skip[1] = 0
+            self._fresh_skip[:] = [0, 0]
             read = call.words[:, lo:hi].tolist()
             if read != plan[6]:     # (other counts than the kept messages': what they say now)
                 counts, matrix = [w[:n_counts] for w in read], [w[n_counts:] for w in read]
@@ -3045,8 +3045,9 @@ class Buffer:
         # sent, {half: CombineCall, or False once one call made its arguments for itself alone})
         memo = said.get(("combine", me))
         if memo is None or memo[0] is not toks or memo[1] != bounds:
-            # (each rank returns the rows of this rank's tokens)
-            if said["nrows"] != [t.numel() for t in toks]:
+            # (each rank returns the rows of this rank's tokens; lists the engine reads as they are)
+            if said["nrows"] != [t.numel() for t in toks] or \
+                    not all(t.dtype is torch.int64 and t.is_contiguous() for t in toks):
                 return None
             # (another routing of the same rows per rank pair keeps the calls, which then sum by its token lists)
             memo = said["combine", me] = (toks, bounds, [eng.span(bounds[d], bounds[d + 1]) for d in range(R)], {}) \

@@ -374,7 +374,7 @@ class CombineCall:
 
     def run(self, x: torch.Tensor, out: torch.Tensor, flag: int, words: Sequence[Sequence[int]], expected: bytes,
             skip: int, spin_ns: int, first: bool = False, toks: Optional[Sequence[torch.Tensor]] = None) -> int:
-        """native.c's ``exchange_combine`` of ``x`` (uint8 rows) into ``out``, which ``fits``: 0, 1 or 2 (see
+        """native.c's ``exchange_combine`` of ``x`` (uint8 rows) into ``out``, which ``fits``: 0, 1, 2 or 3 (see
         ``NativeEngine.run_combine``). ``first``: this is the call ``combine_call`` made it with (those
         tensors, that flag and those words); ``toks``: every source's token list (one per rank, each as long
         as the one the call was made with), where they may be other than the call's (another routing of the
@@ -391,6 +391,7 @@ class CombineCall:
             if toks is not None and any(toks[r] is not t for r, t in self.toks):
                 pairs = tuple(zip(self.toks, spec))
                 if not all(_contiguous_int64(toks[r]) and toks[r].shape[0] == s[4] for (r, _), s in pairs):
+                    # (the caller checks them before its exchange begins: see Buffer._steady_combine)
                     raise ValueError("run_combine: a token list of another length or layout than the call's")
                 spec = tuple(s[:3] + (toks[r].data_ptr(),) + s[4:] for (r, _), s in pairs)
         # (the C loop checks every staging row and every token before it stores or sums anything)
@@ -453,7 +454,7 @@ class ReorderCall:
 
     def run(self, fields, meta, outs, meta_out, src_out, flag: int, sources: list, spin_ns: int,
             first: bool = False, route: Optional[tuple] = None) -> int:
-        """native.c's ``exchange_reorder`` of these tensors, which ``fits``: 0, 1 or 2 (see
+        """native.c's ``exchange_reorder`` of these tensors, which ``fits``: 0, 1, 2 or 3 (see
         ``NativeEngine.run_reorder``). ``first``: this is the call ``reorder_call`` made it with (those tensors
         and that flag; the staging holds its meta items); ``route``: other row lists (``rerouted``)."""
         # (the C loop checks every staging row, source and output row before it stores or copies anything)
@@ -702,9 +703,9 @@ class NativeEngine(TorchEngine):
         ``fields`` and ``meta``, every source's control message as it expects them, then the rows of
         ``sources`` reordered into ``outs``, ``meta_out`` and ``src_out`` (the own rows first), for up to
         ``spin_ns``; the tensors must fit ``call`` (``first``: the call ``reorder_call`` made it for; ``route``:
-        other row lists, ``ReorderCall.rerouted``). 0 (done: ``sources`` advanced), 1 (a message missing or not
-        as expected) or 2 (rows missing): then only the send has happened, and the caller receives the call the
-        general way."""
+        other row lists, ``ReorderCall.rerouted``). 0 (done: ``sources`` advanced), 1 (a message not as
+        expected), 2 (rows missing) or 3 (a message missing): then only the send has happened, and the caller
+        receives the call the general way."""
         return call.run(fields, meta, outs, meta_out, src_out, flag, sources, spin_ns, first, route)
 
     def ctrl_poller(self, ctrl: torch.Tensor, nctrl: int) -> Optional[Callable[[int, list], list]]:
@@ -1007,8 +1008,8 @@ class NativeEngine(TorchEngine):
         (``expected``, ``skip``), then ``out`` = the sum of the sources of ``call`` (``combine_call``), which
         ``x`` and ``out`` must fit (``first``: the call ``combine_call`` made it for; ``toks``: the sources' token
         lists, see ``CombineCall.run``), once the peers' rows are all there, for up to ``spin_ns``. 0 (summed),
-        1 (a message missing or not as expected) or 2 (rows missing): then only the send has happened (``out``
-        is not written), and the caller receives the call the general way."""
+        1 (a message not as expected), 2 (rows missing) or 3 (a message missing): then only the send has happened
+        (``out`` is not written), and the caller receives the call the general way."""
         return call.run(x, out, flag, words, expected, skip, spin_ns, first, toks)
 
     def combine_call(self, key: tuple, fmt: P.RowFormat, fields: Sequence[torch.Tensor], src_index: torch.Tensor,

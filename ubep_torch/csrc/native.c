@@ -1369,7 +1369,7 @@ static PyObject *send_exchange(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* exchange_reorder(send, ctrl, reorder, spin_ns) -> 0, 1 or 2
+/* exchange_reorder(send, ctrl, reorder, spin_ns) -> 0, 1, 2 or 3
  *
  * A normal dispatch's exchange in one call, for a caller that expects the control messages of the last one
  * again: send_exchange(*send); then, polling for up to spin_ns in all (the CPU yielded between polls), every
@@ -1385,7 +1385,7 @@ static PyObject *send_exchange(PyObject *self, PyObject *args) {
  * 0: every message as expected and every row reordered; the sources' lists are advanced, each source's
  * copies count for the store policy by the way its message names (head word 1 of its first block), and the
  * reports of every source but the send's rank (head words 2 and 3) are averaged into it, as the engine's
- * peer_reads does. 1: a message missing or not as expected; 2: rows missing. Then only the send counts: the
+ * peer_reads does. 1: a message not as expected; 2: rows missing; 3: a message missing. Then only the send counts: the
  * outputs may hold some rows, nothing else was recorded, and the caller receives the call the general way
  * (control blocks and rows stay as they arrived). */
 /* The control messages a one-step exchange expects (exchange_reorder's ``ctrl``) */
@@ -1425,7 +1425,8 @@ static inline int64_t expect_word(const expect_t *e, Py_ssize_t s, Py_ssize_t i)
 }
 
 /* Every source's control message of ``flag``, polled until t0 + spin_ns (the CPU yielded between polls), and
- * compared with the expected words (no GIL needed): 0 when all came as expected, else 1 */
+ * compared with the expected words (no GIL needed): 0 when all came as expected, 1 when one came otherwise, 3
+ * when one had not come by then */
 static int expect_wait(const expect_t *e, long long flag, int64_t t0, long long spin_ns) {
     for (Py_ssize_t s = 0; s < e->R;) {      /* every message: all its blocks carry the flag */
         const uint8_t *src = e->base + s * e->stride;
@@ -1439,7 +1440,7 @@ static int expect_wait(const expect_t *e, long long flag, int64_t t0, long long 
             s++;
             continue;
         }
-        if (now_ns() - t0 > spin_ns) return 1;
+        if (now_ns() - t0 > spin_ns) return 3;
         sched_yield();
     }
     if (e->words)
@@ -1933,7 +1934,7 @@ static PyObject *combine_rows_bf16(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* exchange_combine(send, ctrl, T, H, sources, out, spin_ns) -> 0, 1 or 2
+/* exchange_combine(send, ctrl, T, H, sources, out, spin_ns) -> 0, 1, 2 or 3
  *
  * A normal combine's exchange in one call, for a caller that expects the control messages of the last one
  * again (as exchange_reorder): send_exchange(*send); every source's control message as expected (``ctrl``
@@ -1943,7 +1944,7 @@ static PyObject *combine_rows_bf16(PyObject *self, PyObject *args) {
  * rank's own), else the address of the peer's first slot row (nb blocks of 512 B each, nb the send's), and
  * ``rank`` the source's rank. 0: summed; the sum is timed for the store policy where every peer's message
  * names the same way (the bytes its rows take), and the peers' reports are taken in (as exchange_reorder).
- * 1: a message missing or not as expected; 2: rows missing: then only the send has happened (out is not
+ * 1: a message not as expected; 2: rows missing; 3: a message missing: then only the send has happened (out is not
  * written) and the caller receives the call the general way. */
 static PyObject *exchange_combine(PyObject *self, PyObject *args) {
     PyObject *send_args, *ctrl_args, *sources;
