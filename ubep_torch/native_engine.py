@@ -422,7 +422,7 @@ class ReorderCall:
         self.ctrl, self.pay_idx, self.out_idx, self.layouts = ctrl, pay_idx, out_idx, layouts
         self.meta_items = meta_items    # (the staging's meta items: every call's are copied there)
         self.alive = alive    # (the kept tensors whose addresses the arguments hold, and the control words)
-        self.words = words    # every source's control message of the last run that moved everything, [R, m]
+        self.words = words    # every source's control message of the last run whose messages came as expected
         self.head = None
 
     def fits(self, fields, meta, outs, meta_out, src_out) -> bool:
@@ -474,7 +474,7 @@ class ReorderCall:
              0 if src_out is None else src_out.data_ptr(),
              tuple((outs[i].data_ptr(),) + q for i, q in zip(self.out_idx, self.out_fields)), sources,
              own + (meta.data_ptr(), self.own_strides[0],
-                         tuple((fields[i].data_ptr(), st) for i, st in zip(self.out_idx, self.own_strides[1])))),
+                    tuple((fields[i].data_ptr(), st) for i, st in zip(self.out_idx, self.own_strides[1])))),
             int(spin_ns))
 
 

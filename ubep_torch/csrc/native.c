@@ -1385,9 +1385,9 @@ static PyObject *send_exchange(PyObject *self, PyObject *args) {
  * 0: every message as expected and every row reordered; the sources' lists are advanced, each source's
  * copies count for the store policy by the way its message names (head word 1 of its first block), and the
  * reports of every source but the send's rank (head words 2 and 3) are averaged into it, as the engine's
- * peer_reads does. 1: a message not as expected; 2: rows missing; 3: a message missing. Then only the send counts: the
- * outputs may hold some rows, nothing else was recorded, and the caller receives the call the general way
- * (control blocks and rows stay as they arrived). */
+ * peer_reads does. 1: a message not as expected; 2: rows missing; 3: a message missing. Then only the send
+ * counts: the outputs may hold some rows, nothing else was recorded, and the caller receives the call the
+ * general way (control blocks and rows stay as they arrived). */
 /* The control messages a one-step exchange expects (exchange_reorder's ``ctrl``) */
 typedef struct {
     const uint8_t *base;
@@ -1944,8 +1944,8 @@ static PyObject *combine_rows_bf16(PyObject *self, PyObject *args) {
  * rank's own), else the address of the peer's first slot row (nb blocks of 512 B each, nb the send's), and
  * ``rank`` the source's rank. 0: summed; the sum is timed for the store policy where every peer's message
  * names the same way (the bytes its rows take), and the peers' reports are taken in (as exchange_reorder).
- * 1: a message not as expected; 2: rows missing; 3: a message missing: then only the send has happened (out is not
- * written) and the caller receives the call the general way. */
+ * 1: a message not as expected; 2: rows missing; 3: a message missing: then only the send has happened (out
+ * is not written) and the caller receives the call the general way. */
 static PyObject *exchange_combine(PyObject *self, PyObject *args) {
     PyObject *send_args, *ctrl_args, *sources;
     Py_ssize_t T, H;
