@@ -336,6 +336,17 @@ def test_one_engine_step_that_finds_other_messages_goes_on_the_general_way(pool,
 
 
 @needs_native
+def test_two_routings_in_turn_take_one_engine_step_each(pool):
+    """Two routings of other rows per rank pair, one after the other: the Buffer keeps the messages of both, so
+    from the third call on every dispatch and combine is one C call (against the messages of the same routing,
+    two calls before), with the torch path's bits."""
+    res = pool.run(F.steady_equivalence, calls=8, every_call="two in turn")
+    F.assert_all_same(res)
+    for r in res:
+        assert r["steady"].get("dispatch 0", 0) >= 5 and r["steady"].get("combine 0", 0) >= 5, res
+
+
+@needs_native
 def test_a_late_peer_does_not_pause_the_tries_of_new_routings(pool):
     """New routings of the same rows per rank pair, rank 1 late to every call and no wait in the one-step calls:
     rank 0's tries find a message missing, not other messages, so they go on call after call (a pause is for

@@ -100,7 +100,8 @@ def steady_equivalence(ctx, sync: str = "tff", T: int = 12, H: int = 1000, K: in
     per-128 scales (two payload fields). ``every_call``: every rank routes anew in every call, ``"same rows"``
     with as many rows per rank pair as before (``_every_rank_routing``: the tokens each rank sends each rank and
     the per-expert counts change), ``"any"``
-    as ``make_routing`` does (the rows per rank pair change too). Returns {call: bit-identical?} and the engine's
+    as ``make_routing`` does (the rows per rank pair change too), ``"two in turn"`` two routings of other rows
+    per rank pair, one after the other. Returns {call: bit-identical?} and the engine's
     one-step results, counted ({"dispatch 0": n, "combine 1": n, ...})."""
     import ubep_torch.buffer as B
     bt, bk = get_buffer(ctx, sync, backend="torch"), get_buffer(ctx, sync, backend="native")
@@ -123,6 +124,10 @@ def steady_equivalence(ctx, sync: str = "tff", T: int = 12, H: int = 1000, K: in
             topk, w = make_routing(100 + i if anew or every_call else 7, ctx.rank, T, K, E)
             if every_call == "same rows":
                 topk = _every_rank_routing(100 + i, ctx.rank, T, K, E, ctx.world_size)
+            elif every_call == "two in turn":     # (the second: the first without token 0, one row less per rank)
+                topk, w = make_routing(7, ctx.rank, T, K, E)
+                if i % 2:
+                    topk[0], w[0] = -1, 0.0
             w = w * (1.0 + i / 8)       # (the same experts, new weights: each call's meta items are its own)
             x = torch.randn(T, H, generator=torch.Generator().manual_seed(50 * i + ctx.rank)).bfloat16()
             if sizes:

@@ -86,6 +86,7 @@ _DEFAULT_NVL_BYTES = 256 << 20
 _TOKENCNT_PHASE = {rid: f"{name}: TokenCnt (waiting for the count messages)" for rid, name in P.REGION_NAMES.items()}
 _REORDER_PHASE = {rid: f"{name}: Token-Reordering (waiting for token blocks)" for rid, name in P.REGION_NAMES.items()}
 _MAX_SEEN_KINDS = 16    # kinds of exchange whose last checked control messages a Buffer keeps (see _exchange_receive)
+_SEEN_PER_KIND = 2      # the last distinct sets of messages kept of each kind, the most recent first
 
 
 def _checked_words(m, used: int):
@@ -2440,20 +2441,28 @@ class Buffer:
             self._sync_all(f"{P.REGION_NAMES[rid]}: SyncAll after flag verification", rid)
         msgs = [ctrl_words[s] for s in range(R)]
         # Messages whose words that the checks below read (all but the checksum and the call-specific word 3) equal
-        # those of the last ones of this kind pass them again and say the same: what they said is taken from then
-        # (the usual case: the same routing call after call). It is read-only, but for what callers work out from
-        # it alone and keep in it (``out["said"]``).
+        # those of one of the last sets of this kind pass them again and say the same: what they said is taken from
+        # then (the usual case: the same routing call after call, or two in turn). It is read-only, but for what
+        # callers work out from it alone and keep in it (``out["said"]``).
         used = x["used"]
         checked = [_checked_words(m, used) for m in msgs]
         seen_key = (rid, fmt, n_counts, with_matrix)
-        seen = self._ctrl_seen.get(seen_key)
-        if seen is not None and seen[0] == checked:
-            said = seen[1]
-        else:
+        kept = self._ctrl_seen.get(seen_key)
+        said = None
+        for i, (words_i, said_i) in enumerate(kept or ()):
+            if words_i == checked:
+                said = said_i
+                if i:
+                    kept.insert(0, kept.pop(i))
+                break
+        if said is None:
             said = self._check_messages(rid, fmt, ctrl_words, msgs, n_counts, with_matrix)
-            if len(self._ctrl_seen) >= _MAX_SEEN_KINDS:
-                self._ctrl_seen.clear()
-            self._ctrl_seen[seen_key] = (checked, said)
+            if kept is None:
+                if len(self._ctrl_seen) >= _MAX_SEEN_KINDS:
+                    self._ctrl_seen.clear()
+                kept = self._ctrl_seen[seen_key] = []
+            kept.insert(0, (checked, said))
+            del kept[_SEEN_PER_KIND:]
         out = {"epoch": epoch, "half": half, "flag": flag, "ctrl": ctrl_words, "staged": staged, "said": said}
         out.update(said)
         # how each source stored its rows, and what reading this rank's rows has cost it (its message's head
@@ -2542,9 +2551,10 @@ class Buffer:
                          words: list, fields_data: list, meta: Optional[torch.Tensor], src_index: torch.Tensor,
                          allocate: Callable, fresh: bool) -> Optional[tuple]:
         """The usual dispatch, in one step of the engine (``run_reorder``): every source sends this rank as
-        many rows as in the last call of the general way, so every control message repeats the last ones (whose
-        checks and layout are kept, see ``_exchange_receive``) but for the per-expert counts and the rank
-        matrix, which follow the routing and are read, not expected; the engine sends, checks that the
+        many rows as in a call of the general way that the Buffer kept (the last two sets of messages, see
+        ``_exchange_receive``: the one whose own message is this call's), so every control message repeats
+        those (whose checks and layout are kept) but for the per-expert counts and the rank matrix, which
+        follow the routing and are read, not expected; the engine sends, checks that the
         messages are those again and reorders the rows into outputs allocated for that layout beforehand, and
         this rank acknowledges every source. Where every rank repeats its routing, the messages are the last
         ones word for word; where the routings are new (``fresh``: this rank's was not sent before), only where
@@ -2560,30 +2570,32 @@ class Buffer:
         rid, R, me, eng = P.REGION_DISPATCH, self.group_size, self.rank, self.engine
         if meta is None or not hasattr(eng, "reorder_call") or words.__class__ is not list:
             return None
-        seen = self._ctrl_seen.get((rid, fmt, n_counts, True))
-        if seen is None or fmt.sync != "tff" or self.delay_hook is not None:
+        kept = self._ctrl_seen.get((rid, fmt, n_counts, True))
+        if kept is None or fmt.sync != "tff" or self.delay_hook is not None:
             return None
         if fresh and not self._fresh_tries:
             return None
         if fresh and self._fresh_skip[0]:
             self._fresh_skip[0] -= 1
             return None
-        checked, said = seen
         lo, hi = P.CTRL_COUNTS, P.CTRL_COUNTS + n_counts + R    # (the words read, not expected)
-        plan = said.get(("steady", cap, me))
-        if plan is None:
-            # what the messages must say again, all their words but the checksum (word 3 is every rank's
-            # num_worst_tokens: 0) and [lo, hi), and the rows each source sends, where they go: one exchange,
-            # every rank's tokens in it
-            rows_from = [row[me] for row in said["ntpr_matrix"]]
-            fits = max(said["num_tokens"]) <= cap and rows_from == said["nrows"] and min(rows_from) >= 0
-            expected = _full_words(checked)
-            plan = said["steady", cap, me] = fits and (
-                rows_from, list(accumulate(rows_from, initial=0)), expected,
-                np.array(expected, dtype=np.int64).tobytes(), [tuple(e[:lo]) for e in expected],
-                [tuple(e[hi:]) for e in expected], [e[lo:hi] for e in expected])
         own = words[0]
-        if not plan or own[:lo] != plan[4][me] or own[hi:] != plan[5][me]:
+        for checked, said in kept:      # (the kept messages whose own message is this call's, but for [lo, hi))
+            plan = said.get(("steady", cap, me))
+            if plan is None:
+                # what the messages must say again, all their words but the checksum (word 3 is every rank's
+                # num_worst_tokens: 0) and [lo, hi), and the rows each source sends, where they go: one exchange,
+                # every rank's tokens in it
+                rows_from = [row[me] for row in said["ntpr_matrix"]]
+                fits = max(said["num_tokens"]) <= cap and rows_from == said["nrows"] and min(rows_from) >= 0
+                expected = _full_words(checked)
+                plan = said["steady", cap, me] = fits and (
+                    rows_from, list(accumulate(rows_from, initial=0)), expected,
+                    np.array(expected, dtype=np.int64).tobytes(), [tuple(e[:lo]) for e in expected],
+                    [tuple(e[hi:]) for e in expected], [e[lo:hi] for e in expected])
+            if plan and own[:lo] == plan[4][me] and own[hi:] == plan[5][me]:
+                break
+        else:
             return None
         rows_from, off, expected, expected_bytes = plan[:4]
         recv = {"said": said, "ctrl": expected}
@@ -2645,13 +2657,14 @@ class Buffer:
     def _kept_messages(self, rid: int, fmt: P.RowFormat, n_counts: int, with_matrix: bool, own: tuple
                        ) -> Optional[tuple]:
         """``(checked words, what they said)`` of the last control messages of this kind of exchange that
-        ``_exchange_receive`` kept, where a one-step exchange may expect them again: TFF rows, no delay hook,
-        and this rank's own message of this call (``own``, its words) the one it sent last; else None."""
-        seen = self._ctrl_seen.get((rid, fmt, n_counts, with_matrix))
-        if seen is None or fmt.sync != "tff" or self.delay_hook is not None \
-                or _checked_words(list(own), len(own)) != seen[0][self.rank]:
+        ``_exchange_receive`` kept (of its last sets, the most recent) where a one-step exchange may expect them
+        again: TFF rows, no delay hook, and this rank's own message of this call (``own``, its words) the one it
+        sent then; else None."""
+        kept = self._ctrl_seen.get((rid, fmt, n_counts, with_matrix))
+        if kept is None or fmt.sync != "tff" or self.delay_hook is not None:
             return None
-        return seen
+        mine = _checked_words(list(own), len(own))
+        return next((entry for entry in kept if entry[0][self.rank] == mine), None)
 
     def _steady_rest(self, x: dict, status: Optional[int], fmt: P.RowFormat, fields_data, meta,
                      src_index) -> Optional[dict]:
