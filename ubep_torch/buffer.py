@@ -2570,34 +2570,30 @@ class Buffer:
         rid, R, me, eng = P.REGION_DISPATCH, self.group_size, self.rank, self.engine
         if meta is None or not hasattr(eng, "reorder_call") or words.__class__ is not list:
             return None
-        kept = self._ctrl_seen.get((rid, fmt, n_counts, True))
-        if kept is None or fmt.sync != "tff" or self.delay_hook is not None:
-            return None
         if fresh and not self._fresh_tries:
             return None
         if fresh and self._fresh_skip[0]:
             self._fresh_skip[0] -= 1
             return None
         lo, hi = P.CTRL_COUNTS, P.CTRL_COUNTS + n_counts + R    # (the words read, not expected)
-        own = words[0]
-        for checked, said in kept:      # (the kept messages whose own message is this call's, but for [lo, hi))
-            plan = said.get(("steady", cap, me))
-            if plan is None:
-                # what the messages must say again, all their words but the checksum (word 3 is every rank's
-                # num_worst_tokens: 0) and [lo, hi), and the rows each source sends, where they go: one exchange,
-                # every rank's tokens in it
-                rows_from = [row[me] for row in said["ntpr_matrix"]]
-                fits = max(said["num_tokens"]) <= cap and rows_from == said["nrows"] and min(rows_from) >= 0
-                expected = _full_words(checked)
-                plan = said["steady", cap, me] = fits and (
-                    rows_from, list(accumulate(rows_from, initial=0)), expected,
-                    np.array(expected, dtype=np.int64).tobytes(), [tuple(e[:lo]) for e in expected],
-                    [tuple(e[hi:]) for e in expected], [e[lo:hi] for e in expected])
-            if plan and own[:lo] == plan[4][me] and own[hi:] == plan[5][me]:
-                break
-        else:
+        kept = self._kept_messages(rid, fmt, n_counts, True, words[0], (lo, hi))
+        if kept is None:
             return None
-        rows_from, off, expected, expected_bytes = plan[:4]
+        checked, said = kept
+        plan = said.get(("steady", cap, me))
+        if plan is None:
+            # what the messages must say again, all their words but the checksum (word 3 is every rank's
+            # num_worst_tokens: 0) and [lo, hi), and the rows each source sends, where they go: one exchange,
+            # every rank's tokens in it
+            rows_from = [row[me] for row in said["ntpr_matrix"]]
+            fits = max(said["num_tokens"]) <= cap and rows_from == said["nrows"] and min(rows_from) >= 0
+            expected = _full_words(checked)
+            plan = said["steady", cap, me] = fits and (
+                rows_from, list(accumulate(rows_from, initial=0)), expected,
+                np.array(expected, dtype=np.int64).tobytes(), [e[lo:hi] for e in expected])
+        if not plan:
+            return None
+        rows_from, off, expected, expected_bytes, kept_free = plan
         recv = {"said": said, "ctrl": expected}
         recv.update(said)
         _, outs, recv_meta, recv_src_idx = allocate(recv)
@@ -2636,7 +2632,7 @@ class Buffer:
         elif status == 0:
             self._fresh_skip[:] = [0, 0]
             read = call.words[:, lo:hi].tolist()
-            if read != plan[6]:     # (other counts than the kept messages': what they say now)
+            if read != kept_free:     # (other counts than the kept messages': what they say now)
                 counts, matrix = [w[:n_counts] for w in read], [w[n_counts:] for w in read]
                 if [row[me] for row in matrix] != rows_from:
                     self._broken = "bad row counts"
@@ -2654,17 +2650,21 @@ class Buffer:
         the Buffer's deadline at most)."""
         return min(_STEADY_SPIN_NS, int(self.timeout_s * 2.5e8))
 
-    def _kept_messages(self, rid: int, fmt: P.RowFormat, n_counts: int, with_matrix: bool, own: tuple
-                       ) -> Optional[tuple]:
+    def _kept_messages(self, rid: int, fmt: P.RowFormat, n_counts: int, with_matrix: bool, own: tuple,
+                       free: Tuple[int, int] = (0, 0)) -> Optional[tuple]:
         """``(checked words, what they said)`` of the last control messages of this kind of exchange that
         ``_exchange_receive`` kept (of its last sets, the most recent) where a one-step exchange may expect them
         again: TFF rows, no delay hook, and this rank's own message of this call (``own``, its words) the one it
-        sent then; else None."""
+        sent then, but for its words [free[0], free[1]) (at or past word 4, which the one-step call reads
+        instead of expecting); else None."""
         kept = self._ctrl_seen.get((rid, fmt, n_counts, with_matrix))
         if kept is None or fmt.sync != "tff" or self.delay_hook is not None:
             return None
         mine = _checked_words(list(own), len(own))
-        return next((entry for entry in kept if entry[0][self.rank] == mine), None)
+        # (the checked words leave out words 2 and 3: the free range's place among them)
+        lo, hi = (max(i - (P.CTRL_NUM_EXPERTS - P.CTRL_CHECKSUM), 0) for i in free)
+        return next((entry for entry in kept
+                     if entry[0][self.rank][:lo] == mine[:lo] and entry[0][self.rank][hi:] == mine[hi:]), None)
 
     def _steady_rest(self, x: dict, status: Optional[int], fmt: P.RowFormat, fields_data, meta,
                      src_index) -> Optional[dict]:

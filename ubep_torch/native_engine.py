@@ -376,9 +376,9 @@ class CombineCall:
             skip: int, spin_ns: int, first: bool = False, toks: Optional[Sequence[torch.Tensor]] = None) -> int:
         """native.c's ``exchange_combine`` of ``x`` (uint8 rows) into ``out``, which ``fits``: 0, 1, 2 or 3 (see
         ``NativeEngine.run_combine``). ``first``: this is the call ``combine_call`` made it with (those
-        tensors, that flag and those words); ``toks``: every source's token list (one per rank, each as long
-        as the one the call was made with), where they may be other than the call's (another routing of the
-        same rows per rank pair)."""
+        tensors, that flag and those words); ``toks``: every source's token list (one per rank, contiguous
+        int64, each as long as the one the call was made with), where they may be other than the call's
+        (another routing of the same rows per rank pair)."""
         if first:
             send, spec = self.first
         else:
@@ -389,11 +389,9 @@ class CombineCall:
                                 tuple(d + (w, 0, 0) for d, w in zip(self.dests, words)))
             spec = tuple(s if s[6] != -2 else (s[0] + x_p,) + s[1:6] + (-1,) for s in self.spec)
             if toks is not None and any(toks[r] is not t for r, t in self.toks):
-                pairs = tuple(zip(self.toks, spec))
-                if not all(_contiguous_int64(toks[r]) and toks[r].shape[0] == s[4] for (r, _), s in pairs):
-                    # (the caller checks them before its exchange begins: see Buffer._steady_combine)
-                    raise ValueError("run_combine: a token list of another length or layout than the call's")
-                spec = tuple(s[:3] + (toks[r].data_ptr(),) + s[4:] for (r, _), s in pairs)
+                # (contiguous int64 lists as long as the call's: the caller checks that before its exchange begins,
+                # see Buffer._steady_combine, and the C loop checks every token they hold)
+                spec = tuple(s[:3] + (toks[r].data_ptr(),) + s[4:] for (r, _), s in zip(self.toks, spec))
         # (the C loop checks every staging row and every token before it stores or sums anything)
         return _native.exchange_combine(send, self.ctrl + (expected, int(skip)), self.T, self.H, spec,
                                         out.data_ptr(), int(spin_ns))
