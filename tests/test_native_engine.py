@@ -413,6 +413,27 @@ def test_both_store_ways_same_bits(pool, policy):
 
 
 @needs_native
+@pytest.mark.parametrize("use_fp8,hook", [(False, False), (True, False), (False, True), (True, True)])
+def test_low_latency_calls_take_one_engine_step_to_receive_with_the_same_bits(pool, use_fp8, hook):
+    """The usual low-latency calls (TFF, C stores, new routings) receive in one engine call each, with the torch
+    path's bits: bf16 and fp8 rows, the own rows copied from x or (bf16 with a recv hook) through the slots."""
+    results = pool.run(F.ll_one_step, use_fp8=use_fp8, hook=hook)
+    F.assert_all_same(results)
+    for r in results:
+        assert r["steps"] == {"ll_dispatch_receive 0": 4, "ll_combine_receive 0": 4}, r["steps"]
+
+
+@needs_native
+def test_low_latency_one_engine_step_that_waits_in_vain_goes_on_the_general_way(pool):
+    """A peer late to every call: the one-step receives of the rank waiting for it end with a message
+    missing, and the general way receives those calls, with the same bits."""
+    results = pool.run(F.ll_one_step, late=True)
+    F.assert_all_same(results)
+    steps = results[0]["steps"]
+    assert steps.get("ll_dispatch_receive 3", 0) >= 3 and steps.get("ll_combine_receive 3", 0) >= 3, steps
+
+
+@needs_native
 def test_low_latency_large_rows_same_bits(pool):
     """Rows of a DeepSeek-size hidden (7168: 30 blocks), top-8, masked slots."""
     F.assert_all_same(pool.run(F.ll_equivalence, "tff", backend="native", T=8, K=8, E=16, N=8, H=7168))
@@ -963,6 +984,133 @@ def test_one_step_exchanges_wait_for_the_expected_messages_and_every_row():
     eng.write_rows(cfmt, cst, None, eng.span(5, 6), slots[5:], flag)
     assert C.exchange_combine(cnothing, check, 6, H, spec, out.data_ptr(), 0) == 0
     assert torch.equal(out, (own.float() + peer.float()).bfloat16())
+
+
+@needs_native
+def test_low_latency_one_step_receives_wait_for_the_expected_messages_and_every_row():
+    """native.c's ``ll_dispatch_receive`` and ``ll_combine_receive`` on blocks laid out as two senders store
+    them: 3 while a message is missing, 1 while one says other words than expected or counts, rows or items
+    that do not fit, 2 while rows are missing, 0 once everything came; then the dispatch's outputs are those
+    of ``ll_calcumsum``, ``unpack_items`` and the own rows' copy, and the combine's sum that of
+    ``weighted_combine``. An item outside its source's segments is refused before its rows are written."""
+    eng, torch_eng = native_engine.NativeEngine(), TorchEngine()
+    R, me, E_local, N, K, H = 2, 0, 2, 6, 3, 300
+    E = R * E_local
+    fmt = P.row_format("tff", (("x", 2 * H),), 1 + 2 * K)
+    flag = P.flag_word(5, P.REGION_LL_DISPATCH)
+    topk = [_routing(5, K, E, seed=s, masked=0.3) for s in range(R)]
+    xs = [torch.randn(5, H, generator=torch.Generator().manual_seed(s)).bfloat16() for s in range(R)]
+    slots = torch.zeros(R, N, fmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)    # this rank's, per source
+    ctrl = torch.zeros(R, P.MAX_CTRL_BLOCKS, P.BLOCK_BYTES, dtype=torch.uint8)
+    sig = fmt.signature()
+    words, rows_of, own = [], [], None
+    for s in range(R):        # what source s sends this rank: its rows' tokens and items, its control words
+        t_idx, k_idx, g, counts, _ = eng.pair_order(topk[s], E)
+        tokens, items = eng.token_rows(t_idx, k_idx, g, counts.view(R, E_local), 5, K)
+        words.append([tokens[me].numel(), sig, 0, 0, E, N] + counts.view(R, E_local)[me].tolist())
+        rows_of.append((tokens[me], items[me]))
+        if s == me:
+            n = int(counts.view(R, E_local)[me].sum())
+            own = ([xs[s].view(torch.uint8)], t_idx[:n].contiguous(), k_idx[:n].contiguous())
+    expected = torch.tensor([[0, sig, 0, 0, E, N] + [0] * E_local] * R, dtype=torch.int64).numpy().tobytes()
+
+    def outputs():
+        return (torch.zeros(3, R, E_local, dtype=torch.int64), torch.zeros(E_local, R, dtype=torch.int64),
+                torch.zeros(E_local, dtype=torch.int32), torch.full((E_local * R * N,), -1, dtype=torch.int32),
+                torch.full((E_local * R * N,), -1, dtype=torch.int32), torch.zeros(R, dtype=torch.int64),
+                torch.zeros(R, dtype=torch.int64))
+
+    def receive(results, out):
+        return eng.ll_dispatch_receive(fmt, ctrl, 1, expected, flag, slots[0], slots[0].numel(), N, K, me, [out],
+                                       own, results, 0)
+
+    def send_rows(s, upto=None):
+        tokens, items = rows_of[s]
+        st, _, _ = eng.stage_rows(fmt, [xs[s].view(torch.uint8)], None, eng.arange(5), s)
+        upto = tokens.numel() if upto is None else upto
+        eng.write_rows(fmt, st, None, tokens[:upto], slots[s, :upto], flag, meta_patch=items[:upto])
+
+    assert rows_of[1][0].numel() >= 2 and own[1].numel() >= 1       # (rows from the peer, own pairs)
+    out = torch.zeros(E_local * R * N, 2 * H, dtype=torch.uint8)
+    assert receive(outputs(), out) == 3                                   # no message yet
+    for s in range(R):
+        eng.write_ctrl(ctrl[s, :1], torch.tensor(words[s]), flag)
+    bad = list(words[1])
+    bad[1] += 1
+    eng.write_ctrl(ctrl[1, :1], torch.tensor(bad), flag)
+    assert receive(outputs(), out) == 1                                   # source 1: another row layout
+    bad = list(words[1])
+    bad[6] = N + 1
+    eng.write_ctrl(ctrl[1, :1], torch.tensor(bad), flag)
+    assert receive(outputs(), out) == 1                                   # a count past N
+    eng.write_ctrl(ctrl[1, :1], torch.tensor(words[1]), flag)
+    send_rows(1, upto=1)
+    assert receive(outputs(), out) == 2                                   # rows missing
+    send_rows(1)
+    results = outputs()
+    out.zero_()
+    assert receive(results, out) == 0
+    # the general way's outputs of the same blocks
+    ref = outputs()
+    ref_out = torch.zeros_like(out)
+    cnt, begin, first, pairs = eng.ll_calcumsum(ctrl, 1, P.CTRL_COUNTS, E_local, N, ref[1], ref[2])
+    tokens, items = rows_of[1]
+    eng.unpack_items(fmt, slots[1, :tokens.numel()], K, first[1], cnt[1], [ref_out], ref[3], ref[4])
+    at = eng.segment_rows(first[me], cnt[me], pairs[me])
+    ref_out[at] = xs[me].view(torch.uint8)[own[1]]
+    ref[3][at], ref[4][at] = own[1].to(torch.int32), own[2].to(torch.int32)
+    assert torch.equal(out, ref_out) and torch.equal(results[0], torch.stack([cnt, begin, first]))
+    for got, want in zip(results[1:5], ref[1:5]):
+        assert torch.equal(got, want)
+    assert results[5].tolist() == [0, 0] and bool((results[6] >= 0).all())
+    # an item outside source 1's segments: refused, the source's rows not reordered
+    items[0, 2] = N
+    send_rows(1)
+    out.zero_()
+    assert receive(outputs(), out) == 1
+    assert all(not out[int(first[1, e]):int(first[1, e] + cnt[1, e])].any() for e in range(E_local))
+    # the combine: this rank's own pairs read in place, the peer's run of slots, the weighted sum once it came
+    cfmt = P.row_format("tff", (("x", 2 * H),), 0)
+    cflag = P.flag_word(5, P.REGION_LL_COMBINE)
+    T, n_valid = 4, 6
+    ctopk = torch.tensor([[0, 1, -1], [2, -1, 3], [1, 0, -1], [-1, 2, 3]])
+    pos = torch.tensor([[0, 1, 0], [2, 0, 3], [4, 5, 0], [0, 1, 2]])
+    w = torch.rand(T, K)
+    cslots = torch.zeros(n_valid, cfmt.blocks, P.BLOCK_BYTES, dtype=torch.uint8)
+    peer_rows = torch.randn(n_valid, H).bfloat16()
+    local_x = torch.randn(3, H).bfloat16()
+    local = (local_x, 0, 2, torch.tensor([2, 0]))          # slots 0 and 1: own rows 2 and 0, read in place
+    cst, _, _ = eng.stage_rows(cfmt, [peer_rows.view(torch.uint8)], None, eng.arange(n_valid), 1)
+    cwords = [[2, cfmt.signature(), 0, 7, E, N], [4, cfmt.signature(), 0, 7, E, N]]
+    cexp = torch.tensor(cwords, dtype=torch.int64).numpy().tobytes()
+    cctrl = torch.zeros(R, P.MAX_CTRL_BLOCKS, P.BLOCK_BYTES, dtype=torch.uint8)
+    got = torch.zeros(T, H, dtype=torch.bfloat16)
+
+    def combine():
+        return eng.ll_combine_receive(cfmt, cctrl, 1, cexp, 1 << P.CTRL_CHECKSUM, cflag, cslots, [(2, 4)], ctopk,
+                                      w, got, pos, local, 0)
+    assert combine() == 3
+    for s in range(R):
+        eng.write_ctrl(cctrl[s, :1], torch.tensor(cwords[s]), cflag)
+    eng.write_rows(cfmt, cst, None, eng.span(2, 5), cslots[2:5], cflag)
+    assert combine() == 2 and not got.any()                                # slot 5 missing
+    eng.write_rows(cfmt, cst, None, eng.span(5, 6), cslots[5:6], cflag)
+    eng.write_ctrl(cctrl[1, :1], torch.tensor(cwords[1][:3] + [8] + cwords[1][4:]), cflag)
+    assert combine() == 1 and not got.any()                                # another dispatch's rows
+    eng.write_ctrl(cctrl[1, :1], torch.tensor(cwords[1]), cflag)
+    assert combine() == 0
+    want = torch.zeros(T, H, dtype=torch.bfloat16)
+    eng.weighted_combine(cfmt, cslots, ctopk, w, want, pos, local=local)
+    assert torch.equal(got, want) and got.any()
+    ref_rows = torch.zeros(n_valid, H).bfloat16()                          # the torch path, every row in slots
+    ref_rows[2:] = peer_rows[2:]
+    ref_rows[:2] = local_x[torch.tensor([2, 0])]
+    tst, _, _ = torch_eng.stage_rows(cfmt, [ref_rows.view(torch.uint8)], None, torch_eng.arange(n_valid), 1)
+    all_slots = torch.zeros_like(cslots)
+    torch_eng.write_rows(cfmt, tst, None, torch_eng.arange(n_valid), all_slots, cflag)
+    want_torch = torch.zeros(T, H, dtype=torch.bfloat16)
+    torch_eng.weighted_combine(cfmt, all_slots, ctopk, w, want_torch, pos)
+    assert torch.equal(got, want_torch)
 
 
 @needs_native

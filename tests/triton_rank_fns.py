@@ -171,8 +171,11 @@ def _every_rank_routing(seed: int, rank: int, T: int, K: int, E: int, R: int) ->
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def _ll_calls(buf, x, topk, w, N, E, use_fp8):
-    rx, rc, handle, _, _ = buf.low_latency_dispatch(x, topk, N, E, use_fp8=use_fp8)
+def _ll_calls(buf, x, topk, w, N, E, use_fp8, hook: bool = False, pause: float = 0.0):
+    time.sleep(pause)
+    rx, rc, handle, _, recv = buf.low_latency_dispatch(x, topk, N, E, use_fp8=use_fp8, return_recv_hook=hook)
+    if hook:
+        recv()
     # rows past recv_count[e] are unspecified (recv_x is allocated with torch.empty): compare the valid ones
     valid = [(rx[0] if use_fp8 else rx)[e, : int(rc[e])] for e in range(rc.numel())]
     scales = [rx[1][e, : int(rc[e])] for e in range(rc.numel())] if use_fp8 else []
@@ -182,9 +185,42 @@ def _ll_calls(buf, x, topk, w, N, E, use_fp8):
         q, sc = rx
         El = q.shape[0]
         y = (q.float().view(El, q.shape[1], -1, 128) * sc.unsqueeze(-1)).view(q.shape).bfloat16()
-    comb, _, _ = buf.low_latency_combine(y, topk, w, handle)
+    time.sleep(pause)
+    comb, _, recv = buf.low_latency_combine(y, topk, w, handle, return_recv_hook=hook)
+    if hook:
+        recv()
     out["ll_combine"] = comb
     return out
+
+
+def ll_one_step(ctx, use_fp8: bool = False, hook: bool = False, late: bool = False, calls: int = 4, T: int = 6,
+                H: int = 1152, K: int = 3, E: int = 8, N: int = 8) -> dict:
+    """Low-latency calls on the C path against the torch path, a new routing each, with the engine's one-step
+    receives (``ll_dispatch_receive``, ``ll_combine_receive``) counted by what they returned. ``late``: rank 1
+    sleeps before each of its calls, so that rank 0's one-step waits end with its messages missing (3) and the
+    general way receives those calls. Returns {"same": {call: bit-identical?}, "steps": {"name status": n}}."""
+    bt = get_buffer(ctx, "tff", backend="torch", low_latency=True, N=N, H=H, E=E)
+    bk = get_buffer(ctx, "tff", backend="native", low_latency=True, N=N, H=H, E=E)
+    steps: dict = {}
+    eng = bk.engine
+    for name in ("ll_dispatch_receive", "ll_combine_receive"):
+        def counted(*args, _real=getattr(eng, name), _name=name, **kwargs):
+            status = _real(*args, **kwargs)
+            steps[f"{_name} {status}"] = steps.get(f"{_name} {status}", 0) + 1
+            return status
+        setattr(eng, name, counted)
+    same = {}
+    try:
+        for c in range(calls):
+            topk, w = make_routing(c, ctx.rank, T, K, E)
+            x = torch.randn(T, H, generator=torch.Generator().manual_seed(c + 31 * ctx.rank)).bfloat16()
+            ref = _ll_calls(bt, x, topk, w, N, E, use_fp8)
+            got = _ll_calls(bk, x, topk, w, N, E, use_fp8, hook=hook, pause=0.05 if late and ctx.rank == 1 else 0.0)
+            same.update({f"{k} {c}": _same(ref[k], got[k]) for k in ref})
+    finally:
+        for name in ("ll_dispatch_receive", "ll_combine_receive"):
+            delattr(eng, name)
+    return {"same": same, "steps": steps}
 
 
 def ll_equivalence(ctx, sync: str, use_fp8: bool = False, T: int = 4, H: int = 256, K: int = 2, E: int = 4,
@@ -355,6 +391,7 @@ def streaming_equivalence(ctx, step: int = 3, T: int = 40, H: int = 1000, K: int
     for b in (bk, lk):
         b.engine.arrived_prefix = throttled(type(b.engine).arrived_prefix.__get__(b.engine))
         b.engine.reorder_sources = throttled_sources(type(b.engine).reorder_sources.__get__(b.engine))
+    lk.engine.ll_dispatch_receive = lambda *args, **kwargs: None     # (the general way's streaming receive)
     try:
         ref = {**_normal_calls(bt, x, topk, w, E), **_ll_calls(lt, x, topk, w, N, E, False)}
         normal_before = partial[0]
@@ -366,6 +403,7 @@ def streaming_equivalence(ctx, step: int = 3, T: int = 40, H: int = 1000, K: int
         for b in (bk, lk):
             del b.engine.arrived_prefix
             del b.engine.reorder_sources
+        del lk.engine.ll_dispatch_receive
     return {"same": {k: _same(ref[k], got[k]) for k in ref}, "partial_runs": partial[0],
             "normal_partial_runs": normal_partial}
 

@@ -3256,12 +3256,54 @@ class Buffer:
         pending = handle.pending = _Pending("low_latency_dispatch", epoch, call=self._calls, seq=self._seq,
                                             pair=self._pair_tag | self._calls)
         wait_ns = [0] * R            # per source: ns from the start of the receive until its rows were in
+        flat_info, flat_k = src_info.view(-1), src_k.view(-1)
+        flat_outs = [P.as_bytes(recv_x.view(E_local * R * N, -1))] + (
+            [P.as_bytes(recv_sc.view(E_local * R * N, -1))] if recv_sc is not None else [])
+
+        def one_step(local: torch.Tensor) -> bool:
+            """The receive in one engine call where it applies (TFF rows of one row per token): True once every
+            source's rows are in and acknowledged; False where it does not apply, or where a message or rows
+            did not come as expected within the engine's short wait (nothing acknowledged: the general way
+            below receives the call, and names what was wrong)."""
+            if not (dedup and self.sync == "tff" and self.delay_hook is None
+                    and hasattr(eng, "ll_dispatch_receive")):
+                return False
+            expected = region.kept(("ll expect", sig, E, N, E_local), lambda: np.array(
+                [[0, sig, 0, 0, E, N] + [0] * E_local] * R, dtype=np.int64).tobytes())
+            own = ([P.as_bytes(t) for t in local_x if t is not None], send_idx[me], pair_k[me]) \
+                if local_direct else None
+            waited = torch.zeros(R, dtype=torch.int64)
+            status = eng.ll_dispatch_receive(
+                fmt, region.ctrl_sources(local, half), nctrl, expected, flag, region.rows(local, half, 0, fmt),
+                region.part_bytes, N, K, me, flat_outs, own,
+                (torch.empty(3, R, E_local, dtype=torch.int64), layout_range, recv_count, flat_info, flat_k,
+                 return_slot, waited), self._steady_spin_ns())
+            if status != 0:
+                return False
+            handle.recv_rows = int(recv_count.sum())
+            wait_ns[:] = waited.tolist()
+            self._send_acks(rid, range(R), epoch)
+            return True
+
+        def finish() -> None:
+            self._check_peers("low_latency_dispatch", pending.call)
+            if cumulative_local_expert_recv_stats is not None:
+                _add_stats(cumulative_local_expert_recv_stats, recv_count.tolist())
+            if dispatch_wait_recv_cost_stats is not None:
+                _add_stats(dispatch_wait_recv_cost_stats, wait_ns)
+            handle.layout_snapshot = layout_range.clone()    # (a combine checks that the caller left it as is)
+            pending.done = True
+            self._pending = [p for p in self._pending if not p.done]
+            self._report("low_latency_dispatch", topk_idx, E, H, fmt.fields[0][1] + (
+                fmt.fields[1][1] if use_fp8 else 0))
 
         def receive():
             if pending.done:     # (a cancelled call's hook raises before it gets here: see _collective)
                 return
             self._check_usable()
             local = self._heap.local
+            if one_step(local):
+                return finish()
             t0 = time.perf_counter_ns()
             ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
                                          "low_latency_dispatch: TokenCnt (waiting for the count messages)")
@@ -3302,9 +3344,6 @@ class Buffer:
             # with its deadline, so the launch never spins on a slow peer.
             in_kernel = getattr(eng, "ll_receive", None) is not None and not use_fp8 and self.sync in ("tff", "sp")
 
-            flat_info, flat_k = src_info.view(-1), src_k.view(-1)
-            flat_outs = [P.as_bytes(recv_x.view(E_local * R * N, -1))] + (
-                [P.as_bytes(recv_sc.view(E_local * R * N, -1))] if recv_sc is not None else [])
             def segments(s: int) -> list:
                 """(expert, first row in source s's part, first row in recv_x[expert], count) of each
                 non-empty segment of source s (for the per-segment fallbacks)."""
@@ -3408,16 +3447,7 @@ class Buffer:
                     place_source_info(s, rows)
                     eng.rearm(fmt, rows)
                     self._send_ack(rid, s, epoch)
-            self._check_peers("low_latency_dispatch", pending.call)
-            if cumulative_local_expert_recv_stats is not None:
-                _add_stats(cumulative_local_expert_recv_stats, recv_count.tolist())
-            if dispatch_wait_recv_cost_stats is not None:
-                _add_stats(dispatch_wait_recv_cost_stats, wait_ns)
-            handle.layout_snapshot = layout_range.clone()    # (a combine checks that the caller left it as is)
-            pending.done = True
-            self._pending = [p for p in self._pending if not p.done]
-            self._report("low_latency_dispatch", topk_idx, E, H, fmt.fields[0][1] + (
-                fmt.fields[1][1] if use_fp8 else 0))
+            finish()
 
         out_x = recv_x
         if use_fp8:
@@ -3663,11 +3693,40 @@ class Buffer:
         weights = topk_weights.clone() if out is not None and _same_memory(out, topk_weights) else \
             _resolved(topk_weights).contiguous()
 
+        def one_step(local: torch.Tensor) -> bool:
+            """The receive in one engine call where it applies (TFF rows): True once the sum is made and every
+            source acknowledged; False where it does not apply, or where a message or rows did not come as
+            expected within the engine's short wait (nothing written or acknowledged: the general way below
+            receives the call, and names what was wrong)."""
+            if not (fmt.sync == "tff" and self.delay_hook is None and hasattr(eng, "ll_combine_receive")):
+                return False
+            per_host = handle.sent_counts.sum(1).tolist()
+            at = list(accumulate(per_host, initial=0))
+            expected = np.array([[n, sig, 0, paired, E, N] for n in per_host], dtype=np.int64).tobytes()
+            skip = 1 << P.CTRL_CHECKSUM | (0 if paired else 1 << P.CTRL_PAIRED_CALL)
+            runs = [(at[h], per_host[h]) for h in range(R) if per_host[h] and not (own_direct and h == me)]
+            status = eng.ll_combine_receive(
+                fmt, region.ctrl_sources(local, half), nctrl, expected, skip, flag,
+                region.rows(local, half, 0, fmt, n_valid), runs, topk_idx, weights, result, pos,
+                (xs, at[me], at[me + 1], per_src[me]) if own_direct else None, self._steady_spin_ns())
+            if status != 0:
+                return False
+            self._send_acks(rid, range(R), epoch)
+            return True
+
+        def finish() -> None:
+            self._check_peers("low_latency_combine", pending.call)
+            pending.done = True
+            self._pending = [p for p in self._pending if not p.done]
+            self._report("low_latency_combine", topk_idx, E, H, H * 2)
+
         def receive():
             if pending.done:     # (a cancelled call's hook raises before it gets here: see _collective)
                 return
             self._check_usable()
             local = self._heap.local
+            if one_step(local):
+                return finish()
             ctrl_words = self._wait_ctrl(region, half, nctrl, flag,
                                          "low_latency_combine: waiting for the count messages")
             if self.sync == "sw":
@@ -3707,10 +3766,7 @@ class Buffer:
                     eng.weighted_combine(fmt, rows, topk_idx, weights, result, pos)
             eng.rearm(fmt, rows)
             self._send_acks(rid, range(R), epoch)
-            self._check_peers("low_latency_combine", pending.call)
-            pending.done = True
-            self._pending = [p for p in self._pending if not p.done]
-            self._report("low_latency_combine", topk_idx, E, H, H * 2)
+            finish()
 
         if return_recv_hook:
             pending.extra["cancel_point"] = self._cancel_point

@@ -38,7 +38,7 @@ except ImportError:     # built without a C compiler: the torch path serves
 
 
 #: the argument layout of ubep_torch/csrc/native.c this module calls
-API_VERSION = 28
+API_VERSION = 29
 
 
 def _matches() -> bool:
@@ -826,13 +826,12 @@ class NativeEngine(TorchEngine):
         if not (_contiguous_int64(topk_idx) and topk_idx.dim() == 2):
             return super().pair_order(topk_idx, E)
         T, K = topk_idx.shape
-        pairs = torch.empty(3, T * K, dtype=torch.int64)
-        pos = torch.empty(T, K, dtype=torch.int64)
-        counts = torch.empty(E, dtype=torch.int64)
-        n = _native.pair_order(topk_idx.data_ptr(), T, K, E, pairs[0].data_ptr(), pairs[1].data_ptr(),
-                               pairs[2].data_ptr(), pos.data_ptr(), counts.data_ptr())
-        t_idx, k_idx, g = pairs[:, :n]
-        return t_idx, k_idx, g, counts, pos
+        m = T * K
+        # (one allocation, sliced: token, slot and expert of every pair, pos, counts)
+        out = torch.empty(4 * m + E, dtype=torch.int64)
+        p = out.data_ptr()
+        n = _native.pair_order(topk_idx.data_ptr(), T, K, E, p, p + 8 * m, p + 16 * m, p + 24 * m, p + 32 * m)
+        return out[:n], out[m:m + n], out[2 * m:2 * m + n], out[4 * m:], out[3 * m:4 * m].view(T, K)
 
     def routing_layout(self, topk_idx: torch.Tensor, E: int, R: int) -> tuple:
         if not (_contiguous_int64(topk_idx) and topk_idx.dim() == 2):
@@ -909,15 +908,69 @@ class NativeEngine(TorchEngine):
     def token_rows(self, t_idx: torch.Tensor, k_idx: torch.Tensor, g: torch.Tensor, counts: torch.Tensor, T: int,
                    K: int) -> tuple:
         R, E_local = counts.shape
-        t_idx, k_idx, g = (v.to(torch.int64).contiguous() for v in (t_idx, k_idx, g))
-        tokens = torch.empty(R * T, dtype=torch.int64)
-        items = torch.zeros(R * T, 1 + 2 * K, dtype=torch.int32)
-        per_dest = torch.empty(R, dtype=torch.int64)
+        if not (_contiguous_int64(t_idx) and _contiguous_int64(k_idx) and _contiguous_int64(g)):
+            t_idx, k_idx, g = (v.to(torch.int64).contiguous() for v in (t_idx, k_idx, g))
+        tokens = torch.empty(R * T + R, dtype=torch.int64)      # (then the rows per destination)
+        items = torch.empty(R * T, 1 + 2 * K, dtype=torch.int32)
         _native.token_rows(t_idx.data_ptr(), k_idx.data_ptr(), g.data_ptr(), g.numel(), T, E_local, R, K,
-                           tokens.data_ptr(), items.data_ptr(), per_dest.data_ptr())
-        bounds = list(accumulate(per_dest.tolist(), initial=0))
+                           tokens.data_ptr(), items.data_ptr(), tokens.data_ptr() + 8 * R * T)
+        bounds = list(accumulate(tokens[R * T:].tolist(), initial=0))
         return ([tokens[bounds[r]:bounds[r + 1]] for r in range(R)],
                 [items[bounds[r]:bounds[r + 1]] for r in range(R)])
+
+    def ll_dispatch_receive(self, fmt: P.RowFormat, ctrl: torch.Tensor, nctrl: int, expected: bytes, flag: int,
+                            slots: torch.Tensor, part_bytes: int, N: int, K: int, me: int,
+                            outs: Sequence[torch.Tensor], own: Optional[tuple], results: Sequence[torch.Tensor],
+                            spin_ns: int) -> Optional[int]:
+        """A low-latency dispatch's receive of TFF rows of one row per token in one C call (native.c's
+        ``ll_dispatch_receive``), polling for up to ``spin_ns``: every source's control message (``ctrl``: [R, max
+        blocks, 512] uint8, ``_Region.ctrl_sources``, each message its first ``nctrl`` blocks), whose first
+        ``6 + E_local`` words must equal ``expected`` (an int64 buffer of R rows) but for its row count, checksum,
+        return slot and counts; CalCumSum of the counts; every source's rows (source s's at ``slots``' address +
+        s * ``part_bytes``) reordered into ``outs`` ([E_local * R * N, bytes] uint8 per field) as ``unpack_items``
+        does, and ``own`` = ``(x rows per field, token list, top-k slots)`` of this rank's pairs copied from its
+        own rows (None: they came through the slots). ``results`` = (counts, begins and flat begins [3, R,
+        E_local] int64, layout_range, recv_count, source tokens and top-k slots of every output row (int32),
+        return slots [R] int64, ns waited per source [R] int64, added to). 0: done; 1, 2 or 3 (a message not as
+        expected, rows missing, a message missing): the caller receives the call the general way. None where the
+        C loop cannot address the tensors, with nothing done."""
+        cnt3, layout_range, recv_count, info, k_out, return_slot, waited = results
+        R, E_local = cnt3.shape[1:]
+        if not (fmt.sync == "tff" and _slots(slots, fmt) and ctrl.dim() == 3 and ctrl.is_contiguous()
+                and ctrl.dtype == torch.uint8 and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1]
+                and ctrl.shape[0] == R and len(expected) == 8 * R * (P.CTRL_COUNTS + E_local)
+                and all(_contiguous_int64(t) for t in (cnt3, layout_range, return_slot, waited))
+                and recv_count.dtype == info.dtype == k_out.dtype == torch.int32
+                and all(t.is_contiguous() for t in (recv_count, info, k_out))
+                and info.numel() == k_out.numel() == E_local * R * N and recv_count.numel() == E_local
+                and layout_range.numel() == E_local * R and return_slot.numel() == waited.numel() == R
+                and cnt3.numel() == 3 * R * E_local and len(outs) == len(fmt.fields)):
+            return None
+        fields = []
+        for i, out in enumerate(outs):
+            if not (_rows_of(out, torch.uint8, fmt.fields[i][1]) and out.shape[0] == E_local * R * N):
+                return None
+            fields.append((out.data_ptr(), out.stride(0), fmt.fields[i][1], fmt.field_offset_blocks(i)))
+        own_args = ()
+        if own is not None:
+            rows, idx, pk = own
+            if not (len(rows) == len(outs) and _contiguous_int64(idx) and _contiguous_int64(pk)
+                    and idx.numel() == pk.numel()
+                    and all(_rows_of(r, torch.uint8, fmt.fields[i][1]) and r.shape[0] == rows[0].shape[0]
+                            for i, r in enumerate(rows))):
+                return None
+            own_args = (idx.data_ptr(), pk.data_ptr(), idx.numel(), rows[0].shape[0],
+                        tuple((r.data_ptr(), r.stride(0)) for r in rows))
+        words = torch.empty(R, P.CTRL_COUNTS + E_local, dtype=torch.int64)
+        skip = (1 << P.CTRL_NROWS) | (1 << P.CTRL_CHECKSUM) | (1 << P.CTRL_RETURN_SLOT)
+        # (the C loop checks the own token list first; every count, row count, return slot and item it reads
+        # from the peers before it writes by them: what it does not take, it leaves to the general way)
+        return _native.ll_dispatch_receive(
+            (ctrl.data_ptr(), ctrl.stride(0), nctrl, R, P.CTRL_COUNTS + E_local, expected, skip, P.CTRL_COUNTS,
+             P.CTRL_COUNTS + E_local, words.data_ptr()),
+            (slots.data_ptr(), part_bytes, fmt.blocks, flag, N, K, E_local, me), tuple(fields), own_args,
+            (cnt3.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr(), info.data_ptr(), k_out.data_ptr(),
+             return_slot.data_ptr(), waited.data_ptr()), spin_ns)
 
     def unpack_items(self, fmt: P.RowFormat, rows: torch.Tensor, K: int, base: torch.Tensor, cnt: torch.Tensor,
                      outs: Sequence[Optional[torch.Tensor]], info_out: torch.Tensor, k_out: torch.Tensor) -> None:
@@ -1064,6 +1117,18 @@ class NativeEngine(TorchEngine):
             self.weighted_combine(fmt, rows, topk_idx, weights, tmp, pos, local)
             out.copy_(tmp)
             return
+        prep = self._weighted_args(fmt, rows, topk_idx, weights, out, pos, local)
+        if prep is None:
+            return super().weighted_combine(fmt, rows, topk_idx, weights, out, pos)
+        # (the C loop checks every slot and local row index before it reads a row)
+        _native.weighted_combine_bf16(*prep[0])
+
+    def _weighted_args(self, fmt: P.RowFormat, rows: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor,
+                       out: torch.Tensor, pos: Optional[torch.Tensor], local: Optional[tuple]) -> Optional[tuple]:
+        """``(arguments of native.c's weighted_combine_bf16, the tensors they address)`` for
+        ``weighted_combine`` into a contiguous ``out``, or None where the C loop does not take these rows."""
+        T, K = topk_idx.shape
+        H = out.shape[1]
         usable = (fmt.sync == "tff" and out.dtype == torch.bfloat16 and out.shape[0] == T
                   and _slots(rows, fmt) and fmt.fields[0][1] == H * 2 and weights.dtype == torch.float32
                   and tuple(weights.shape) == (T, K))
@@ -1072,7 +1137,7 @@ class NativeEngine(TorchEngine):
         if local is not None and not (usable and local[0].dtype == torch.bfloat16 and local[0].shape[1] == H):
             raise ValueError("weighted_combine reads local rows only for TFF bf16 rows")
         if not usable or (rows.shape[0] == 0 and local is None):
-            return super().weighted_combine(fmt, rows, topk_idx, weights, out, pos)
+            return None
         pos = torch.arange(T * K, dtype=torch.int64) if pos is None else pos.to(torch.int64).contiguous()
         topk = topk_idx.to(torch.int64).contiguous()
         if pos.numel() != T * K:
@@ -1085,10 +1150,32 @@ class NativeEngine(TorchEngine):
             if hi > lo and src_rows.numel() != hi - lo:
                 raise IndexError(f"{src_rows.numel()} local combine rows for slots [{lo}, {hi})")
         w = weights.contiguous()
-        # (the C loop checks every slot and local row index before it reads a row)
-        _native.weighted_combine_bf16(T, K, H, topk.data_ptr(), pos.data_ptr(), w.data_ptr(), out.data_ptr(),
-                                      rows.data_ptr(), rows.shape[0], fmt.row_bytes,
-                                      fmt.field_offset_blocks(0) * P.BLOCK_BYTES + P.FLAG_BYTES,
-                                      0 if src is None else src.data_ptr(), 0 if src is None else src.stride(0) * 2,
-                                      lo, hi, 0 if src_rows is None else src_rows.data_ptr(),
-                                      0 if src is None else src.shape[0])
+        return ((T, K, H, topk.data_ptr(), pos.data_ptr(), w.data_ptr(), out.data_ptr(), rows.data_ptr(),
+                 rows.shape[0], fmt.row_bytes, fmt.field_offset_blocks(0) * P.BLOCK_BYTES + P.FLAG_BYTES,
+                 0 if src is None else src.data_ptr(), 0 if src is None else src.stride(0) * 2, lo, hi,
+                 0 if src_rows is None else src_rows.data_ptr(), 0 if src is None else src.shape[0]),
+                (pos, topk, w, src, src_rows))
+
+    def ll_combine_receive(self, fmt: P.RowFormat, ctrl: torch.Tensor, nctrl: int, expected: bytes, skip: int,
+                           flag: int, rows: torch.Tensor, runs: Sequence[Tuple[int, int]], topk_idx: torch.Tensor,
+                           weights: torch.Tensor, out: torch.Tensor, pos: torch.Tensor, local: Optional[tuple],
+                           spin_ns: int) -> Optional[int]:
+        """A low-latency combine's receive of TFF rows in one C call (native.c's ``ll_combine_receive``),
+        polling for up to ``spin_ns``: every source's control message (``ctrl`` as ``ll_dispatch_receive`` takes
+        it), whose first ``len(expected) // (8 R)`` words must equal ``expected`` but for the indices in the bit
+        mask ``skip``; then the slots of ``rows`` in ``runs`` (``(first, count)`` each) complete, then the sum
+        ``weighted_combine`` makes into ``out``. 0: summed; 1, 2 or 3 (a message not as expected, rows missing,
+        a message missing): ``out`` is not written and the caller receives the call the general way. None where
+        the C loop does not take these tensors, with nothing done."""
+        R = ctrl.shape[0] if ctrl.dim() == 3 else 0
+        if topk_idx.shape[0] == 0 or not out.is_contiguous() or not (
+                ctrl.dim() == 3 and ctrl.is_contiguous() and ctrl.dtype == torch.uint8
+                and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1] and len(expected) % (8 * R) == 0
+                and _slots(rows, fmt)):
+            return None
+        prep = self._weighted_args(fmt, rows, topk_idx, weights, out, pos, local)
+        if prep is None or any(a < 0 or n < 0 or a + n > rows.shape[0] for a, n in runs):
+            return None
+        return _native.ll_combine_receive(
+            (ctrl.data_ptr(), ctrl.stride(0), nctrl, R, len(expected) // (8 * R), expected, skip),
+            (rows.data_ptr(), fmt.blocks, flag, tuple(runs)), prep[0], spin_ns)

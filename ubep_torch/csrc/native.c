@@ -56,7 +56,7 @@
 #define BF16_PER_BLOCK (PAYLOAD / 2)   /* 240 */
 #define MAX_FIELDS 2
 #define MAX_ROW_BLOCKS (1 << 20)         /* a row of 512 MiB: far past any hidden size a Buffer takes */
-#define API_VERSION 28             /* bumped whenever a function's arguments or results change */
+#define API_VERSION 29             /* bumped whenever a function's arguments or results change */
 
 typedef struct {
     uintptr_t ptr;      /* source (send) or destination (receive) of row 0 */
@@ -825,6 +825,46 @@ static PyObject *reorder_sources(PyObject *self, PyObject *args) {
  * to output row base[e] + p of every field, the source token (head word 1) to info_out there and k to
  * k_out. Every item is checked first (m <= K, e < E_local, k < K, 0 <= p < cnt[e], the row inside
  * [0, room)); a bad one raises ValueError naming it and nothing is written. */
+/* The first row of the n whose items unpack_items refuses (its pair in *bad_pair, -1 where its count m is
+ * out of range), or -1 when every item is inside the announced segments */
+static Py_ssize_t items_refused(const uint8_t *rows, Py_ssize_t n, Py_ssize_t nb, Py_ssize_t K, const int64_t *base,
+                                const int64_t *cnt, Py_ssize_t E_local, Py_ssize_t room, int32_t *bad_pair) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int32_t *items = (const int32_t *)(rows + i * nb * BLOCK_BYTES + FLAG_BYTES);
+        const int32_t m = items[0];
+        if (m < 0 || m > K) {
+            *bad_pair = -1;
+            return i;
+        }
+        for (int32_t j = 0; j < m; j++) {
+            const int32_t ek = items[1 + 2 * j], p = items[2 + 2 * j];
+            const int32_t e = ek >> 8, k = ek & 0xff;
+            if (e < 0 || e >= E_local || k >= K || p < 0 || p >= cnt[e] || base[e] + p < 0 || base[e] + p >= room) {
+                *bad_pair = j;
+                return i;
+            }
+        }
+    }
+    return -1;
+}
+
+/* unpack_items' copies of n checked rows */
+static void items_unpack(const uint8_t *rows, Py_ssize_t n, Py_ssize_t nb, const int64_t *base, int32_t *info,
+                         int32_t *kout, const field_t *f, int nf) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *row = rows + i * nb * BLOCK_BYTES;
+        const int32_t *items = (const int32_t *)(row + FLAG_BYTES);
+        int64_t token;
+        memcpy(&token, row + 8, 8);
+        for (int32_t j = 0; j < items[0]; j++) {
+            const int64_t o = base[items[1 + 2 * j] >> 8] + items[2 + 2 * j];
+            if (info) info[o] = (int32_t)token;
+            if (kout) kout[o] = items[1 + 2 * j] & 0xff;
+            copy_payload(row, f, nf, o);
+        }
+    }
+}
+
 static PyObject *unpack_items(PyObject *self, PyObject *args) {
     unsigned long long rows_p, base_p, cnt_p, info_p, k_p;
     Py_ssize_t n, nb, K, E_local, room;
@@ -841,37 +881,21 @@ static PyObject *unpack_items(PyObject *self, PyObject *args) {
     }
     const uint8_t *rows = (const uint8_t *)(uintptr_t)rows_p;
     const int64_t *base = (const int64_t *)(uintptr_t)base_p, *cnt = (const int64_t *)(uintptr_t)cnt_p;
-    int32_t *info = (int32_t *)(uintptr_t)info_p, *kout = (int32_t *)(uintptr_t)k_p;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    int32_t j;
+    const Py_ssize_t i = items_refused(rows, n, nb, K, base, cnt, E_local, room, &j);
+    if (i >= 0) {
         const int32_t *items = (const int32_t *)(rows + i * nb * BLOCK_BYTES + FLAG_BYTES);
-        const int32_t m = items[0];
-        if (m < 0 || m > K) {
-            PyErr_Format(PyExc_ValueError, "row %zd lists %d (expert, slot) pairs, at most %zd fit", i, (int)m, K);
-            return NULL;
-        }
-        for (int32_t j = 0; j < m; j++) {
-            const int32_t ek = items[1 + 2 * j], p = items[2 + 2 * j];
-            const int32_t e = ek >> 8, k = ek & 0xff;
-            if (e < 0 || e >= E_local || k >= K || p < 0 || p >= cnt[e] || base[e] + p < 0 || base[e] + p >= room) {
-                PyErr_Format(PyExc_ValueError, "row %zd pair %d names expert %d slot %d position %d, outside the "
-                             "announced segments", i, (int)j, (int)e, (int)k, (int)p);
-                return NULL;
-            }
-        }
+        if (j < 0)
+            PyErr_Format(PyExc_ValueError, "row %zd lists %d (expert, slot) pairs, at most %zd fit", i, (int)items[0],
+                         K);
+        else
+            PyErr_Format(PyExc_ValueError, "row %zd pair %d names expert %d slot %d position %d, outside the "
+                         "announced segments", i, (int)j, (int)(items[1 + 2 * j] >> 8), (int)(items[1 + 2 * j] & 0xff),
+                         (int)items[2 + 2 * j]);
+        return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const uint8_t *row = rows + i * nb * BLOCK_BYTES;
-        const int32_t *items = (const int32_t *)(row + FLAG_BYTES);
-        int64_t token;
-        memcpy(&token, row + 8, 8);
-        for (int32_t j = 0; j < items[0]; j++) {
-            const int64_t o = base[items[1 + 2 * j] >> 8] + items[2 + 2 * j];
-            if (info) info[o] = (int32_t)token;
-            if (kout) kout[o] = items[1 + 2 * j] & 0xff;
-            copy_payload(row, f, nf, o);
-        }
-    }
+    items_unpack(rows, n, nb, base, (int32_t *)(uintptr_t)info_p, (int32_t *)(uintptr_t)k_p, f, nf);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1088,7 +1112,7 @@ static PyObject *segment_rows(PyObject *self, PyObject *args) {
  * The sender's side of one-row-per-token low-latency dispatch. The n (token, top-k slot, expert) pairs
  * come sorted by expert, then token. Each (destination rank, token) gets one row, destinations in rank
  * order and tokens ascending within one; ``tokens`` (int64) receives each row's token and ``items``
- * (int32, 1 + 2K per row, zeroed by the caller) its meta items: the number m of the token's pairs on that
+ * (int32, 1 + 2K per row, room for R * T rows, zeroed here) its meta items: the number m of the token's pairs on that
  * rank, then per pair, experts ascending, (local expert << 8 | slot) and the pair's position among that
  * expert's pairs. rows_per_dest (int64, R) receives the rows of every destination. Every index is
  * checked first (ValueError). */
@@ -1112,6 +1136,7 @@ static PyObject *token_rows(PyObject *self, PyObject *args) {
     }
     int64_t *row_of = PyMem_Malloc(sizeof(int64_t) * (size_t)(T ? T : 1));
     if (row_of == NULL) return PyErr_NoMemory();
+    memset(items, 0, sizeof(int32_t) * (size_t)(R * T * width));
     Py_ssize_t rows = 0, j = 0;
     for (Py_ssize_t d = 0; d < R; d++) {
         const Py_ssize_t lo = j;
@@ -1576,13 +1601,30 @@ static PyObject *poll_ctrl(PyObject *self, PyObject *args) {
  * (the counts of lower sources summed) and its flat row in recv_x (expert * R * N + begin); layout_range
  * (int64 [E_local][R]: begin << 32 | count) and recv_count (int32 [E_local]: rows per expert). Returns
  * each source's count sum. A count outside [0, N] raises ValueError before anything is written. */
+/* ll_calcumsum's prefix sums of the counts cnt ([R][E], each in [0, N]): begin and flat (cnt + R * E and
+ * cnt + 2 * R * E), layout_range and recv_count */
+static void calcumsum_fill(Py_ssize_t R, Py_ssize_t E, Py_ssize_t N, int64_t *cnt, int64_t *lr, int32_t *rc) {
+    int64_t *begin = cnt + R * E, *flat = begin + R * E;
+    for (Py_ssize_t e = 0; e < E; e++) {
+        int64_t run = 0;     /* at most R * N rows: fits the 32 bits layout_range gives it */
+        for (Py_ssize_t s = 0; s < R; s++) {
+            const int64_t c = cnt[s * E + e];
+            begin[s * E + e] = run;
+            flat[s * E + e] = (int64_t)e * R * N + run;
+            lr[e * R + s] = (run << 32) | c;
+            run += c;
+        }
+        rc[e] = (int32_t)run;
+    }
+}
+
 static PyObject *ll_calcumsum(PyObject *self, PyObject *args) {
     unsigned long long ctrl_p, out_p, lr_p, rc_p;
     Py_ssize_t R, stride, first, E, N;
     if (!PyArg_ParseTuple(args, "KnnnnnKKK", &ctrl_p, &R, &stride, &first, &E, &N, &out_p, &lr_p, &rc_p))
         return NULL;
     const uint8_t *ctrl = (const uint8_t *)(uintptr_t)ctrl_p;
-    int64_t *cnt = (int64_t *)(uintptr_t)out_p, *begin = cnt + R * E, *flat = begin + R * E;
+    int64_t *cnt = (int64_t *)(uintptr_t)out_p;
     int64_t *lr = (int64_t *)(uintptr_t)lr_p;
     int32_t *rc = (int32_t *)(uintptr_t)rc_p;
     for (Py_ssize_t s = 0; s < R; s++)
@@ -1604,18 +1646,148 @@ static PyObject *ll_calcumsum(PyObject *self, PyObject *args) {
         for (Py_ssize_t e = 0; e < E; e++) total += cnt[s * E + e];
         if (set_int(sums, s, total) < 0) return NULL;
     }
-    for (Py_ssize_t e = 0; e < E; e++) {
-        int64_t run = 0;     /* at most R * N rows: fits the 32 bits layout_range gives it */
-        for (Py_ssize_t s = 0; s < R; s++) {
-            const int64_t c = cnt[s * E + e];
-            begin[s * E + e] = run;
-            flat[s * E + e] = (int64_t)e * R * N + run;
-            lr[e * R + s] = (run << 32) | c;
-            run += c;
-        }
-        rc[e] = (int32_t)run;
-    }
+    calcumsum_fill(R, E, N, cnt, lr, rc);
     return sums;
+}
+
+/* ll_dispatch_receive(ctrl, rows, fields, own, outs, spin_ns) -> 0, 1, 2 or 3
+ *
+ * A low-latency dispatch's receive in one call, for TFF rows of one row per token (Buffer.low_latency_dispatch
+ * with the C stores). Polling for up to spin_ns in all (the CPU yielded between polls): every source's control
+ * message, as exchange_reorder expects it (``ctrl``, m = 6 + E_local words, every word the caller reads instead
+ * of expecting copied to ``words``); CalCumSum of its counts (ll_calcumsum's outputs); then every source's rows,
+ * reordered as they arrive as unpack_items does, and this rank's own pairs copied from its plain rows.
+ *   rows = (base, stride, nb, flag, N, K, E_local, me): source s's slot rows at base + s * stride, nb blocks each;
+ *   fields: the outputs' fields (unpack_items's), E_local * R * N rows each;
+ *   own = () where this rank's rows came through its slots like a peer's, else (idx, pk, n, limit, sources):
+ *     its n pairs in dispatch order (by local expert, then token), their tokens (rows of its plain rows, of which
+ *     there are limit) and top-k slots, and ((address, row stride) of those rows per field);
+ *   outs = (cnt [3][R][E_local] int64, layout_range, recv_count, info, k_out, return_slot (int64 [R]),
+ *     wait_ns (int64 [R], added to: the ns from the start until each source's rows were in)).
+ * 0: done. 1: something not as expected (a compared word; a count outside [0, N], rows or return slots that do
+ * not fit the counts, an item outside the announced segments); 2: rows missing; 3: a message missing. Then the
+ * outputs may hold part of the call's data and the caller receives it the general way, which names what was
+ * wrong (the slots are read, never written). */
+static int ll_layout(const expect_t *e, Py_ssize_t N, Py_ssize_t K, Py_ssize_t E, int64_t *cnt, int64_t *lr,
+                     int32_t *rc, int64_t *slot, int64_t *nrows) {
+    const Py_ssize_t R = e->R;
+    for (Py_ssize_t s = 0; s < R; s++) {
+        const int64_t *w = e->words + s * e->m;
+        int64_t pairs = 0;
+        for (Py_ssize_t x = 0; x < E; x++) {
+            const int64_t v = w[6 + x];
+            if (v < 0 || v > N) return 1;
+            cnt[s * E + x] = v;
+            pairs += v;
+        }
+        const int64_t n = w[0];
+        if (!((n == 0 && pairs == 0) || (n > 0 && n <= N && n <= pairs && pairs <= n * K))) return 1;
+        if (w[3] < 0 || w[3] + pairs > N * K) return 1;
+        nrows[s] = n;
+        slot[s] = w[3];
+    }
+    calcumsum_fill(R, E, N, cnt, lr, rc);
+    return 0;
+}
+
+static PyObject *ll_dispatch_receive(PyObject *self, PyObject *args) {
+    PyObject *ctrl_args, *ftuple, *own_args, *src_tuple = NULL;
+    unsigned long long rows_p, cnt_p, lr_p, rc_p, info_p, k_p, slot_p, wait_p, idx_p = 0, pk_p = 0;
+    Py_ssize_t rows_stride, nb, N, K, E, me, n_own = 0, limit = 0;
+    long long flag, spin_ns;
+    expect_t e;
+    field_t f[MAX_FIELDS];
+    uintptr_t src_ptr[MAX_FIELDS];
+    Py_ssize_t src_stride[MAX_FIELDS];
+    int nf = 0;
+    if (!PyArg_ParseTuple(args, "O!(KnnLnnnn)O!O!(KKKKKKK)L", &PyTuple_Type, &ctrl_args, &rows_p, &rows_stride, &nb,
+                          &flag, &N, &K, &E, &me, &PyTuple_Type, &ftuple, &PyTuple_Type, &own_args, &cnt_p, &lr_p,
+                          &rc_p, &info_p, &k_p, &slot_p, &wait_p, &spin_ns))
+        return NULL;
+    if (expect_parse(ctrl_args, &e) < 0 || parse_fields(ftuple, f, &nf, nb) < 0) return NULL;
+    const Py_ssize_t R = e.R;
+    if (e.m != 6 + E || e.words == NULL || E < 1 || N < 1 || K < 1 || 1 + 2 * K > (BLOCK_BYTES - FLAG_BYTES) / 4 ||
+        me < 0 || me >= R || R > MAX_DESTS) {
+        PyErr_SetString(PyExc_ValueError, "ll_dispatch_receive: bad sizes or control words");
+        return NULL;
+    }
+    const int have_own = PyTuple_GET_SIZE(own_args) > 0;
+    if (have_own) {
+        if (!PyArg_ParseTuple(own_args, "KKnnO!", &idx_p, &pk_p, &n_own, &limit, &PyTuple_Type, &src_tuple))
+            return NULL;
+        if (PyTuple_GET_SIZE(src_tuple) != nf || n_own < 0) {
+            PyErr_SetString(PyExc_ValueError, "ll_dispatch_receive: own rows need one source per field");
+            return NULL;
+        }
+        for (int k = 0; k < nf; k++) {
+            unsigned long long p;
+            if (!PyArg_ParseTuple(PyTuple_GET_ITEM(src_tuple, k), "Kn", &p, &src_stride[k])) return NULL;
+            src_ptr[k] = (uintptr_t)p;
+        }
+        if (check_index((const int64_t *)(uintptr_t)idx_p, n_own, limit, "own row") < 0) return NULL;
+    }
+    int64_t *nrows = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)R);
+    if (nrows == NULL) return PyErr_NoMemory();
+    int64_t *progress = nrows + R;
+    int64_t *cnt = (int64_t *)(uintptr_t)cnt_p, *wait = (int64_t *)(uintptr_t)wait_p;
+    const int64_t *flat = cnt + 2 * R * E;
+    int32_t *info = (int32_t *)(uintptr_t)info_p, *kout = (int32_t *)(uintptr_t)k_p;
+    const Py_ssize_t room = E * R * N;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t t0 = now_ns();
+    status = expect_wait(&e, flag, t0, spin_ns);
+    if (status == 0)
+        status = ll_layout(&e, N, K, E, cnt, (int64_t *)(uintptr_t)lr_p, (int32_t *)(uintptr_t)rc_p,
+                           (int64_t *)(uintptr_t)slot_p, nrows);
+    for (Py_ssize_t s = 0; s < R; s++) progress[s] = s == me && have_own ? -1 : 0;   /* -1: done */
+    if (status == 0 && have_own) {     /* this rank's own pairs, expert by expert, straight from its rows */
+        const int64_t *idx = (const int64_t *)(uintptr_t)idx_p, *pk = (const int64_t *)(uintptr_t)pk_p;
+        Py_ssize_t j = 0;
+        for (Py_ssize_t x = 0; x < E; x++) j += cnt[me * E + x];
+        if (j != n_own) status = 1;
+        j = 0;
+        for (Py_ssize_t x = 0; status == 0 && x < E; x++)
+            for (int64_t i = 0; i < cnt[me * E + x]; i++, j++) {
+                const int64_t o = flat[me * E + x] + i;
+                for (int k = 0; k < nf; k++)
+                    copy_plain((uint8_t *)f[k].ptr + o * f[k].stride,
+                               (const uint8_t *)src_ptr[k] + idx[j] * src_stride[k], (size_t)f[k].nbytes);
+                info[o] = (int32_t)idx[j];
+                kout[o] = (int32_t)pk[j];
+            }
+        wait[me] += now_ns() - t0;
+    }
+    while (status == 0) {    /* every source's rows, runs of complete ones as they come */
+        Py_ssize_t left = 0;
+        for (Py_ssize_t s = 0; status == 0 && s < R; s++) {
+            if (progress[s] < 0) continue;
+            const uint8_t *src = (const uint8_t *)(uintptr_t)rows_p + s * rows_stride;
+            const Py_ssize_t start = progress[s], end = complete_run(src, nrows[s], nb, flag, start);
+            if (end > start) {
+                const uint8_t *run = src + start * nb * BLOCK_BYTES;
+                int32_t bad;
+                if (items_refused(run, end - start, nb, K, flat + s * E, cnt + s * E, E, room, &bad) >= 0) {
+                    status = 1;
+                    break;
+                }
+                items_unpack(run, end - start, nb, flat + s * E, info, kout, f, nf);
+            }
+            if (end == nrows[s]) {
+                progress[s] = -1;
+                wait[s] += now_ns() - t0;
+            } else {
+                progress[s] = end;
+                left++;
+            }
+        }
+        if (status || !left) break;
+        if (now_ns() - t0 > spin_ns) status = 2;
+        else sched_yield();
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(nrows);
+    return PyLong_FromLong(status);
 }
 
 /* layout_rows(layout_range, E_local, R, N, out, n) -> [rows per source]
@@ -2034,16 +2206,29 @@ static PyObject *exchange_combine(PyObject *self, PyObject *args) {
  * row is row local_rows[p - lo] of the plain bf16 rows at ``local`` (local_limit rows, local_stride bytes
  * apart). Every row index is checked before anything is read (IndexError). One pass over the rows: a
  * block-sized float32 accumulator per token stays in L1. */
-static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
+/* weighted_combine_bf16's operands from its arguments (a tuple): every slot's row address and block step in
+ * *addr (2 * T * K int64, PyMem_Malloc'd: the caller frees it), the sizes, weights and output; -1 with the error
+ * set (IndexError for a row out of range) and nothing allocated */
+typedef struct {
+    Py_ssize_t T, K, H;
+    int64_t *addr;
+    const float *w;
+    uint16_t *out;
+} weighted_t;
+
+static int weighted_parse(PyObject *args, weighted_t *c) {
     unsigned long long topk_p, pos_p, w_p, out_p, rows_p, local_p, lrows_p;
     Py_ssize_t T, K, H, nrows, row_bytes, payload_off, local_stride, lo, hi, local_limit;
     if (!PyArg_ParseTuple(args, "nnnKKKKKnnnKnnnKn", &T, &K, &H, &topk_p, &pos_p, &w_p, &out_p, &rows_p, &nrows,
                           &row_bytes, &payload_off, &local_p, &local_stride, &lo, &hi, &lrows_p, &local_limit))
-        return NULL;
+        return -1;
     const int64_t *topk = (const int64_t *)(uintptr_t)topk_p, *pos = (const int64_t *)(uintptr_t)pos_p;
     const int64_t *lrows = (const int64_t *)(uintptr_t)lrows_p;
     int64_t *addr = PyMem_Malloc(sizeof(int64_t) * 2 * (size_t)(T * K > 0 ? T * K : 1));
-    if (addr == NULL) return PyErr_NoMemory();
+    if (addr == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     int64_t *step = addr + T * K;
     for (Py_ssize_t i = 0; i < T * K; i++) {
         addr[i] = 0;
@@ -2055,7 +2240,7 @@ static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
                 PyErr_Format(PyExc_IndexError, "local combine row %lld out of range [0, %lld)", (long long)r,
                              (long long)local_limit);
                 PyMem_Free(addr);
-                return NULL;
+                return -1;
             }
             addr[i] = (int64_t)local_p + r * local_stride;
             step[i] = BF16_PER_BLOCK * 2;
@@ -2064,17 +2249,88 @@ static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
                 PyErr_Format(PyExc_IndexError, "combine slot %lld out of range [0, %lld)", (long long)p,
                              (long long)nrows);
                 PyMem_Free(addr);
-                return NULL;
+                return -1;
             }
             addr[i] = (int64_t)rows_p + p * row_bytes + payload_off;
             step[i] = BLOCK_BYTES;
         }
     }
+    c->T = T;
+    c->K = K;
+    c->H = H;
+    c->addr = addr;
+    c->w = (const float *)(uintptr_t)w_p;
+    c->out = (uint16_t *)(uintptr_t)out_p;
+    return 0;
+}
+
+static PyObject *weighted_combine_bf16(PyObject *self, PyObject *args) {
+    weighted_t c;
+    if (weighted_parse(args, &c) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    weighted_sum(T, K, H, addr, step, (const float *)(uintptr_t)w_p, (uint16_t *)(uintptr_t)out_p);
+    weighted_sum(c.T, c.K, c.H, c.addr, c.addr + c.T * c.K, c.w, c.out);
     Py_END_ALLOW_THREADS
-    PyMem_Free(addr);
+    PyMem_Free(c.addr);
     Py_RETURN_NONE;
+}
+
+/* ll_combine_receive(ctrl, rows, weighted, spin_ns) -> 0, 1, 2 or 3
+ *
+ * A low-latency combine's receive in one call, for TFF rows (Buffer.low_latency_combine with the C stores):
+ * polling for up to spin_ns in all (the CPU yielded between polls), every source's control message as
+ * exchange_reorder expects it (``ctrl``); then, once the runs of slots the hosts write carry the call's flag in
+ * every block, the weighted sum weighted_combine_bf16(*weighted) makes. rows = (base, nb, flag, runs): the
+ * slots at base, nb blocks each, and (first slot, slots) of every run to wait for. 0: summed; 1: a message not
+ * as expected; 2: rows missing; 3: a message missing: then out is not written and the caller receives the call
+ * the general way. */
+static PyObject *ll_combine_receive(PyObject *self, PyObject *args) {
+    PyObject *ctrl_args, *runs, *wargs;
+    unsigned long long base_p;
+    Py_ssize_t nb;
+    long long flag, spin_ns;
+    expect_t e;
+    weighted_t c;
+    if (!PyArg_ParseTuple(args, "O!(KnLO!)O!L", &PyTuple_Type, &ctrl_args, &base_p, &nb, &flag, &PyTuple_Type, &runs,
+                          &PyTuple_Type, &wargs, &spin_ns))
+        return NULL;
+    if (expect_parse(ctrl_args, &e) < 0) return NULL;
+    const Py_ssize_t nr = PyTuple_GET_SIZE(runs);
+    if (nr > MAX_DESTS || nb < 1 || nb > MAX_ROW_BLOCKS) {
+        PyErr_SetString(PyExc_ValueError, "ll_combine_receive: bad runs or row size");
+        return NULL;
+    }
+    int64_t run[MAX_DESTS][2];
+    for (Py_ssize_t i = 0; i < nr; i++) {
+        Py_ssize_t first, n;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(runs, i), "nn", &first, &n)) return NULL;
+        if (first < 0 || n < 0) {
+            PyErr_SetString(PyExc_ValueError, "ll_combine_receive: a run of negative slots");
+            return NULL;
+        }
+        run[i][0] = first;
+        run[i][1] = n;
+    }
+    if (weighted_parse(wargs, &c) < 0) return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t t0 = now_ns();
+    status = expect_wait(&e, flag, t0, spin_ns);
+    Py_ssize_t got = 0;      /* complete slots of run i so far (they stay so until this rank acknowledges) */
+    for (Py_ssize_t i = 0; status == 0 && i < nr;) {
+        const uint8_t *rows = (const uint8_t *)(uintptr_t)base_p + run[i][0] * nb * BLOCK_BYTES;
+        got = complete_run(rows, (Py_ssize_t)run[i][1], nb, flag, got);
+        if (got == (Py_ssize_t)run[i][1]) {
+            i++;
+            got = 0;
+            continue;
+        }
+        if (now_ns() - t0 > spin_ns) status = 2;
+        else sched_yield();
+    }
+    if (status == 0) weighted_sum(c.T, c.K, c.H, c.addr, c.addr + c.T * c.K, c.w, c.out);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(c.addr);
+    return PyLong_FromLong(status);
 }
 
 /* ---------------------------------------------------------------- fp8 e4m3 quantization
@@ -2254,11 +2510,13 @@ static PyMethodDef methods[] = {
     {"segment_rows", segment_rows, METH_VARARGS, "row indices of segments laid end to end"},
     {"layout_rows", layout_rows, METH_VARARGS, "rows of low-latency combine's x that go back to each source"},
     {"ll_calcumsum", ll_calcumsum, METH_VARARGS, "low-latency CalCumSum from the arrived control messages"},
+    {"ll_dispatch_receive", ll_dispatch_receive, METH_VARARGS, "a low-latency dispatch's receive in one call"},
     {"token_rows", token_rows, METH_VARARGS, "rows and meta items of one-row-per-token low-latency dispatch"},
     {"unpack_items", unpack_items, METH_VARARGS, "low-latency Token-Reordering of one-row-per-token rows"},
     {"combine_rows_bf16", combine_rows_bf16, METH_VARARGS, "bf16 normal combine of any number of sources"},
     {"exchange_combine", exchange_combine, METH_VARARGS, "a normal combine's exchange expected to repeat the last"},
     {"weighted_combine_bf16", weighted_combine_bf16, METH_VARARGS, "bf16 low-latency weighted combine"},
+    {"ll_combine_receive", ll_combine_receive, METH_VARARGS, "a low-latency combine's receive in one call"},
     {"fp8_cast", fp8_cast, METH_VARARGS, "per-128-channel e4m3 quantization of bf16 or float32 rows"},
     {"fp8_dequant", fp8_dequant, METH_VARARGS, "e4m3 rows times their per-128-channel scales, to bf16"},
     {"use_pair_sums", use_pair_sums, METH_VARARGS, "sum bf16 rows two elements a word (True) or one by one (False)"},
