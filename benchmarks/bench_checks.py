@@ -1,7 +1,7 @@
-"""A normal round trip with and without one of the Buffer's shortcuts, in turn in one run.
+"""A round trip with and without one of the Buffer's shortcuts, in turn in one run.
 
-    python benchmarks/bench_checks.py [--compare checks|tries] [--ranks 2] [--tokens 128] [--hidden 128,7168]
-                                      [--blocks 30] [--calls 50]
+    python benchmarks/bench_checks.py [--compare checks|tries|ll_steps] [--ranks 2] [--tokens 128]
+                                      [--hidden 128,7168] [--blocks 30] [--calls 50]
 
 ``--compare checks`` (the default): short against full argument checks. A dispatch of the same form as the
 Buffer's last one (dtypes, sizes, arguments given), with the routing the Buffer laid out last, checks its
@@ -15,12 +15,17 @@ Buffer's ``_fresh_tries``). With two ranks and top-8 of 16 experts nearly every 
 nearly every new routing sends as many rows per rank pair as the last (with more ranks they change, and the
 tries pause). Only new routings are timed: a repeated one takes the one-step exchanges either way.
 
-The benchmark times back-to-back round trips (``dispatch`` then ``combine``, top-8 of 16 experts, bf16, as
-``bench_buffer.py``) in blocks of ``--calls``, alternating blocks with the shortcut and blocks without it, so
-that both see the same phases of a noisy machine. Per hidden size, for one routing repeated and for a new
-routing every call (``get_dispatch_layout`` of eight routings in turn, as in training), it prints the median
-time per round trip of each kind of block (slowest rank) and the median over the block pairs of with /
-without.
+``--compare ll_steps``: low-latency round trips (``low_latency_dispatch`` then ``low_latency_combine`` of its
+rows, bf16, a new routing every call) whose receives take one engine call each (``ll_dispatch_receive``,
+``ll_combine_receive``) against the general way (the blocks without them turn off the Buffer's
+``_ll_one_step``).
+
+The benchmark times back-to-back round trips (``dispatch`` then ``combine``, or their low-latency pair, top-8
+of 16 experts, bf16, as ``bench_buffer.py``) in blocks of ``--calls``, alternating blocks with the shortcut and
+blocks without it, so that both see the same phases of a noisy machine. Per hidden size, for one routing
+repeated and for a new routing every call (``get_dispatch_layout`` of eight routings in turn, as in training),
+it prints the median time per round trip of each kind of block (slowest rank) and the median over the block
+pairs of with / without.
 """
 from __future__ import annotations
 
@@ -45,10 +50,16 @@ K, E = 8, 16
 def _blocks(buf, x, routes: list, new_routing: bool, blocks: int, calls: int, compare: str) -> dict:
     """Seconds per round trip of every block: {False: blocks with the shortcut, True: blocks without it}."""
     turn = [0]
-    layout = buf.get_dispatch_layout(routes[0][1], E)
+    layout = None if compare == "ll_steps" else buf.get_dispatch_layout(routes[0][1], E)
 
     def rt(without: bool):
         w, topk = routes[turn[0] % len(routes)]
+        if compare == "ll_steps":
+            turn[0] += 1
+            buf._ll_one_step = not without
+            T = x.shape[0]
+            ll = buf.low_latency_dispatch(x, topk, T, E, use_fp8=False)
+            return buf.low_latency_combine(ll[0], topk, w, ll[2])
         ntpr, _, ntpe, itr, _ = buf.get_dispatch_layout(topk, E) if new_routing else layout
         if new_routing:
             turn[0] += 1
@@ -84,7 +95,10 @@ def bench_rank(ctx, T: int, hiddens: list, blocks: int, calls: int, compare: str
     out = {}
     for H in hiddens:
         x = torch.randn(T, H).bfloat16()
-        buf = Buffer(ctx.group, Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R), 0)
+        if compare == "ll_steps":
+            buf = Buffer(ctx.group, 0, Buffer.get_low_latency_rdma_size_hint(T, H, R, E), low_latency_mode=True)
+        else:
+            buf = Buffer(ctx.group, Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R), 0)
         for new_routing in (False, True) if compare == "checks" else (True,):
             out[H, new_routing] = _blocks(buf, x, routes, new_routing, blocks, calls, compare)
         buf.destroy()
@@ -93,8 +107,9 @@ def bench_rank(ctx, T: int, hiddens: list, blocks: int, calls: int, compare: str
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--compare", choices=("checks", "tries"), default="checks",
-                    help="checks: short against full argument checks; tries: one-step exchanges of new routings")
+    ap.add_argument("--compare", choices=("checks", "tries", "ll_steps"), default="checks",
+                    help="checks: short against full argument checks; tries: one-step exchanges of new routings; "
+                         "ll_steps: low-latency receives in one engine call")
     ap.add_argument("--ranks", type=int_at_least(1), default=2)
     ap.add_argument("--tokens", type=int_at_least(1), default=128)
     ap.add_argument("--hidden", default="128,7168", help="comma-separated hidden sizes, each timed in turn")
@@ -112,9 +127,10 @@ def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     with RankPool(a.ranks, env={"PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])}) as pool:
         per_rank = pool.run(bench_rank, a.tokens, hiddens, a.blocks, a.calls, a.compare, timeout_s=1800)
-    what = "short against full argument checks" if a.compare == "checks" else \
-        "with against without the one-step exchanges of new routings"
-    print(f"normal round trip, {what}: {a.ranks} ranks, {a.tokens} tokens, top-{K} of {E} experts, bf16; "
+    what = {"checks": "normal round trip, short against full argument checks",
+            "tries": "normal round trip, with against without the one-step exchanges of new routings",
+            "ll_steps": "low-latency round trip, with against without the one-step receives"}[a.compare]
+    print(f"{what}: {a.ranks} ranks, {a.tokens} tokens, top-{K} of {E} experts, bf16; "
           f"{a.blocks} block pairs of {a.calls} calls, slowest rank")
     print(f"{'hidden':>7}  {'routing':<22}{'with us':>10}{'without us':>12}{'with / without (min-max)':>28}")
     for key in per_rank[0]:

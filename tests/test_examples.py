@@ -223,14 +223,18 @@ def test_checks_benchmark_prints_both_routings_of_every_hidden_size():
 
 
 @needs_buffer
-def test_checks_benchmark_compares_the_tries_of_new_routings():
-    """bench_checks.py --compare tries: a row per hidden size, new routings only, with both times."""
-    out = _run([sys.executable, "benchmarks/bench_checks.py", "--compare", "tries", "--tokens", "6", "--hidden", "64",
+@pytest.mark.parametrize("compare,title", [("tries", "normal round trip, with against without the one-step "
+                                                     "exchanges of new routings"),
+                                          ("ll_steps", "low-latency round trip, with against without the one-step "
+                                                       "receives")])
+def test_checks_benchmark_compares_the_one_step_calls_of_new_routings(compare, title):
+    """bench_checks.py --compare tries / ll_steps: a row per hidden size, new routings only, with both times."""
+    out = _run([sys.executable, "benchmarks/bench_checks.py", "--compare", compare, "--tokens", "6", "--hidden", "64",
                 "--blocks", "2", "--calls", "2"], timeout=240)
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [(r[0], " ".join(r[1:3])) for r in rows] == [("64", "new every")], out
     assert all(float(v) > 0 for v in rows[0][-4:-1]), rows
-    assert "without the one-step exchanges of new routings" in out, out
+    assert title in out, out
 
 
 def test_sums_benchmark_prints_every_path():

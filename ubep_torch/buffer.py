@@ -713,6 +713,7 @@ class Buffer:
         self._ctrl_seen: dict = {}    # (see _exchange_receive)
         self._fresh_skip = [0, 0]     # (see _steady_dispatch: one-step tries of new routings to skip, the next pause)
         self._fresh_tries = True      # (one-step exchanges for new routings: benchmarks/bench_checks.py turns it off)
+        self._ll_one_step = True      # (low-latency receives in one engine call: bench_checks.py turns it off too)
         self._global_ranks = _group_global_ranks(group)   # (errors on a sub-group name these too)
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = num_qps_per_rank
@@ -3265,7 +3266,7 @@ class Buffer:
             source's rows are in and acknowledged; False where it does not apply, or where a message or rows
             did not come as expected within the engine's short wait (nothing acknowledged: the general way
             below receives the call, and names what was wrong)."""
-            if not (dedup and self.sync == "tff" and self.delay_hook is None
+            if not (dedup and self.sync == "tff" and self.delay_hook is None and self._ll_one_step
                     and hasattr(eng, "ll_dispatch_receive")):
                 return False
             expected = region.kept(("ll expect", sig, E, N, E_local), lambda: np.array(
@@ -3698,7 +3699,8 @@ class Buffer:
             source acknowledged; False where it does not apply, or where a message or rows did not come as
             expected within the engine's short wait (nothing written or acknowledged: the general way below
             receives the call, and names what was wrong)."""
-            if not (fmt.sync == "tff" and self.delay_hook is None and hasattr(eng, "ll_combine_receive")):
+            if not (fmt.sync == "tff" and self.delay_hook is None and self._ll_one_step
+                    and hasattr(eng, "ll_combine_receive")):
                 return False
             per_host = handle.sent_counts.sum(1).tolist()
             at = list(accumulate(per_host, initial=0))
