@@ -3251,7 +3251,8 @@ class Buffer:
         return_slot = torch.zeros(R, dtype=torch.int64)   # where each source wants its rows back (combine)
         handle = LowLatencyHandle((src_info, layout_range, N, H, E), src_k=src_k, K=K, epoch=epoch,
                                   num_tokens=T, recv_count=recv_count, return_slot=return_slot,
-                                  sent_counts=counts, pos=pos, n_pairs=int(t_idx.numel()), recv_rows=0,
+                                  sent_counts=counts, sent_rows=[bounds[d + 1] - bounds[d] for d in range(R)],
+                                  pos=pos, n_pairs=int(t_idx.numel()), recv_rows=0,
                                   topk_snapshot=topk_idx.clone())
         self._recent_ll_handles.append(handle)
         pending = handle.pending = _Pending("low_latency_dispatch", epoch, call=self._calls, seq=self._seq,
@@ -3650,7 +3651,8 @@ class Buffer:
         except ValueError as e:
             raise ValueError(f"low_latency_combine: the handle's layout_range no longer matches its dispatch "
                              f"({e})") from None
-        per_src = list(all_rows.split(per_host))
+        back = list(accumulate(per_host, initial=0))
+        per_src = [all_rows[back[s]:back[s + 1]] for s in range(R)]
         epoch = self._next_epoch(rid)
         half, flag = region.half(epoch), P.flag_word(epoch, rid)
         direct = eng.direct_rows
@@ -3666,10 +3668,7 @@ class Buffer:
             gathered = eng.scratch("ll_gather", (all_rows.numel(), H), torch.bfloat16)
             torch.index_select(xs, 0, all_rows, out=gathered)
             staging, checked, row_sums = eng.pack_rows(fmt, [P.as_bytes(gathered)], None, all_rows, me)
-            starts = [0]
-            for c in per_host:
-                starts.append(starts[-1] + c)
-            sels = [eng.span(starts[s], starts[s + 1]) for s in range(R)]
+            sels = [eng.span(back[s], back[s + 1]) for s in range(R)]
         self._wait_acks(rid, epoch)
         nctrl = 1
         sig = fmt.signature()
@@ -3702,7 +3701,7 @@ class Buffer:
             if not (fmt.sync == "tff" and self.delay_hook is None and self._ll_one_step
                     and hasattr(eng, "ll_combine_receive")):
                 return False
-            per_host = handle.sent_counts.sum(1).tolist()
+            per_host = handle.sent_rows      # (rows each host sends back: the pairs sent it)
             at = list(accumulate(per_host, initial=0))
             expected = np.array([[n, sig, 0, paired, E, N] for n in per_host], dtype=np.int64).tobytes()
             skip = 1 << P.CTRL_CHECKSUM | (0 if paired else 1 << P.CTRL_PAIRED_CALL)
@@ -3736,7 +3735,7 @@ class Buffer:
             self._check_layouts(ctrl_words, fmt, "low_latency_combine")
             self._check_call_words(ctrl_words, "low_latency_combine")
             self._check_pairing("low_latency_combine", ctrl_words, paired)
-            per_host = handle.sent_counts.sum(1).tolist()
+            per_host = handle.sent_rows
             nrows = [ctrl_words[s][P.CTRL_NROWS] for s in range(R)]
             if nrows != per_host:
                 self._broken = "combine row counts"
