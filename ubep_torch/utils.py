@@ -292,10 +292,12 @@ class TensorCache:
     the other process's hold on it shows in no count here.
 
     Tensors of fewer than ``min_bytes`` bytes are plain ``torch.empty`` ones: the allocator serves them from
-    memory it keeps mapped, so there is nothing to gain, and the checks cost more than the allocation.
+    memory it keeps mapped, so there is nothing to gain, and the checks cost more than the allocation. (On
+    two ranks, round trips whose outputs take 64 KiB to 1 MiB ran 2-9% faster without the cache; those of a
+    low-latency call at hidden 7168 whose recv_x takes 3.7 MiB or 29 MiB 15% and 50% slower.)
     """
 
-    def __init__(self, max_entries: int = 6, min_bytes: int = 64 << 10):
+    def __init__(self, max_entries: int = 6, min_bytes: int = 1 << 20):
         self.max_entries = max_entries
         self.min_bytes = min_bytes
         self._entries: dict = {}   # dtype -> list of flat tensors
