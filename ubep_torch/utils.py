@@ -293,8 +293,8 @@ class TensorCache:
 
     Tensors of fewer than ``min_bytes`` bytes are plain ``torch.empty`` ones: the allocator serves them from
     memory it keeps mapped, so there is nothing to gain, and the checks cost more than the allocation. (On
-    two ranks, round trips whose outputs take 64 KiB to 1 MiB ran 2-9% faster without the cache; those of a
-    low-latency call at hidden 7168 whose recv_x takes 3.7 MiB or 29 MiB 15% and 50% slower.)
+    two ranks, round trips whose largest output takes 64 KiB to 1 MiB took 8-9% longer through the cache;
+    low-latency ones whose recv_x takes 3.7 MiB or 29 MiB took 17% longer and twice as long without it.)
     """
 
     def __init__(self, max_entries: int = 6, min_bytes: int = 1 << 20):
