@@ -293,7 +293,7 @@ class TensorCache:
 
     Tensors of fewer than ``min_bytes`` bytes are plain ``torch.empty`` ones: the allocator serves them from
     memory it keeps mapped, so there is nothing to gain, and the checks cost more than the allocation. (On
-    two ranks, round trips whose largest output takes 64 KiB to 1 MiB took 8-9% longer through the cache;
+    two ranks, round trips whose largest output takes 64 KiB to 1 MiB took 8-10% longer through the cache;
     low-latency ones whose recv_x takes 3.7 MiB or 29 MiB took 17% longer and twice as long without it.)
     """
 
