@@ -927,16 +927,17 @@ class NativeEngine(TorchEngine):
         blocks, 512] uint8, ``_Region.ctrl_sources``, each message its first ``nctrl`` blocks), whose first
         ``6 + E_local`` words must equal ``expected`` (an int64 buffer of R rows) but for its row count, checksum,
         return slot and counts; CalCumSum of the counts; every source's rows (source s's at ``slots``' address +
-        s * ``part_bytes``) reordered into ``outs`` ([E_local * R * N, bytes] uint8 per field) as ``unpack_items``
-        does, and ``own`` = ``(x rows per field, token list, top-k slots)`` of this rank's pairs copied from its
-        own rows (None: they came through the slots). ``results`` = (counts, begins and flat begins [3, R,
-        E_local] int64, layout_range, recv_count, source tokens and top-k slots of every output row (int32),
-        return slots [R] int64, ns waited per source [R] int64, added to). 0: done; 1, 2 or 3 (a message not as
-        expected, rows missing, a message missing): the caller receives the call the general way. None where the
-        C loop cannot address the tensors, with nothing done."""
+        s * ``part_bytes``, ``N`` rows at least: ``slots`` is source 0's) reordered into ``outs`` ([E_local * R *
+        N, bytes] uint8 per field) as ``unpack_items`` does, and ``own`` = ``(x rows per field, token list, top-k
+        slots)`` of this rank's pairs copied from its own rows (None: they came through the slots). ``results`` =
+        (counts, begins and flat begins [3, R, E_local] int64, layout_range, recv_count, source tokens and top-k
+        slots of every output row (int32), return slots [R] int64, ns waited per source [R] int64, added to). 0:
+        done; 1, 2 or 3 (a message not as expected, rows missing, a message missing): the caller receives the call
+        the general way. None where the C loop cannot address the tensors, with nothing done."""
         cnt3, layout_range, recv_count, info, k_out, return_slot, waited = results
         R, E_local = cnt3.shape[1:]
-        if not (fmt.sync == "tff" and _slots(slots, fmt) and ctrl.dim() == 3 and ctrl.is_contiguous()
+        if not (fmt.sync == "tff" and _slots(slots, fmt) and slots.shape[0] >= N and ctrl.dim() == 3
+                and ctrl.is_contiguous()
                 and ctrl.dtype == torch.uint8 and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1]
                 and ctrl.shape[0] == R and len(expected) == 8 * R * (P.CTRL_COUNTS + E_local)
                 and all(_contiguous_int64(t) for t in (cnt3, layout_range, return_slot, waited))
