@@ -199,9 +199,13 @@ def ll_one_step(ctx, use_fp8: bool = False, hook: bool = False, late: bool = Fal
     receives (``ll_dispatch_receive``, ``ll_combine_receive``) counted by what they returned. ``late``: rank 1
     sleeps before each of its calls, so that rank 0's one-step waits end with its messages missing (3) and the
     general way receives those calls. Returns {"same": {call: bit-identical?}, "steps": {"name status": n}}."""
+    import ubep_torch.buffer as buffer_mod
     bt = get_buffer(ctx, "tff", backend="torch", low_latency=True, N=N, H=H, E=E)
     bk = get_buffer(ctx, "tff", backend="native", low_latency=True, N=N, H=H, E=E)
     steps: dict = {}
+    spin = buffer_mod._STEADY_SPIN_NS
+    if not late:      # (the one-step waits long enough for a peer that a loaded machine holds up)
+        buffer_mod._STEADY_SPIN_NS = 5_000_000_000
     eng = bk.engine
     for name in ("ll_dispatch_receive", "ll_combine_receive"):
         def counted(*args, _real=getattr(eng, name), _name=name, **kwargs):
@@ -218,6 +222,7 @@ def ll_one_step(ctx, use_fp8: bool = False, hook: bool = False, late: bool = Fal
             got = _ll_calls(bk, x, topk, w, N, E, use_fp8, hook=hook, pause=0.05 if late and ctx.rank == 1 else 0.0)
             same.update({f"{k} {c}": _same(ref[k], got[k]) for k in ref})
     finally:
+        buffer_mod._STEADY_SPIN_NS = spin
         for name in ("ll_dispatch_receive", "ll_combine_receive"):
             delattr(eng, name)
     return {"same": same, "steps": steps}
