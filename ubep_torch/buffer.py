@@ -351,6 +351,7 @@ def _raise_if_destroyed(buf: "Buffer", e: BaseException, what: str) -> None:
 
 _SCALARS = (bool, int, float, str)     # (argument types _check_host_tensors passes over at once)
 _TENSOR, _STRIDED = torch.Tensor, torch.strided
+_HANDLES = (DispatchHandle, LowLatencyHandle)
 
 
 def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict, buf: Optional["Buffer"] = None) -> None:
@@ -364,7 +365,7 @@ def _check_host_tensors(fn: Callable, args: tuple, kwargs: dict, buf: Optional["
     # (the usual call: every argument a host tensor, None or a plain scalar, found in one pass)
     if all(v is None or v.__class__ in _SCALARS or (v.__class__ is _TENSOR and v.is_cpu and v.layout is _STRIDED
                                                     and not v.is_nested)
-           or (v.__class__ is DispatchHandle and buf is not None and _returned_by(buf, v)) for v in values):
+           or (v.__class__ in _HANDLES and buf is not None and _returned_by(buf, v)) for v in values):
         return
     for k, value in enumerate(values):
         if value is None or value.__class__ in _SCALARS:
