@@ -844,8 +844,8 @@ class NativeEngine(TorchEngine):
                                         ntpr.data_ptr(), send_idx.data_ptr(), head.data_ptr())
         if lo < -1 or hi >= E:
             return lo, hi, None
-        flat = send_idx.view(-1)      # (narrowing a flat tensor costs a fraction of indexing the 2-D one)
-        return lo, hi, (ntpr, ntpe, itr, [flat.narrow(0, r * T, n) for r, n in enumerate(ntpr.tolist())], head)
+        flat = send_idx.view(-1)      # (slicing a flat tensor costs a fraction of indexing the 2-D one)
+        return lo, hi, (ntpr, ntpe, itr, [flat[r * T:r * T + n] for r, n in enumerate(ntpr.tolist())], head)
 
     def meta_items(self, topk_idx: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         if not (_contiguous_int64(topk_idx) and topk_idx.dim() == 2 and (weights is None or (
