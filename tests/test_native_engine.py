@@ -1043,6 +1043,11 @@ def test_low_latency_one_step_receives_wait_for_the_expected_messages_and_every_
     bad[6] = N + 1
     eng.write_ctrl(ctrl[1, :1], torch.tensor(bad), flag)
     assert receive(outputs(), out) == 1                                   # a count past N
+    for slot in (-1, N * K, 2 ** 63 - 1):                                 # return slots that do not fit
+        bad = list(words[1])
+        bad[3] = slot
+        eng.write_ctrl(ctrl[1, :1], torch.tensor(bad), flag)
+        assert receive(outputs(), out) == 1, slot
     eng.write_ctrl(ctrl[1, :1], torch.tensor(words[1]), flag)
     send_rows(1, upto=1)
     assert receive(outputs(), out) == 2                                   # rows missing

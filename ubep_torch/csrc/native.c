@@ -1682,7 +1682,7 @@ static int ll_layout(const expect_t *e, Py_ssize_t N, Py_ssize_t K, Py_ssize_t E
         }
         const int64_t n = w[0];
         if (!((n == 0 && pairs == 0) || (n > 0 && n <= N && n <= pairs && pairs <= n * K))) return 1;
-        if (w[3] < 0 || w[3] + pairs > N * K) return 1;
+        if (w[3] < 0 || w[3] > N * K - pairs) return 1;      /* (not w[3] + pairs: it could overflow) */
         nrows[s] = n;
         slot[s] = w[3];
     }
