@@ -937,9 +937,9 @@ class NativeEngine(TorchEngine):
         cnt3, layout_range, recv_count, info, k_out, return_slot, waited = results
         R, E_local = cnt3.shape[1:]
         if not (fmt.sync == "tff" and _slots(slots, fmt) and slots.shape[0] >= N and ctrl.dim() == 3
-                and ctrl.is_contiguous()
-                and ctrl.dtype == torch.uint8 and ctrl.shape[2] == P.BLOCK_BYTES and 0 < nctrl <= ctrl.shape[1]
-                and ctrl.shape[0] == R and len(expected) == 8 * R * (P.CTRL_COUNTS + E_local)
+                and ctrl.is_contiguous() and ctrl.dtype == torch.uint8 and ctrl.shape[2] == P.BLOCK_BYTES
+                and 0 < nctrl <= ctrl.shape[1] and ctrl.shape[0] == R
+                and len(expected) == 8 * R * (P.CTRL_COUNTS + E_local)
                 and all(_contiguous_int64(t) for t in (cnt3, layout_range, return_slot, waited))
                 and recv_count.dtype == info.dtype == k_out.dtype == torch.int32
                 and all(t.is_contiguous() for t in (recv_count, info, k_out))
