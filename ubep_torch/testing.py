@@ -229,8 +229,9 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: Dict[str,
         pass
 
 
-#: how long ``RankPool.run`` takes the other ranks' answers after finding a rank dead (seconds)
-_ANSWER_GRACE_S = 1.0
+#: how long ``RankPool.run`` takes the other ranks' answers after finding a rank dead (seconds; a rank that has
+#: its answer ready sends it at once, but on two loaded cores one took 1.2 s to answer a call that returns at once)
+_ANSWER_GRACE_S = 3.0
 
 #: the most ranks a RankPool starts (each is a process of this host with its own queue)
 MAX_POOL_RANKS = 1024
