@@ -2118,6 +2118,25 @@ static PyObject *combine_rows_bf16(PyObject *self, PyObject *args) {
  * names the same way (the bytes its rows take), and the peers' reports are taken in (as exchange_reorder).
  * 1: a message not as expected; 2: rows missing; 3: a message missing: then only the send has happened (out
  * is not written) and the caller receives the call the general way. */
+/* Every block of each of the n runs of rows (runs[i][0]: the address of its first row of nb blocks, runs[i][1]:
+ * its rows) polled until it carries ``flag``, until t0 + spin_ns at most (the CPU yielded between polls): 0 when
+ * all came, 2 when rows were missing then. A complete row stays so until this rank acknowledges. */
+static int runs_wait(const uint64_t (*runs)[3], Py_ssize_t n, Py_ssize_t nb, long long flag, int64_t t0,
+                     long long spin_ns) {
+    Py_ssize_t got = 0;     /* complete rows of run i so far */
+    for (Py_ssize_t i = 0; i < n;) {
+        got = complete_run((const uint8_t *)(uintptr_t)runs[i][0], (Py_ssize_t)runs[i][1], nb, flag, got);
+        if (got == (Py_ssize_t)runs[i][1]) {
+            i++;
+            got = 0;
+            continue;
+        }
+        if (now_ns() - t0 > spin_ns) return 2;
+        sched_yield();
+    }
+    return 0;
+}
+
 static PyObject *exchange_combine(PyObject *self, PyObject *args) {
     PyObject *send_args, *ctrl_args, *sources;
     Py_ssize_t T, H;
@@ -2163,17 +2182,7 @@ static PyObject *exchange_combine(PyObject *self, PyObject *args) {
     took = send_run(&snd);
     const int64_t t0 = now_ns();
     status = expect_wait(&e, flag, t0, spin_ns);
-    Py_ssize_t got = 0;     /* rows of peer i complete so far (they stay so until this rank acknowledges) */
-    for (Py_ssize_t i = 0; status == 0 && i < np;) {     /* every peer's rows: each row's every block */
-        got = complete_run((const uint8_t *)(uintptr_t)peers[i][0], (Py_ssize_t)peers[i][1], nb, flag, got);
-        if (got == (Py_ssize_t)peers[i][1]) {
-            i++;
-            got = 0;
-            continue;
-        }
-        if (now_ns() - t0 > spin_ns) status = 2;
-        else sched_yield();
-    }
+    if (status == 0) status = runs_wait((const uint64_t(*)[3])peers, np, nb, flag, t0, spin_ns);
     if (status == 0) {
         const int64_t t1 = now_ns();
         plain_sum(T, S, H, addr, step, (uint16_t *)(uintptr_t)out_p);
@@ -2299,7 +2308,7 @@ static PyObject *ll_combine_receive(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "ll_combine_receive: bad runs or row size");
         return NULL;
     }
-    int64_t run[MAX_DESTS][2];
+    uint64_t run[MAX_DESTS][3];      /* (address, slots) of every run, as runs_wait takes them */
     for (Py_ssize_t i = 0; i < nr; i++) {
         Py_ssize_t first, n;
         if (!PyArg_ParseTuple(PyTuple_GET_ITEM(runs, i), "nn", &first, &n)) return NULL;
@@ -2307,26 +2316,15 @@ static PyObject *ll_combine_receive(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "ll_combine_receive: a run of negative slots");
             return NULL;
         }
-        run[i][0] = first;
-        run[i][1] = n;
+        run[i][0] = (uint64_t)base_p + (uint64_t)first * (uint64_t)nb * BLOCK_BYTES;
+        run[i][1] = (uint64_t)n;
     }
     if (weighted_parse(wargs, &c) < 0) return NULL;
     int status;
     Py_BEGIN_ALLOW_THREADS
     const int64_t t0 = now_ns();
     status = expect_wait(&e, flag, t0, spin_ns);
-    Py_ssize_t got = 0;      /* complete slots of run i so far (they stay so until this rank acknowledges) */
-    for (Py_ssize_t i = 0; status == 0 && i < nr;) {
-        const uint8_t *rows = (const uint8_t *)(uintptr_t)base_p + run[i][0] * nb * BLOCK_BYTES;
-        got = complete_run(rows, (Py_ssize_t)run[i][1], nb, flag, got);
-        if (got == (Py_ssize_t)run[i][1]) {
-            i++;
-            got = 0;
-            continue;
-        }
-        if (now_ns() - t0 > spin_ns) status = 2;
-        else sched_yield();
-    }
+    if (status == 0) status = runs_wait((const uint64_t(*)[3])run, nr, nb, flag, t0, spin_ns);
     if (status == 0) weighted_sum(c.T, c.K, c.H, c.addr, c.addr + c.T * c.K, c.w, c.out);
     Py_END_ALLOW_THREADS
     PyMem_Free(c.addr);
