@@ -3283,7 +3283,7 @@ class Buffer:
                  return_slot, waited), self._steady_spin_ns())
             if status != 0:
                 return False
-            handle.recv_rows = int(recv_count.sum())
+            handle.recv_rows = sum(recv_count.tolist())
             wait_ns[:] = waited.tolist()
             self._send_acks(rid, range(R), epoch)
             return True

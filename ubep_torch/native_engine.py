@@ -216,7 +216,8 @@ def _patch_rows(fmt: P.RowFormat, patch: Optional[torch.Tensor], n: int) -> Opti
     when there is none), or None when it does not fit the rows' meta items."""
     if patch is None or n == 0:
         return 0, 0
-    patch = patch[:n].to(torch.int32).contiguous()
+    if not (patch.dtype == torch.int32 and patch.shape[0] == n and patch.is_contiguous()):   # (the usual: as is)
+        patch = patch[:n].to(torch.int32).contiguous()
     if patch.dim() == 1:
         patch = patch.view(-1, 1)
     if patch.dim() != 2 or patch.shape[0] != n or patch.shape[1] > fmt.meta_words:
