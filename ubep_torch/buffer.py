@@ -2652,6 +2652,11 @@ class Buffer:
         the Buffer's deadline at most)."""
         return min(_STEADY_SPIN_NS, int(self.timeout_s * 2.5e8))
 
+    def _one_step_rows(self, fmt: P.RowFormat) -> bool:
+        """Whether an exchange of rows of ``fmt`` may take the engine's one-step calls: TFF rows (the calls read
+        flags, not checksums or sentinels) and no delay hook (which only the general way's waits call)."""
+        return fmt.sync == "tff" and self.delay_hook is None
+
     def _kept_messages(self, rid: int, fmt: P.RowFormat, n_counts: int, with_matrix: bool, own: tuple,
                        free: Tuple[int, int] = (0, 0)) -> Optional[tuple]:
         """``(checked words, what they said)`` of the last control messages of this kind of exchange that
@@ -2660,7 +2665,7 @@ class Buffer:
         sent then, but for its words [free[0], free[1]) (at or past word 4, which the one-step call reads
         instead of expecting); else None."""
         kept = self._ctrl_seen.get((rid, fmt, n_counts, with_matrix))
-        if kept is None or fmt.sync != "tff" or self.delay_hook is not None:
+        if kept is None or not self._one_step_rows(fmt):
             return None
         mine = _checked_words(list(own), len(own))
         # (the checked words leave out words 2 and 3: the free range's place among them)
@@ -3268,8 +3273,7 @@ class Buffer:
             source's rows are in and acknowledged; False where it does not apply, or where a message or rows
             did not come as expected within the engine's short wait (nothing acknowledged: the general way
             below receives the call, and names what was wrong)."""
-            if not (dedup and self.sync == "tff" and self.delay_hook is None and self._ll_one_step
-                    and hasattr(eng, "ll_dispatch_receive")):
+            if not (dedup and self._one_step_rows(fmt) and self._ll_one_step and hasattr(eng, "ll_dispatch_receive")):
                 return False
             expected = region.kept(("ll expect", sig, E, N, E_local), lambda: np.array(
                 [[0, sig, 0, 0, E, N] + [0] * E_local] * R, dtype=np.int64).tobytes())
@@ -3699,8 +3703,7 @@ class Buffer:
             source acknowledged; False where it does not apply, or where a message or rows did not come as
             expected within the engine's short wait (nothing written or acknowledged: the general way below
             receives the call, and names what was wrong)."""
-            if not (fmt.sync == "tff" and self.delay_hook is None and self._ll_one_step
-                    and hasattr(eng, "ll_combine_receive")):
+            if not (self._one_step_rows(fmt) and self._ll_one_step and hasattr(eng, "ll_combine_receive")):
                 return False
             per_host = handle.sent_rows      # (rows each host sends back: the pairs sent it)
             at = list(accumulate(per_host, initial=0))
