@@ -173,7 +173,7 @@ def _rank_main(rank: int, world: int, port: int, shm_dir: str, sc: Scenario, q) 
 
         def gather_then_die(obj, group, world_size, *args):
             calls["n"] += 1
-            if calls["n"] == 2:  # the segment paths: our segment exists and is not unlinked yet
+            if calls["n"] == 2:  # every segment exists (by name: not unlinked yet)
                 q.put((rank, {"kind": "fault", "phase": "setup", "time": time.time() + 0.2}))
                 time.sleep(0.2)  # let the queue's feeder thread flush
                 if sc.fault == "setup_stall_kill":   # stalled until the others gave up, then killed
@@ -1040,6 +1040,31 @@ def fill_shm_then_build(ctx, directory):
     finally:
         if ctx.rank == 0:
             U.SymmetricHeap._create_segment = create
+
+
+def proc_refused_setup(ctx, directory):
+    """Rank 0 cannot open its peer's segment through /proc (``_ProcRefused``, as a hardened kernel refuses):
+    every rank builds a Buffer in ``directory`` and makes a round trip (``build_in``). Returns (its result,
+    the peer segments this rank tried to map by descriptor, those it mapped by name)."""
+    import errno
+
+    import ubep_torch.ugas as U
+    real_open, real_map = U._open_by_descriptor, U.SymmetricHeap._map_peer
+    tries = {"descriptor": 0, "name": 0}
+
+    def refused(pid, where, r):
+        raise U._ProcRefused(errno.EACCES, "Permission denied (simulated)")
+
+    def counted(self, r, path, nbytes, token, where=None):
+        tries["name" if where is None else "descriptor"] += 1
+        return real_map(self, r, path, nbytes, token, where)
+    if ctx.rank == 0:
+        U._open_by_descriptor = refused
+    U.SymmetricHeap._map_peer = counted
+    try:
+        return build_in(ctx, directory), tries["descriptor"], tries["name"]
+    finally:
+        U._open_by_descriptor, U.SymmetricHeap._map_peer = real_open, real_map
 
 
 def map_failure(ctx):

@@ -125,11 +125,14 @@ def test_no_fault_baseline(tmp_path):
     assert not _explain(outcomes), _explain(outcomes)
 
 
-def test_crash_during_setup_leaves_nothing(tmp_path):
-    """The victim dies after creating its segment, before anyone unlinks it: the survivor raises an error
-    naming the set-up step and the lost rank, unlinks its own segment, and unlinks the victim's too (its
-    name was announced before it was created). Segments of a group that died entirely in that window
-    are removed by the next start's sweep (``test_sweep_removes_only_dead_owners_segments``)."""
+@pytest.mark.parametrize("by_name", [False, True])
+def test_crash_during_setup_leaves_nothing(tmp_path, monkeypatch, by_name):
+    """The victim dies after creating its segment, before anyone unlinks it (by name: ``UBEP_SHM_BY_NAME``):
+    the survivor raises an error naming the set-up step and the lost rank, unlinks its own segment, and
+    unlinks the victim's too (its name was announced before it was created). Segments of a group that died
+    entirely in that window are removed by the next start's sweep
+    (``test_sweep_removes_only_dead_owners_segments``)."""
+    monkeypatch.setenv("UBEP_SHM_BY_NAME", "1" if by_name else "0")
     o = FR.run_scenario(2, FR.Scenario("normal", "tff", "setup_kill", "setup", timeout_s=TIMEOUT_S), str(tmp_path))
     assert not o.spinning
     rep = o.reports[0]
@@ -354,10 +357,12 @@ def test_a_setup_again_after_an_interrupted_one_refuses_at_once():
     assert [p.exitcode for p in procs] == [0, 0], [p.exitcode for p in procs]
 
 
-def test_a_rank_stalled_in_setup_and_killed_later_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("by_name", [False, True])
+def test_a_rank_stalled_in_setup_and_killed_later_leaves_nothing(tmp_path, monkeypatch, by_name):
     """The victim stalls in set-up after creating its segment; the survivor times out and exits, then the
-    victim is killed (as a launcher does once a rank failed): its segment is gone too (the survivor's failed
-    set-up unlinked it, though the victim was alive then)."""
+    victim is killed (as a launcher does once a rank failed): its segment is gone too (by name, the
+    survivor's failed set-up unlinked it, though the victim was alive then)."""
+    monkeypatch.setenv("UBEP_SHM_BY_NAME", "1" if by_name else "0")
     o = FR.run_scenario(2, FR.Scenario("normal", "tff", "setup_stall_kill", "setup", timeout_s=TIMEOUT_S),
                         str(tmp_path))
     rep = o.reports[0]
@@ -379,7 +384,65 @@ def test_a_peer_that_left_the_setup_is_named_by_those_mapping_its_segment(tmp_pa
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
 
 
-def test_setup_failure_unlinks_own_segment_before_raising(tmp_path):
+_STALLED_IN_SETUP = r"""
+import os, time
+import torch.distributed as dist
+from ubep_torch import Buffer, ugas
+if os.environ["RANK"] == "1":
+    def stalled(self, *args, **kwargs):       # slow between creating its segment and mapping the peers'
+        open(os.environ["STALLED"], "w").close()
+        time.sleep(120)
+    ugas.SymmetricHeap._map_peer = stalled
+dist.init_process_group("gloo")
+Buffer(dist.group.WORLD, 1 << 20, timeout_s=120)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_group_killed_whole_in_its_setup_leaves_no_segment(tmp_path, sig):
+    """Every rank is killed (SIGKILL, or the SIGTERM a launcher sends when a job is cancelled: neither runs
+    atexit) while rank 1 is slow in the set-up, after every segment was created and before it mapped its
+    peers': nothing is left in the shared-memory directory (former defect: the names lived until every rank
+    had mapped every segment, so they stayed until a later set-up on the host swept them)."""
+    import signal
+    import socket
+    import time
+    shm, flag = tmp_path / "shm", tmp_path / "stalled"
+    shm.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", UBEP_SHM_DIR=str(shm),
+               STALLED=str(flag))
+    procs = [subprocess.Popen([sys.executable, "-c", _STALLED_IN_SETUP], env=dict(env, RANK=str(r)), cwd=tmp_path)
+             for r in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while not flag.exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no rank reached the stall"
+            time.sleep(0.05)
+        time.sleep(0.3)     # (rank 0 waits for rank 1 in the mapping step by now)
+    finally:
+        for p in procs:
+            p.send_signal(getattr(signal, sig))
+        for p in procs:
+            p.wait(30)
+    assert [n for n in os.listdir(shm) if n.startswith("ubep-")] == []
+
+
+def test_setup_shares_segments_by_name_where_proc_refuses_their_descriptors(tmp_path):
+    """Where /proc refuses a rank access to a peer's descriptors (a hardened kernel, a non-dumpable peer), the
+    set-up shares the segments by name instead, on every rank, and the Buffer works; nothing is left."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
+    with RankPool(2, env=env) as pool:
+        out = pool.run(FR.proc_refused_setup, str(tmp_path), timeout_s=60)
+    assert out == [("ok", 1, 1), ("ok", 1, 1)], out      # (result; maps by descriptor, then by name)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("by_name", [False, True])
+def test_setup_failure_unlinks_own_segment_before_raising(tmp_path, monkeypatch, by_name):
+    monkeypatch.setenv("UBEP_SHM_BY_NAME", "1" if by_name else "0")
     o = FR.run_scenario(2, FR.Scenario("normal", "tff", "setup_kill", "setup", timeout_s=TIMEOUT_S), str(tmp_path))
     assert o.reports[0].get("own_segments_after_error") == [], o.reports[0]
 
@@ -463,11 +526,13 @@ def test_timeout_must_be_a_finite_positive_number(monkeypatch, value):
 
 
 def test_rank_killed_before_unlinking_its_segment_leaves_nothing(tmp_path):
-    """Every rank has mapped every segment, then rank 0 dies right before unlinking its own file: rank 1
-    unlinks every announced name too, so nothing is left while one rank of the group lives. (Rank 1's set-up
-    then fails in its last step, which needs every rank: the pool may report that too.)"""
+    """Segments shared by name (``UBEP_SHM_BY_NAME``): every rank has mapped every segment, then rank 0 dies
+    right before unlinking its own file: rank 1 unlinks every announced name too, so nothing is left while
+    one rank of the group lives. (Rank 1's set-up then fails in its last step, which needs every rank: the
+    pool may report that too.)"""
     from ubep_torch.testing import RankFailure
-    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": str(tmp_path)}
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": str(tmp_path),
+           "UBEP_SHM_BY_NAME": "1"}
     with RankPool(2, env=env) as pool:
         with pytest.raises(RankFailure) as info:
             pool.run(FR.die_before_own_unlink, timeout_s=8)

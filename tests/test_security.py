@@ -87,6 +87,40 @@ def test_map_peer_accepts_a_genuine_segment(tmp_path):
     h.close()
 
 
+def test_map_peer_by_descriptor_opens_only_the_announced_file(tmp_path):
+    """Segments shared through /proc/<pid>/fd: a genuine one maps (its name already gone); a descriptor that
+    names another file than the announced ``(st_dev, st_ino)`` (closed and reused by its process) is never
+    opened, and a malformed announcement is refused."""
+    token = os.urandom(16)
+    path = _make_peer(tmp_path, token)
+    fd, other = os.open(path, os.O_RDWR), os.open(os.devnull, os.O_RDWR)
+    os.unlink(path)
+    st = os.fstat(fd)
+    h = _bare_heap(tmp_path)
+    h.peer_pids = [os.getpid(), os.getpid()]
+    try:
+        h._map_peer(1, None, 8192, token, {"fd": fd, "file": [st.st_dev, st.st_ino]})
+        assert h.peer(1).numel() == 8192 - ugas.HEADER_BYTES
+        h.close()
+        real_open = ugas.os.open
+        opened = []
+        ugas.os.open = lambda p, *a: opened.append(p) or real_open(p, *a)
+        try:
+            with pytest.raises(FileNotFoundError, match="another file"):
+                h._map_peer(1, None, 8192, token, {"fd": other, "file": [st.st_dev, st.st_ino]})
+        finally:
+            ugas.os.open = real_open
+        assert opened == [] and 1 not in h._views
+        for bad in (None, {"fd": -1, "file": [1, 2]}, {"fd": fd}, {"fd": "3", "file": [1, 2]},
+                    {"fd": fd, "file": [st.st_dev]}, {"fd": fd, "file": ["a", "b"]}):
+            with pytest.raises(RuntimeError, match="invalid segment descriptor"):
+                ugas._open_by_descriptor(os.getpid(), bad, 1)
+    finally:
+        h.close()
+        os.close(fd)
+        os.close(other)
+
+
 @pytest.mark.parametrize("forgery", ["token", "rank", "world", "header size", "file size", "mode", "mode 0640",
                                      "symlink", "outside dir", "bad name", "owner", "directory", "magic"])
 def test_map_peer_refuses_forged_segments(tmp_path, forgery):

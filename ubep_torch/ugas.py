@@ -19,14 +19,20 @@ Life cycle and hygiene
   checking that it is a regular file owned by this user with mode 0600, of the announced size, and that
   the header carries this group's token and the expected rank. Nothing read from shared memory is ever
   unpickled; sizes come from the bootstrap exchange and are checked against the file.
-* Set-up runs in three exchanges: (1) host, pid, sizes, tokens, the arguments that must agree across
-  ranks and the segment name each rank will create; (2) every rank has created its segment; (3) every
-  rank has mapped every segment. Then every rank unlinks every segment name (its own and its peers'):
-  the mappings live on, the names are gone, so a process killed later leaves nothing behind, and a rank
-  killed right before its own unlink has its file removed by the others. A set-up that fails on a rank
-  unlinks every peer's announced segment name too (the set-up cannot complete any more: a peer that died
-  or stalled in it would leave its file); a group that dies entirely inside set-up is covered by a sweep
-  at the next start (segments whose creator pid is dead) and by an ``atexit`` hook.
+* Set-up runs in three exchanges: (1) host, pid, sizes, tokens, the arguments that must agree across ranks and
+  the segment name each rank will create; (2) every rank has created its segment; (3) every rank has mapped
+  every segment. Where every rank runs in one PID namespace (the usual case: one job on one host), each rank
+  unlinks its segment's name the moment the file exists, before anything waits, and step 2's message carries
+  the file's descriptor: the peers open it through ``/proc/<pid>/fd/<fd>`` (after checking that the descriptor
+  still names that file), so the names exist for microseconds and a group killed whole inside its set-up
+  (SIGKILL, or a launcher's SIGTERM: neither runs ``atexit``) leaves nothing. Elsewhere (ranks in several PID
+  namespaces: containers sharing ``/dev/shm``), or where /proc refuses some rank that access (or
+  ``UBEP_SHM_BY_NAME=1`` on any rank), the segments are shared by name: after step 3 every rank unlinks every
+  segment name (its own and its peers'): the mappings live on, the names are gone, so a process killed later
+  leaves nothing behind, and a rank killed right before its own unlink has its file removed by the others. A
+  set-up that fails on a rank unlinks every peer's announced segment name too (the set-up cannot complete any
+  more: a peer that died or stalled in it would leave its file); a group that dies entirely inside a set-up by
+  name is covered by a sweep at the next start (segments whose creator pid is dead) and by an ``atexit`` hook.
 * torch.distributed (gloo) is used for this bootstrap only, never on the data path. Each bootstrap step
   is a point-to-point exchange with every peer under the Buffer's deadline, so a rank that never builds
   its Buffer makes the others raise ``UBEPTimeoutError`` naming the step and that rank (gloo's own
@@ -221,7 +227,8 @@ class SymmetricHeap:
         own_path = _segment_path(self.directory)
         info = {"host": socket.gethostname(), "pid": os.getpid(), "pidns": _pid_namespace(),
                 "bytes": self.segment_bytes, "token": token, "free": _free_bytes(self.directory),
-                "dir": self.directory, "path": own_path, "agree": agree or {}}
+                "dir": self.directory, "path": own_path, "agree": agree or {},
+                "by_name": os.environ.get("UBEP_SHM_BY_NAME", "") not in ("", "0")}
         infos = _all_gather(info, group, self.world_size, self.timeout_s, _FIRST_STEP)
         refused = {r: i["refused"] for r, i in enumerate(infos) if "refused" in i}
         if refused:
@@ -251,50 +258,18 @@ class SymmetricHeap:
         if total > int(infos[0]["free"]):
             raise self._too_little(total, int(infos[0]["free"]))
 
-        # 2. create and map our own segment (under the name announced in step 1), write the header; its
-        # memory is reserved in step 5, once no name is left (the descriptor stays open until then).
+        # 2-4. share the segments. Where every rank runs in this PID namespace, each rank unlinks its segment's
+        # name as soon as the file exists and the peers open it through /proc/<pid>/fd/<descriptor>: no name
+        # outlives its creation by more than microseconds, so a group killed whole in set-up (SIGKILL, or the
+        # SIGTERM a launcher sends, neither of which runs atexit) leaves nothing. Elsewhere, or where /proc
+        # refuses a rank that access (a hardened kernel, a non-dumpable peer), the names stay until every
+        # rank has mapped every segment.
         paths = [i["path"] for i in infos]
-        created_step = "Buffer set-up: waiting for every rank to create its segment"
-        try:
-            path, fd = self._create_segment(group_token, paths[self.rank])
-        except Exception as e:
-            self._settle_step(group, created_step, e, "create their segment")
-        try:
-            self._settle_step(group, created_step, None, "create their segment")
-            # 3. map every peer's segment after checking it is what the group announced; how it went is
-            # settled with the peers (a rank that fails here tells them, instead of leaving them to their
-            # deadline).
-            map_error: Optional[Exception] = None
-            try:
-                for r in range(self.world_size):
-                    if r == self.rank:
-                        continue
-                    try:
-                        self._map_peer(r, paths[r], int(infos[r]["bytes"]), group_token)
-                    except FileNotFoundError:     # its name is gone: it left the set-up after creating it
-                        raise UBEPPeerLostError(
-                            "Buffer set-up: mapping every rank's segment", self.rank, [r], [r],
-                            "No Buffer was created.", cause="exited" if not self.peer_alive(r) else
-                            "left the set-up (its segment is gone: its own set-up failed, see its error)") from None
-            except UBEPPeerLostError:   # (the set-up cannot complete: that peer sends nothing more)
-                raise
-            except Exception as e:  # noqa: BLE001  (settled below: raised here, told to the peers)
-                map_error = e
-            self._settle_step(group, "Buffer set-up: waiting for every rank to map every segment", map_error,
-                              "map every segment")
-            # every rank has mapped every segment: each rank removes every name (its own in `finally`), so
-            # a rank killed before its own unlink leaves nothing behind while one rank of the group lives
-            for r, p in enumerate(paths):
-                if r != self.rank:
-                    _unlink_quietly(p)
-        except BaseException:
-            self._unlink_peer_names(paths)
-            os.close(fd)
-            raise
-        finally:
-            # 4. everyone has mapped everything (or failed): the name is no longer needed.
-            _unlink_quietly(path)
-            _PENDING.pop(path, None)
+        by_fd = len({int(i["pidns"]) for i in infos}) == 1 and int(infos[0]["pidns"]) != 0 and \
+            not any(i.get("by_name") for i in infos)       # (UBEP_SHM_BY_NAME=1 on any rank: by name)
+        fd = self._share(group, infos, paths, by_fd) if by_fd else None
+        if fd is None:
+            fd = self._share(group, infos, paths, False)
         # 5. reserve the segment's memory (nothing can be left behind any more), and learn that every peer
         # reserved its own: too little shared memory fails on every rank, before any page is touched.
         error: Optional[BaseException] = None
@@ -342,23 +317,90 @@ class SymmetricHeap:
                 _detach(m, file)
         self._maps = []
 
-    def _settle_step(self, group, phase: str, error: Optional[BaseException], what: str) -> None:
+    def _share(self, group, infos: list, paths: List[str], by_fd: bool) -> Optional[int]:
+        """Set-up steps 2 to 4: create this rank's segment under the name announced in step 1 and write its
+        header, map every peer's segment, and remove every name. ``by_fd``: this rank unlinks its name at
+        once and its peers open the file through ``/proc/<pid>/fd/<descriptor>`` (step 2's message carries
+        the descriptor and the file's ``(st_dev, st_ino)``). Returns the segment's descriptor, kept open until
+        its memory is reserved (step 5); None where /proc refused that access to some rank (``by_fd`` only):
+        every rank has then closed what it mapped, and the caller shares the segments by name."""
+        created_step = "Buffer set-up: waiting for every rank to create its segment"
+        try:
+            path, fd = self._create_segment(self.group_token, paths[self.rank])
+        except Exception as e:
+            self._settle_step(group, created_step, e, "create their segment")
+        try:
+            mine: object = True
+            if by_fd:
+                _unlink_quietly(path)
+                _PENDING.pop(path, None)
+                st = os.fstat(fd)
+                mine = {"fd": fd, "file": [st.st_dev, st.st_ino]}
+            where = self._settle_step(group, created_step, None, "create their segment", ok=mine)
+            # 3. map every peer's segment after checking it is what the group announced; how it went is
+            # settled with the peers (a rank that fails here tells them, instead of leaving them to their
+            # deadline).
+            map_error: Optional[Exception] = None
+            try:
+                for r in range(self.world_size):
+                    if r == self.rank:
+                        continue
+                    try:
+                        self._map_peer(r, paths[r], int(infos[r]["bytes"]), self.group_token,
+                                       where[r] if by_fd else None)
+                    except FileNotFoundError:     # its file is gone: it left the set-up after creating it
+                        raise UBEPPeerLostError(
+                            "Buffer set-up: mapping every rank's segment", self.rank, [r], [r],
+                            "No Buffer was created.", cause="exited" if not self.peer_alive(r) else
+                            "left the set-up (its segment is gone: its own set-up failed, see its error)") from None
+            except UBEPPeerLostError:   # (the set-up cannot complete: that peer sends nothing more)
+                raise
+            except Exception as e:  # noqa: BLE001  (settled below: raised here, told to the peers)
+                map_error = e
+            if self._settle_step(group, "Buffer set-up: waiting for every rank to map every segment", map_error,
+                                 "map every segment", fallback=_ProcRefused if by_fd else None) is None:
+                self.close()
+                os.close(fd)
+                return None
+            # every rank has mapped every segment: each rank removes every name (its own in `finally`), so
+            # a rank killed before its own unlink leaves nothing behind while one rank of the group lives
+            for r, p in enumerate(paths):
+                if r != self.rank:
+                    _unlink_quietly(p)
+        except BaseException:
+            self._unlink_peer_names(paths)
+            os.close(fd)
+            raise
+        finally:
+            # 4. everyone has mapped everything (or failed): the name is no longer needed.
+            _unlink_quietly(path)
+            _PENDING.pop(path, None)
+        return fd
+
+    def _settle_step(self, group, phase: str, error: Optional[BaseException], what: str, ok: object = True,
+                     fallback: Optional[type] = None) -> Optional[list]:
         """End a set-up step that can fail on any rank: tell every peer how it went here (``error``, None when
         it succeeded; a bare error of this rank's own would leave the peers waiting for their deadline), then
-        raise this rank's own error, or a RuntimeError naming the peers that could not ``what``."""
+        raise this rank's own error, or a RuntimeError naming the peers that could not ``what``. Returns what
+        every rank sent where the step succeeded everywhere: ``ok`` (JSON data, not a string) from each.
+        ``fallback``: an error class; where every failure of the step, on any rank, is of that class, every
+        rank returns None instead of raising."""
         try:
-            outcome = _all_gather(True if error is None else f"{type(error).__name__}: {error}"[:1000], group,
+            outcome = _all_gather(ok if error is None else f"{type(error).__name__}: {error}"[:1000], group,
                                   self.world_size, self.timeout_s, phase)
         except Exception:  # noqa: BLE001  (this rank's own error is the one to raise)
             if error is None:
                 raise
             outcome = None
+        failed = [r for r, c in enumerate(outcome or ()) if isinstance(c, str)]
+        if fallback is not None and failed and all(outcome[r].startswith(f"{fallback.__name__}: ") for r in failed):
+            return None
         if error is not None:
             raise error
-        failed = [r for r, c in enumerate(outcome) if c is not True]
         if failed:
             raise RuntimeError(f"ubep_torch: rank {self.rank} in phase '{phase}': rank(s) {failed} could not "
                                f"{what}: " + "; ".join(str(outcome[r]) for r in failed))
+        return outcome
 
     def _unlink_peer_names(self, paths: List[str]) -> None:
         """After a failed set-up: unlink every peer's announced segment name. Once one rank leaves the
@@ -421,13 +463,23 @@ class SymmetricHeap:
                 raise
             raise self._too_little(self.world_size * self.segment_bytes, _free_bytes(self.directory)) from e
 
-    def _map_peer(self, r: int, path: str, nbytes: int, group_token: bytes) -> None:
-        if not isinstance(path, str) or os.path.dirname(path) != self.directory or \
-                not _NAME_RE.match(os.path.basename(path)):
-            raise RuntimeError(f"ubep_torch: rank {r} announced an invalid segment path {path!r}")
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+    def _map_peer(self, r: int, path: str, nbytes: int, group_token: bytes, where: Optional[dict] = None) -> None:
+        """Map rank ``r``'s segment, announced at ``path``, or, with ``where`` (its step-2 message: ``fd`` and
+        the file's ``(st_dev, st_ino)``), through ``/proc/<its pid>/fd/<fd>``; refuses anything but a private
+        regular file of this user, of the announced size, whose header names rank ``r`` of this group.
+        FileNotFoundError: the file is gone (the peer left the set-up); ``_ProcRefused``: /proc refused this
+        process access to the peer's descriptors."""
+        if where is None:
+            if not isinstance(path, str) or os.path.dirname(path) != self.directory or \
+                    not _NAME_RE.match(os.path.basename(path)):
+                raise RuntimeError(f"ubep_torch: rank {r} announced an invalid segment path {path!r}")
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        else:
+            fd = _open_by_descriptor(self.peer_pids[r], where, r)
         try:
             st = os.fstat(fd)
+            if where is not None and [st.st_dev, st.st_ino] != where["file"]:
+                raise FileNotFoundError(errno.ENOENT, f"rank {r}'s segment descriptor now names another file")
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or (st.st_mode & 0o077):
                 raise RuntimeError(f"ubep_torch: refusing to map {path}: not a private regular file of this "
                                    f"user (mode {oct(st.st_mode)}, uid {st.st_uid})")
@@ -444,6 +496,28 @@ class SymmetricHeap:
                                f"of this group")
         self._maps.append((m, (st.st_dev, st.st_ino)))
         self._views[r] = _pinned_view(m)
+
+
+class _ProcRefused(OSError):
+    """/proc refused this process access to a peer's file descriptors (the set-up then shares by name)."""
+
+
+def _open_by_descriptor(pid: int, where: object, r: int) -> int:
+    """Open the file that process ``pid`` (rank ``r``) holds at descriptor ``where["fd"]``, through
+    ``/proc/<pid>/fd``, after checking that it is still the file ``where["file"]`` (``(st_dev, st_ino)``) names:
+    a descriptor its process closed and reused for another file is never opened."""
+    if not (isinstance(where, dict) and isinstance(where.get("fd"), int) and where["fd"] >= 0
+            and isinstance(where.get("file"), list) and len(where["file"]) == 2
+            and all(isinstance(v, int) for v in where["file"])):
+        raise RuntimeError(f"ubep_torch: rank {r} announced an invalid segment descriptor {where!r}")
+    link = f"/proc/{pid}/fd/{where['fd']}"
+    try:
+        st = os.stat(link)
+        if [st.st_dev, st.st_ino] != where["file"]:
+            raise FileNotFoundError(errno.ENOENT, f"rank {r}'s segment descriptor now names another file")
+        return os.open(link, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)
+    except PermissionError as e:
+        raise _ProcRefused(e.errno, f"cannot open rank {r}'s segment through {link}: {e.strerror}") from None
 
 
 def _detach(m: mmap.mmap, file: tuple) -> bool:
