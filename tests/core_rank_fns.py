@@ -523,6 +523,8 @@ def bad_inputs(ctx, sync):
         "ll duplicate expert": (ValueError, lambda: buf.low_latency_dispatch(
             x, torch.zeros(T, K, dtype=torch.int64), 16, E)),
         "bad handle": (TypeError, lambda: buf.combine(x, ("not", "a", "handle"))),
+        "combine fp8 pair": (TypeError, lambda: nbuf.combine((rx.float().to(torch.float8_e4m3fn),
+                                                             torch.ones(rx.shape[0], H // 128)), nh)),
         "bias dtype": (TypeError, lambda: nbuf.combine(rx, nh, bias=torch.ones(T, H, dtype=torch.int64))),
         "bias shape": (ValueError, lambda: nbuf.combine(rx, nh, bias=(None, torch.ones(T, H + 1)))),
         "foreign ll handle": (TypeError, lambda: buf.low_latency_combine(
@@ -547,7 +549,8 @@ def bad_inputs(ctx, sync):
         else:
             raise AssertionError(f"{name}: no {exc.__name__}")
     assert "no normal-mode region" in seen["no normal region"], seen["no normal region"]
-    assert all("per_token_cast_back" in seen[k] for k in ("ll fp8 rows", "ll fp8 pair", "ll combine fp8 rows")), seen
+    assert all("per_token_cast_back" in seen[k] for k in ("ll fp8 rows", "ll fp8 pair", "ll combine fp8 rows",
+                                                          "combine fp8 pair")), seen
     assert "round_scale must be True or False" in seen["ll flag"], seen["ll flag"]
     ll_only.destroy()
     # still usable: the pending low-latency call completes, then a fresh round trip (and a combine of rows

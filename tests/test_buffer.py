@@ -108,7 +108,7 @@ def test_too_small_for_its_receive_buffers_names_their_size(pool2):
 @pytest.mark.parametrize("sync", SYNCS)
 def test_bad_inputs_raise_before_sending_and_buffer_stays_usable(pool2, sync):
     names = pool2.run(F.bad_inputs, sync)
-    assert names[0] == names[1] and len(names[0]) == 32
+    assert names[0] == names[1] and len(names[0]) == 33
 
 
 @pytest.mark.parametrize("sync", ["tff", "sp"])

@@ -2859,7 +2859,9 @@ class Buffer:
         paired = handle.pair if handle.__class__ is DispatchHandle else self._dispatch_pair(handle)
         handle = self._as_dispatch_handle(handle)
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+            hint = " (combine takes the expert outputs in bfloat16 or another float type, never an (fp8, scales) " \
+                "pair: ubep_torch.per_token_cast_back turns one back into bf16)" if isinstance(x, tuple) else ""
+            raise TypeError(f"combine x must be a tensor, got {type(x).__name__}{hint}")
         if x.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"combine x must be bfloat16, float32, float16 or float64, got {x.dtype}")
         if x.dim() != 2:
