@@ -950,18 +950,21 @@ def mismatched_call_args(ctx, low_latency: bool):
     return None, ""
 
 
-def mismatched_operations(ctx, sync, case="skipped combine"):
+def mismatched_operations(ctx, sync, case="skipped combine", late=None):
     """After a dispatch on every rank, rank 0 makes one call while the others make another: a combine
     against a dispatch (a rank that skipped its combine), or a normal dispatch against a low-latency one
     (with or without a recv hook), or ``clean_low_latency_buffer`` (which sends no control message) against
     a low-latency or a normal dispatch. Every rank raises at once, naming the other side's operation,
-    instead of waiting for the deadline."""
+    instead of waiting for the deadline; rank ``late`` makes its call 0.5 s after the others. Returns (the
+    error's type, its message, seconds, its ``mismatch`` attribute)."""
     import time
     R, r = ctx.world_size, ctx.rank
     buf = Buffer(ctx.group, 8 << 20, Buffer.get_low_latency_rdma_size_hint(8, 128, R, 2 * R), sync=sync,
                  low_latency_mode=True, timeout_s=60.0)
     x, topk = torch.randn(5, 128), torch.rand(5, 2 * R).topk(2, dim=1).indices
     d = buf.dispatch(x, topk_idx=topk, num_experts=2 * R)
+    if r == late:
+        time.sleep(0.5)
     start = time.monotonic()
     try:
         if r == 0:
@@ -979,10 +982,10 @@ def mismatched_operations(ctx, sync, case="skipped combine"):
             if hook:
                 out[-1]()
     except ubep_torch.UBEPError as e:
-        return type(e).__name__, str(e), time.monotonic() - start
+        return type(e).__name__, str(e), time.monotonic() - start, getattr(e, "mismatch", None)
     finally:
         buf.destroy()
-    return None, "", time.monotonic() - start
+    return None, "", time.monotonic() - start, None
 
 
 def mismatch_check_rereads(ctx):

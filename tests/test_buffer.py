@@ -312,7 +312,7 @@ def test_a_mismatch_after_calls_that_agreed_is_reported(pool2, case):
     rank after such calls is still checked (the layout, or num_experts, which no rank sees alone)."""
     out = pool2.run(F.mismatch_after_agreeing_calls, case)
     expect = "different layout" if case == "hidden" else "num_experts"
-    assert all(name == "UBEPError" and expect in msg for name, msg in out), out
+    assert all(name == "UBEPMismatchError" and expect in msg for name, msg in out), out
 
 
 def test_mismatched_hidden_sizes_are_reported(pool2):
@@ -324,7 +324,7 @@ def test_mismatched_hidden_sizes_are_reported(pool2):
 @pytest.mark.parametrize("case", ["dtype", "hidden", "topk", "combine", "cached", "scales"])
 def test_rows_of_the_same_bytes_but_other_dtypes_or_top_k_are_reported(pool2, case):
     out = pool2.run(F.same_bytes_other_rows, case)
-    assert all(name == "UBEPError" and "different layout" in msg for name, msg in out), out
+    assert all(name == "UBEPMismatchError" and "different layout" in msg for name, msg in out), out
     assert case != "scales" or all("scales' dtype and width" in msg for _, msg in out), out
 
 
@@ -334,15 +334,16 @@ def test_low_latency_rows_of_another_layout_are_reported_with_the_causes(pool2, 
     cause)"""
     out = pool2.run(F.ll_layout_mismatch, case)
     for r, (name, msg) in enumerate(out):
-        assert name == "UBEPError" and f"rank(s) [{1 - r}] sent low_latency_dispatch rows of a different layout" \
-            in msg and "hidden size, dtype, top-k" in msg, out
+        assert name == "UBEPMismatchError" and \
+            f"rank(s) [{1 - r}] sent low_latency_dispatch rows of a different layout" in msg and \
+            "hidden size, dtype, top-k" in msg, out
 
 
 @pytest.mark.parametrize("low_latency", [False, True])
 def test_mismatched_call_arguments_are_reported(pool2, low_latency):
     out = pool2.run(F.mismatched_call_args, low_latency)
     name = "num_max_dispatch_tokens_per_rank" if low_latency else "num_experts"
-    assert all(kind == "UBEPError" and name in msg for kind, msg in out), out
+    assert all(kind == "UBEPMismatchError" and name in msg for kind, msg in out), out
 
 
 @pytest.mark.parametrize("nvl", [0, 4096])
@@ -364,15 +365,29 @@ def test_mismatch_check_rereads_the_awaited_message(pool2):
 def test_ranks_in_different_operations_fail_at_once(pool2, sync, case):
     """(They used to wait for the 60 s deadline; a clean_low_latency_buffer against another call too, and in
     sync="sw" its barrier paired with the other call's first one: it returned, as if both ranks had cleaned.)"""
-    (kind0, msg0, t0), (kind1, msg1, t1) = pool2.run(F.mismatched_operations, sync, case)
+    (kind0, msg0, t0, _), (kind1, msg1, t1, _) = pool2.run(F.mismatched_operations, sync, case)
     ops = {"skipped combine": ("combine", "dispatch"),
            "clean against dispatch": ("clean_low_latency_buffer", "dispatch"),
            "clean against low-latency": ("clean_low_latency_buffer", "low_latency_dispatch")}.get(
                case, ("dispatch", "low_latency_dispatch"))
-    assert kind0 == kind1 == "UBEPError", (msg0, msg1)
+    assert kind0 == kind1 == "UBEPMismatchError", (msg0, msg1)
     assert f"rank 0 called {ops[0]} " in msg0 and f"rank 1 called {ops[1]}:" in msg0, msg0
     assert f"rank 1 called {ops[1]} " in msg1 and f"rank 0 called {ops[0]}:" in msg1, msg1
     assert max(t0, t1) < 20, (t0, t1, msg0, msg1)
+
+
+@pytest.mark.parametrize("sync", ["tff", "sw"])
+def test_a_rank_late_to_mismatched_calls_learns_that_the_calls_differ(pool4, sync):
+    """Rank 0 makes a normal dispatch, the others a low-latency one, rank 3 half a second after the rest: the
+    first three find the mismatch (UBEPMismatchError naming both operations) and abort, and rank 3, which
+    finds their aborts, says that they found the ranks' calls to differ (it said only that they "failed or
+    gave up")."""
+    out = pool4.run(F.mismatched_operations, sync, "low-latency", 3)
+    assert [o[0] for o in out[:3]] == ["UBEPMismatchError"] * 3, out
+    assert all("called dispatch" in o[1] and "called low_latency_dispatch" in o[1] for o in out[:3]), out
+    kind, msg, took, mismatch = out[3]
+    assert kind == "UBEPPeerAbortedError" and mismatch is True and "peer rank(s) [0, 1, 2] found that the ranks' " \
+        "calls differ" in msg and took < 5, out[3]
 
 
 @pytest.mark.parametrize("sync", SYNCS)

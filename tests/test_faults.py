@@ -826,7 +826,7 @@ def test_combines_of_different_dispatches_fail_instead_of_mixing_rows(mode, how)
     env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     with RankPool(2, env=env) as pool:
         out = pool.run(FR.swapped_combines, mode, how, timeout_s=60)
-    assert all(name == "UBEPError" and "same dispatch" in msg for name, msg in out), out
+    assert all(name == "UBEPMismatchError" and "same dispatch" in msg for name, msg in out), out
 
 
 def test_handles_changed_after_their_call():
@@ -852,7 +852,7 @@ def test_handles_of_another_buffer_pair_only_when_every_rank_passes_them(mode):
     with RankPool(2, env=env) as pool:
         mixed = pool.run(FR.handles_of_another_buffer, mode, "mixed", timeout_s=60)
         same = pool.run(FR.handles_of_another_buffer, mode, "same", timeout_s=60)
-    assert all(name == "UBEPError" and "another Buffer" in msg for name, msg in mixed), mixed
+    assert all(name == "UBEPMismatchError" and "another Buffer" in msg for name, msg in mixed), mixed
     assert all(name == "ok" and err < 0.05 for name, err in same), same
 
 
@@ -1143,11 +1143,11 @@ def test_a_refusing_rank_whose_next_call_is_of_another_kind_is_a_mismatch():
         waiting, refusing = pool.run(FR.refused_then_another_kind, timeout_s=60)
     # (the second refusal's call is a mismatch on rank 0 too: it was told "cancelled" and found its Buffer
     # broken at the next call)
-    assert [w[0] for w in waiting] == ["UBEPPeerAbortedError", "UBEPError", "UBEPBrokenError"], waiting
+    assert [w[0] for w in waiting] == ["UBEPPeerAbortedError", "UBEPMismatchError", "UBEPBrokenError"], waiting
     assert "cancelled on every rank" in waiting[0][2], waiting
     assert "rank 1 refused that call as dispatch or combine" in waiting[1][2], waiting
     assert waiting[2][1] < 5.0 and "unusable" in waiting[2][2], waiting
-    assert [r[0] for r in refusing] == ["ValueError", "ok", "ValueError", "ok", "UBEPError"], refusing
+    assert [r[0] for r in refusing] == ["ValueError", "ok", "ValueError", "ok", "UBEPMismatchError"], refusing
     assert "refused call 2" in refusing[4][2] and "same calls in the same order" in refusing[4][2], refusing
 
 
@@ -1158,16 +1158,16 @@ def test_a_rank_late_to_a_refused_call_and_the_refusing_rank_name_the_mismatch(s
         r0, r1, r2 = pool.run(FR.late_rank_after_a_refusal, "late_combine", sync, timeout_s=60)
         assert r0[0][0] == "UBEPPeerAbortedError" and "cancelled" in r0[0][1], r0   # (the same call: cancelled)
         # (then the others' aborts come from the mismatch, which it names: former bug, a peer abort)
-        assert r0[1][0] == "UBEPError" and "rank 2 was in low_latency_combine in that call" in r0[1][1], r0
-        assert [s[0] for s in r1] == ["ValueError", "UBEPError"], r1
+        assert r0[1][0] == "UBEPMismatchError" and "rank 2 was in low_latency_combine in that call" in r0[1][1], r0
+        assert [s[0] for s in r1] == ["ValueError", "UBEPMismatchError"], r1
         assert "rank 1 refused call 2 of this Buffer as low_latency_dispatch, but rank 2 was in " \
             "low_latency_combine" in r1[1][1], r1
-        assert r2[0][0] == "UBEPError" and "rank 1 refused that call as low_latency_dispatch" in r2[0][1], r2
+        assert r2[0][0] == "UBEPMismatchError" and "rank 1 refused that call as low_latency_dispatch" in r2[0][1], r2
         r0, r1, r2 = pool.run(FR.late_rank_after_a_refusal, "late_dispatch", sync, timeout_s=60)
-        assert r0[0][0] == "UBEPError" and "rank 1 refused that call" in r0[0][1], r0
-        assert [s[0] for s in r1] == ["ValueError", "UBEPError"], r1
-        assert r2[0][0] == "UBEPError" and "rank 0 was in low_latency_combine in that call, which a peer refused" \
-            in r2[0][1], r2
+        assert r0[0][0] == "UBEPMismatchError" and "rank 1 refused that call" in r0[0][1], r0
+        assert [s[0] for s in r1] == ["ValueError", "UBEPMismatchError"], r1
+        assert r2[0][0] == "UBEPMismatchError" and \
+            "rank 0 was in low_latency_combine in that call, which a peer refused" in r2[0][1], r2
 
 
 @pytest.mark.parametrize("mode,ranks", [("in_call", 2), ("hook", 2), ("in_call", 4)])
@@ -1176,14 +1176,14 @@ def test_a_call_refused_as_a_dispatch_where_peers_combine_is_a_mismatch_on_every
     with RankPool(ranks, env=env) as pool:
         out = pool.run(FR.refused_while_peers_combine, mode, timeout_s=60)
     refusing = out[1]
-    assert [r[0] for r in refusing] == ["ValueError", "UBEPError"], refusing
+    assert [r[0] for r in refusing] == ["ValueError", "UBEPMismatchError"], refusing
     assert "refused call 3 of this Buffer as low_latency_dispatch, but rank 0 was in low_latency_combine" \
         in refusing[1][1], refusing
     for waiting in out[:1] + out[2:]:      # (on four ranks, rank 3 came late)
         # (with a deferred hook the mismatch is found by the combine itself where rank 1's refusal is there when
         # it starts, else by the next call)
         first = next(s for s in waiting if s[0] != "ok")
-        assert first[0] == "UBEPError" and "rank 1 refused that call as low_latency_dispatch" in first[1], out
+        assert first[0] == "UBEPMismatchError" and "rank 1 refused that call as low_latency_dispatch" in first[1], out
         assert mode == "hook" or waiting[0] == first, out
 
 

@@ -14,6 +14,7 @@ from .errors import (
                      UBEPBrokenError,
                      UBEPError,
                      UBEPKernelWaitError,
+                     UBEPMismatchError,
                      UBEPPeerAbortedError,
                      UBEPPeerLostError,
                      UBEPTimeoutError,
@@ -30,6 +31,6 @@ topk_idx_t = torch.int64
 __all__ = [
     "Buffer", "Config", "EventHandle", "EventOverlap", "DispatchHandle", "LowLatencyHandle",
     "UBEPError", "UBEPTimeoutError", "UBEPPeerLostError", "UBEPPeerAbortedError", "UBEPBrokenError", "UBEPUsageError",
-    "UBEPKernelWaitError", "CancelledCallError",
+    "UBEPKernelWaitError", "UBEPMismatchError", "CancelledCallError",
     "functional", "nn", "per_token_cast_to_fp8", "per_token_cast_back", "calc_diff", "topk_idx_t",
 ]

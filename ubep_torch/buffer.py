@@ -38,6 +38,7 @@ from .errors import (
     CancelledCallError,
     UBEPBrokenError,
     UBEPError,
+    UBEPMismatchError,
     UBEPPeerAbortedError,
     UBEPPeerLostError,
     UBEPTimeoutError,
@@ -1209,8 +1210,8 @@ class Buffer:
         theirs = ", ".join(f"rank {s} called {P.REGION_NAMES.get(k, 'another operation')}"
                            for s, k in sorted(other.items()))
         self._broken = f"operation mismatch with rank(s) {sorted(other)}"
-        raise UBEPError(f"ubep_torch: rank {self.rank} called {op} as call {self._active_call} of this Buffer, but "
-                        f"{theirs}: every rank must make the same calls in the same order")
+        raise UBEPMismatchError(f"ubep_torch: rank {self.rank} called {op} as call {self._active_call} of this "
+                                f"Buffer, but {theirs}: every rank must make the same calls in the same order")
 
     def _sync_all(self, phase: str, kind: int) -> None:
         """SyncAll emulation for the "sw" baseline (and ``clean_low_latency_buffer``): a barrier through shared
@@ -1268,11 +1269,11 @@ class Buffer:
         other = [s for s in range(self.group_size) if ctrl_words[s][P.CTRL_SIGNATURE] != sig]
         if other:
             self._broken = f"layout mismatch with rank(s) {other}"
-            raise UBEPError(f"rank(s) {other} sent {op} rows of a different layout than rank {self.rank} expects "
-                            f"(hidden size, dtype, top-k, the weights' dtype, fp8 (or its scales' dtype and width) or "
-                            f"sync mode differ between ranks; "
-                            f"or the ranks are in different calls of the same operation, as in backward passes of "
-                            f"ubep_torch.functional where topk_weights require grad on some ranks only)")
+            raise UBEPMismatchError(
+                f"rank(s) {other} sent {op} rows of a different layout than rank {self.rank} expects (hidden size, "
+                f"dtype, top-k, the weights' dtype, fp8 (or its scales' dtype and width) or sync mode differ between "
+                f"ranks; or the ranks are in different calls of the same operation, as in backward passes of "
+                f"ubep_torch.functional where topk_weights require grad on some ranks only)")
 
     def _check_call_words(self, ctrl_words, op: str) -> None:
         """Every source's control message names the same num_experts and num_max_dispatch_tokens_per_rank as
@@ -1283,8 +1284,8 @@ class Buffer:
             for s in range(self.group_size):
                 if ctrl_words[s][word] != ctrl_words[me][word]:
                     self._broken = f"{name} mismatch with rank {s}"
-                    raise UBEPError(f"rank {s} called {op} with {name}={ctrl_words[s][word]}, rank {me} with "
-                                    f"{ctrl_words[me][word]}: every rank must pass the same")
+                    raise UBEPMismatchError(f"rank {s} called {op} with {name}={ctrl_words[s][word]}, rank {me} "
+                                            f"with {ctrl_words[me][word]}: every rank must pass the same")
 
     def _check_pairing(self, op: str, ctrl_words, pair: int) -> None:
         """Every source's combine returns the rows of the dispatch that this rank's does (``pair``: the
@@ -1299,9 +1300,9 @@ class Buffer:
                 def name(word: int) -> str:
                     return f"call {word & 0xFFFFFFFF}" + ("" if word >> 32 == self._pair_tag >> 32 else
                                                           " of another Buffer")
-                raise UBEPError(f"{op} on rank {self.rank}: rank {s} combines the rows of the dispatch of "
-                                f"{name(theirs)}, this rank those of {name(pair)}: every rank must pass the handle "
-                                f"of the same dispatch")
+                raise UBEPMismatchError(f"{op} on rank {self.rank}: rank {s} combines the rows of the dispatch of "
+                                        f"{name(theirs)}, this rank those of {name(pair)}: every rank must pass the "
+                                        f"handle of the same dispatch")
 
     def _call_complete(self, op: str) -> None:
         """This rank has sent and consumed everything of the current call: an error in the local work that
@@ -1323,13 +1324,14 @@ class Buffer:
             cause = P.GONE_CAUSES[P.ABORT_LEFT_SETUP]
             self._broken = f"peer rank(s) {left} {cause}"
             raise UBEPPeerLostError(f"{op}: {where}", self.rank, left, left, cause=cause)
-        aborted = P.blamed({r: P.abort_how(w) for r, w in enumerate(words)
-                            if r != self.rank and P.abort_call(w) <= call})
+        hows = {r: P.abort_how(w) for r, w in enumerate(words) if r != self.rank and P.abort_call(w) <= call}
+        aborted = P.blamed(hows)
         if aborted:
             self._mismatch_in_left_call()
             when = self._abort_when(aborted, call)
             self._broken = f"peer rank(s) {aborted} aborted {when}"
-            raise UBEPPeerAbortedError(f"{op}: {where}", self.rank, [], aborted, when=when)
+            raise UBEPPeerAbortedError(f"{op}: {where}", self.rank, [], aborted, when=when,
+                                       mismatch=P.mismatch_only(hows, aborted))
 
     def _nothing_to_settle(self) -> bool:
         """The usual start of a call: no refusal of this rank's to settle, no recv hook pending, no peer
@@ -1479,10 +1481,10 @@ class Buffer:
             self._broken = f"operation mismatch with rank(s) {sorted(other)}"
             # (the abort names the refused call: the earlier ones, whose recv hooks may be pending, stand)
             self._signal_abort(call=self._calls + 1)
-            raise UBEPError(f"ubep_torch: rank {me} refused call {self._calls + 1} of this Buffer as "
-                            f"{_operation(own)}, but " + ", ".join(
-                                f"rank {s} was in {_operation(k)}" for s, k in sorted(other.items()))
-                            + ": every rank must make the same calls in the same order")
+            raise UBEPMismatchError(f"ubep_torch: rank {me} refused call {self._calls + 1} of this Buffer as "
+                                    f"{_operation(own)}, but " + ", ".join(
+                                        f"rank {s} was in {_operation(k)}" for s, k in sorted(other.items()))
+                                    + ": every rank must make the same calls in the same order")
         self._calls += 1
         epoch = None
         if rid is not None and rid in self._regions:
@@ -1525,7 +1527,7 @@ class Buffer:
             self._refused_as_other_call(r, self._active_seq, self._leave_refused(), self._active_call)
             return P.ABORT_REFUSED
         how = P.abort_how(int(self._aux_words[_ABORT_ROW * self.group_size + r]))
-        if how in (P.ABORT_FAILED, P.ABORT_GAVE_UP):
+        if how in (P.ABORT_FAILED, P.ABORT_GAVE_UP, P.ABORT_MISMATCH):
             self._mismatch_in_left_call()
         return how
 
@@ -1598,8 +1600,8 @@ class Buffer:
         self._broken = f"operation mismatch with rank {r}"
         did = f"was in {_operation(theirs)} in that call, which a peer refused" if w & 1 else \
             f"refused that call as {_operation(theirs)}"
-        raise UBEPError(f"ubep_torch: rank {self.rank} was in {_operation(code)} (call {call} of this Buffer), but "
-                        f"rank {r} {did}: every rank must make the same calls in the same order")
+        raise UBEPMismatchError(f"ubep_torch: rank {self.rank} was in {_operation(code)} (call {call} of this "
+                                f"Buffer), but rank {r} {did}: every rank must make the same calls in the same order")
 
     def _raise_if_refused(self, phase: str, missing: Sequence[int], ranks) -> None:
         """The refused-call error (cancelling this call) if any of ``ranks`` refused the attempt this rank is
@@ -1695,7 +1697,8 @@ class Buffer:
             self._broken = f"{type(e).__name__}: {e}" if str(e) else \
                 f"{type(e).__name__} during call {self._active_call} of this Buffer"
         gave_up = isinstance(e, (UBEPTimeoutError, UBEPPeerLostError, UBEPPeerAbortedError))
-        self._signal_abort(P.ABORT_GAVE_UP if gave_up else P.ABORT_FAILED)
+        self._signal_abort(P.ABORT_GAVE_UP if gave_up else
+                           P.ABORT_MISMATCH if isinstance(e, UBEPMismatchError) else P.ABORT_FAILED)
 
     def _report(self, kind: str, topk_idx: Optional[torch.Tensor], num_experts: int, hidden: int,
                 bytes_per_token: int, token_in_rank: Optional[torch.Tensor] = None) -> None:
@@ -3824,7 +3827,7 @@ def _operation(region_code: int) -> str:
 
 def _raise_if_cancelled(pending: _Pending) -> None:
     if pending.extra.get("mismatch"):
-        raise UBEPError(pending.extra["mismatch"])
+        raise UBEPMismatchError(pending.extra["mismatch"])
     if pending.extra.get("cancelled"):
         raise CancelledCallError(f"this {pending.kind} was cancelled (a peer refused it; its recv hook raised so): "
                                  f"it received nothing")

@@ -9,6 +9,13 @@ class UBEPError(RuntimeError):
     """Base class of ubep_torch runtime errors (bad input raises ValueError/TypeError instead)."""
 
 
+class UBEPMismatchError(UBEPError):
+    """The ranks' calls differ: another operation, or the same one with arguments or rows of another layout
+    (``num_experts``, hidden size, dtypes, top-k, sync mode, the handle of another dispatch). Breaks the Buffer
+    on every rank; a peer that fails on it tells the others, whose ``UBEPPeerAbortedError`` says so
+    (``mismatch``)."""
+
+
 class UBEPTimeoutError(UBEPError, TimeoutError):
     """A poll passed its deadline. ``phase``, ``rank`` and ``missing_ranks`` say where and who."""
 
@@ -62,21 +69,25 @@ class UBEPPeerAbortedError(UBEPError):
     from a recv hook, a later one). A rank too slow for its peers' deadline may still find all its data there;
     it learns of the abort when its part is done, at its next call or in a wait of that call. ``refused``: the
     peers left this call with an error before reaching the others (bad input on those ranks only, above all:
-    they raised ValueError or TypeError). ``cancelled``: that call is cancelled on every rank and this Buffer
+    they raised ValueError or TypeError). ``mismatch``: the peers found that the ranks' calls differ
+    (``UBEPMismatchError`` on those ranks). ``cancelled``: that call is cancelled on every rank and this Buffer
     stays usable (every rank goes on with its next call)."""
 
     def __init__(self, phase: str, rank: int, missing_ranks: Sequence[int], aborted_ranks: Sequence[int],
-                 when: str = "this call", refused: bool = False):
+                 when: str = "this call", refused: bool = False, mismatch: bool = False):
         self.phase = phase
         self.rank = rank
         self.missing_ranks = list(missing_ranks)
         self.aborted_ranks = list(aborted_ranks)
         self.when = when
         self.refused = refused
+        self.mismatch = mismatch and not refused
+        self._failed = "found that the ranks' calls differ in" if self.mismatch else "failed or gave up in"
         missing = f"; rank(s) {self.missing_ranks} had not delivered" if self.missing_ranks else ""
         what = (f"refused {when} (an error before they reached the others, as for invalid input: see their "
                 f"error)" if refused else
-                f"failed or gave up in {when} and aborted it (see their error)")
+                f"{self._failed} {when} and aborted it (see their error" +
+                (": another operation, or other arguments, than this rank's)" if self.mismatch else ")"))
         self.cancelled = False
         super().__init__(
             f"ubep_torch: rank {rank} in phase '{phase}': peer rank(s) {self.aborted_ranks} {what}{missing}. "
@@ -86,8 +97,7 @@ class UBEPPeerAbortedError(UBEPError):
     def name_call(self, when: str) -> None:
         """Name the call the aborted ranks left (``when``, as in the constructor) in place of "this call"."""
         if when != self.when and not self.refused:
-            self.args = (self.args[0].replace(f"failed or gave up in {self.when} and", f"failed or gave up in {when} "
-                                              f"and", 1),)
+            self.args = (self.args[0].replace(f"{self._failed} {self.when} and", f"{self._failed} {when} and", 1),)
             self.when = when
 
     def cancel(self) -> None:

@@ -422,6 +422,7 @@ def spin_seconds() -> float:
 ABORT_FAILED, ABORT_GAVE_UP, ABORT_DESTROYED = 1, 2, 3
 ABORT_REFUSED = 4   # (not an abort word: a rank refused a call before reaching its peers; see Buffer._peer_aborted)
 ABORT_LEFT_SETUP = 5
+ABORT_MISMATCH = 6  # (it failed on finding that the ranks' calls differ: a UBEPMismatchError)
 #: how a wait names a rank whose abort word says it has no Buffer (in this order: one that never had one is
 #: the cause where another destroyed its own since)
 GONE_CAUSES = {ABORT_LEFT_SETUP: "left its Buffer set-up in the last step (interrupted or failed there: it has no "
@@ -445,8 +446,13 @@ def abort_call(word: int) -> int:
 def blamed(hows: dict) -> list:
     """Of ``{rank: how}``, the ranks an abort error names: those that failed themselves, else those that
     gave up waiting (on a rank that failed or stalled)."""
-    aborted = [r for r, h in hows.items() if h in (ABORT_FAILED, ABORT_GAVE_UP)]
-    return [r for r in aborted if hows[r] == ABORT_FAILED] or aborted
+    aborted = [r for r, h in hows.items() if h in (ABORT_FAILED, ABORT_GAVE_UP, ABORT_MISMATCH)]
+    return [r for r in aborted if hows[r] in (ABORT_FAILED, ABORT_MISMATCH)] or aborted
+
+
+def mismatch_only(hows: dict, ranks: list) -> bool:
+    """Every one of ``ranks`` (blamed ones) failed on finding that the ranks' calls differ."""
+    return bool(ranks) and all(hows.get(r) == ABORT_MISMATCH for r in ranks)
 
 
 class Waiter:
@@ -528,7 +534,8 @@ class Waiter:
                     if dead:
                         raise UBEPPeerLostError(phase, self.rank, list(missing), dead)
                 if aborted:
-                    raise UBEPPeerAbortedError(phase, self.rank, list(missing), aborted)
+                    raise UBEPPeerAbortedError(phase, self.rank, list(missing), aborted,
+                                               mismatch=mismatch_only(codes, aborted))
             if now >= deadline:
                 raise UBEPTimeoutError(phase, self.rank, list(missing), self.timeout_s)
 
