@@ -258,12 +258,8 @@ class SymmetricHeap:
         if total > int(infos[0]["free"]):
             raise self._too_little(total, int(infos[0]["free"]))
 
-        # 2-4. share the segments. Where every rank runs in this PID namespace, each rank unlinks its segment's
-        # name as soon as the file exists and the peers open it through /proc/<pid>/fd/<descriptor>: no name
-        # outlives its creation by more than microseconds, so a group killed whole in set-up (SIGKILL, or the
-        # SIGTERM a launcher sends, neither of which runs atexit) leaves nothing. Elsewhere, or where /proc
-        # refuses a rank that access (a hardened kernel, a non-dumpable peer), the names stay until every
-        # rank has mapped every segment.
+        # 2-4. share the segments: through /proc/<pid>/fd where every rank runs in this PID namespace (no name
+        # outlives its file's creation: see the module's docstring), else, or where /proc refuses, by name
         paths = [i["path"] for i in infos]
         by_fd = len({int(i["pidns"]) for i in infos}) == 1 and int(infos[0]["pidns"]) != 0 and \
             not any(i.get("by_name") for i in infos)       # (UBEP_SHM_BY_NAME=1 on any rank: by name)
