@@ -344,11 +344,15 @@ class SymmetricHeap:
                     try:
                         self._map_peer(r, paths[r], int(infos[r]["bytes"]), self.group_token,
                                        where[r] if by_fd else None)
-                    except FileNotFoundError:     # its file is gone: it left the set-up after creating it
+                    except FileNotFoundError:
+                        # its file is gone: it left the set-up after creating it (its descriptor is closed); by
+                        # name, any rank whose set-up failed may have removed the name (_unlink_peer_names)
                         raise UBEPPeerLostError(
                             "Buffer set-up: mapping every rank's segment", self.rank, [r], [r],
                             "No Buffer was created.", cause="exited" if not self.peer_alive(r) else
-                            "left the set-up (its segment is gone: its own set-up failed, see its error)") from None
+                            "left the set-up (its segment is gone: its own set-up failed, see its error)" if by_fd
+                            else "left the set-up, or another rank's failed set-up removed its segment's name "
+                                 "(see the other ranks' errors)") from None
             except UBEPPeerLostError:   # (the set-up cannot complete: that peer sends nothing more)
                 raise
             except Exception as e:  # noqa: BLE001  (settled below: raised here, told to the peers)
