@@ -1067,6 +1067,36 @@ def proc_refused_setup(ctx, directory):
         U._open_by_descriptor, U.SymmetricHeap._map_peer = real_open, real_map
 
 
+def proc_refused_while_a_peer_stalls(ctx):
+    """Rank 0 cannot open its peer's segment through /proc while the last rank stalls in the mapping step (3 s,
+    past the set-up's 1.5 s deadline). Returns what each rank's set-up raised (type, message)."""
+    import errno
+
+    import torch.distributed as dist
+
+    import ubep_torch.ugas as U
+    from ubep_torch import Buffer
+    real_open, real_map = U._open_by_descriptor, U.SymmetricHeap._map_peer
+
+    def refused(pid, where, r):
+        raise U._ProcRefused(errno.EACCES, "Permission denied (simulated)")
+
+    def stalled(self, *args):
+        time.sleep(3.0)
+        return real_map(self, *args)
+    if ctx.rank == 0:
+        U._open_by_descriptor = refused
+    elif ctx.rank == ctx.world_size - 1:
+        U.SymmetricHeap._map_peer = stalled
+    try:
+        Buffer(dist.group.WORLD, 1 << 20, timeout_s=1.5).destroy()
+        return "built", ""
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    finally:
+        U._open_by_descriptor, U.SymmetricHeap._map_peer = real_open, real_map
+
+
 def map_failure(ctx):
     """Rank 0 fails to map a peer's segment (an OSError, as an mmap failing with ENOMEM raises) in set-up step 3
     and stays alive: every rank must raise at once, the peers naming rank 0 and its error (former bug: they

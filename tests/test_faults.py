@@ -440,6 +440,17 @@ def test_setup_shares_segments_by_name_where_proc_refuses_their_descriptors(tmp_
     assert os.listdir(tmp_path) == []
 
 
+def test_a_rank_refused_by_proc_names_a_peer_that_stalls_in_the_setup(tmp_path):
+    """Rank 0 cannot open the segments through /proc while rank 1 stalls in the same step: rank 0 raises the
+    timeout naming the set-up step and rank 1, not the internal error that would have made the group share
+    by name (former bug: ``_ProcRefused``, "[Errno 13] ...")."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "UBEP_SHM_DIR": str(tmp_path)}
+    with RankPool(2, env=env) as pool:
+        (kind, msg), _ = pool.run(FR.proc_refused_while_a_peer_stalls, timeout_s=60)
+    assert kind == "UBEPTimeoutError" and "set-up" in msg and "rank(s) [1]" in msg, (kind, msg)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
+
+
 @pytest.mark.parametrize("by_name", [False, True])
 def test_setup_failure_unlinks_own_segment_before_raising(tmp_path, monkeypatch, by_name):
     monkeypatch.setenv("UBEP_SHM_BY_NAME", "1" if by_name else "0")

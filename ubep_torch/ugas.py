@@ -384,12 +384,13 @@ class SymmetricHeap:
         raise this rank's own error, or a RuntimeError naming the peers that could not ``what``. Returns what
         every rank sent where the step succeeded everywhere: ``ok`` (JSON data, not a string) from each.
         ``fallback``: an error class; where every failure of the step, on any rank, is of that class, every
-        rank returns None instead of raising."""
+        rank returns None instead of raising (and where the exchange itself fails, its error is raised in place
+        of this rank's own of that class)."""
         try:
             outcome = _all_gather(ok if error is None else f"{type(error).__name__}: {error}"[:1000], group,
                                   self.world_size, self.timeout_s, phase)
-        except Exception:  # noqa: BLE001  (this rank's own error is the one to raise)
-            if error is None:
+        except Exception:  # noqa: BLE001  (this rank's own error is the one to raise, but a fallback's)
+            if error is None or (fallback is not None and isinstance(error, fallback)):
                 raise
             outcome = None
         failed = [r for r, c in enumerate(outcome or ()) if isinstance(c, str)]
