@@ -379,15 +379,17 @@ def test_ranks_in_different_operations_fail_at_once(pool2, sync, case):
 @pytest.mark.parametrize("sync", ["tff", "sw"])
 def test_a_rank_late_to_mismatched_calls_learns_that_the_calls_differ(pool4, sync):
     """Rank 0 makes a normal dispatch, the others a low-latency one, rank 3 half a second after the rest: the
-    first three find the mismatch (UBEPMismatchError naming both operations) and abort, and rank 3, which
-    finds their aborts, says that they found the ranks' calls to differ (it said only that they "failed or
-    gave up")."""
+    first three find the mismatch (UBEPMismatchError naming both operations: those that see their peers'
+    aborts first say that the peers found the calls to differ) and abort, and rank 3, which finds their
+    aborts, says that they found the ranks' calls to differ (it said only that they "failed or gave up")."""
     out = pool4.run(F.mismatched_operations, sync, "low-latency", 3)
-    assert [o[0] for o in out[:3]] == ["UBEPMismatchError"] * 3, out
-    assert all("called dispatch" in o[1] and "called low_latency_dispatch" in o[1] for o in out[:3]), out
-    kind, msg, took, mismatch = out[3]
-    assert kind == "UBEPPeerAbortedError" and mismatch is True and "peer rank(s) [0, 1, 2] found that the ranks' " \
-        "calls differ" in msg and took < 5, out[3]
+
+    def told(o):
+        return o[0] == "UBEPPeerAbortedError" and o[3] is True and "found that the ranks' calls differ" in o[1]
+    assert all(told(o) or o[0] == "UBEPMismatchError" and "called dispatch" in o[1]
+               and "called low_latency_dispatch" in o[1] for o in out[:3]), out
+    assert any(o[0] == "UBEPMismatchError" for o in out[:3]), out
+    assert told(out[3]) and out[3][2] < 5, out[3]
 
 
 @pytest.mark.parametrize("sync", SYNCS)
