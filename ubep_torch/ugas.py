@@ -384,8 +384,8 @@ class SymmetricHeap:
         raise this rank's own error, or a RuntimeError naming the peers that could not ``what``. Returns what
         every rank sent where the step succeeded everywhere: ``ok`` (JSON data, not a string) from each.
         ``fallback``: an error class; where every failure of the step, on any rank, is of that class, every
-        rank returns None instead of raising (and where the exchange itself fails, its error is raised in place
-        of this rank's own of that class)."""
+        rank returns None instead of raising; where other failures come with them, or the exchange itself fails,
+        those are raised, never this rank's own error of that class."""
         try:
             outcome = _all_gather(ok if error is None else f"{type(error).__name__}: {error}"[:1000], group,
                                   self.world_size, self.timeout_s, phase)
@@ -394,8 +394,14 @@ class SymmetricHeap:
                 raise
             outcome = None
         failed = [r for r, c in enumerate(outcome or ()) if isinstance(c, str)]
-        if fallback is not None and failed and all(outcome[r].startswith(f"{fallback.__name__}: ") for r in failed):
-            return None
+        if fallback is not None:
+            tag = f"{fallback.__name__}: "
+            if failed and all(outcome[r].startswith(tag) for r in failed):
+                return None
+            # (other failures too: those are the set-up's errors, a fallback's is not one)
+            failed = [r for r in failed if not outcome[r].startswith(tag)]
+            if isinstance(error, fallback):
+                error = None
         if error is not None:
             raise error
         if failed:
