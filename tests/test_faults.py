@@ -6,6 +6,7 @@ Every scenario runs in fresh processes (``fault_rank_fns.run_scenario``), one vi
 normal dispatch and combine, of the low-latency pair (plain and with recv hooks), and the SyncAll phases
 of ``sync="sw"``. The stale-segment sweep is tested on planted files.
 """
+import json
 import os
 import subprocess
 import sys
@@ -382,6 +383,57 @@ def test_a_peer_that_left_the_setup_is_named_by_those_mapping_its_segment(tmp_pa
     assert mapping[0] == "RuntimeError" and "map every segment" in mapping[3] and "rank(s) [1]" in mapping[3] \
         and "injected" in mapping[3], mapping
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ubep-")], os.listdir(tmp_path)
+
+
+_LEAVES_WHILE_MAPPING = r"""
+import json, os, sys, time
+import torch.distributed as dist
+from ubep_torch import Buffer, ugas
+rank, real = int(os.environ["RANK"]), ugas.SymmetricHeap._map_peer
+def mapping(self, *args, **kwargs):
+    if rank == 1:
+        sys.exit(3)             # leaves the set-up (its failed set-up closes its segment) and exits
+    time.sleep(1.5 if rank == 2 else 0.3)   # (rank 2 comes to the peers' segments after the others)
+    return real(self, *args, **kwargs)
+ugas.SymmetricHeap._map_peer = mapping
+dist.init_process_group("gloo")
+try:
+    Buffer(dist.group.WORLD, 1 << 20, timeout_s=30)
+    out = ["built", ""]
+except Exception as e:
+    out = [type(e).__name__, str(e)]
+with open(os.path.join(os.environ["OUT"], f"{rank}.json"), "w") as f:
+    json.dump(out, f)
+"""
+
+
+@pytest.mark.parametrize("by_name", [False, True])
+def test_a_rank_that_leaves_the_setup_while_the_others_map_is_named_by_each_of_them(tmp_path, by_name):
+    """Four ranks; rank 1 leaves the set-up and exits while the others map the segments, and rank 2 comes to
+    them last: every other rank names rank 1 (former defect: ranks 0 and 3 raised at once and exited, and rank
+    2 then found their segments gone and named them; by name, rank 1's failed set-up removed the peers' names
+    and they named each other)."""
+    import socket
+    import time
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="4", UBEP_SHM_DIR=str(shm),
+               OUT=str(tmp_path), UBEP_SHM_BY_NAME="1" if by_name else "0")
+    procs = [subprocess.Popen([sys.executable, "-c", _LEAVES_WHILE_MAPPING], env=dict(env, RANK=str(r)),
+                              cwd=tmp_path) for r in range(4)]
+    start = time.monotonic()
+    for p in procs:
+        p.wait(90)
+    assert [p.returncode for p in procs] == [0, 3, 0, 0], [p.returncode for p in procs]
+    for r in (0, 2, 3):
+        with open(tmp_path / f"{r}.json") as f:
+            name, msg = json.load(f)
+        assert name == "UBEPPeerLostError" and "set-up" in msg and "peer rank(s) [1]" in msg, (r, name, msg)
+    assert time.monotonic() - start < 60
+    assert [n for n in os.listdir(shm) if n.startswith("ubep-")] == []
 
 
 _STALLED_IN_SETUP = r"""

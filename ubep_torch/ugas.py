@@ -346,19 +346,22 @@ class SymmetricHeap:
                                        where[r] if by_fd else None)
                     except FileNotFoundError:
                         # its file is gone: it left the set-up after creating it (its descriptor is closed); by
-                        # name, any rank whose set-up failed may have removed the name (_unlink_peer_names)
-                        raise UBEPPeerLostError(
+                        # name, a rank that left the set-up may have removed the name (_unlink_peer_names).
+                        # Settled with the peers like any failure here, not raised at once: a rank that left
+                        # now would close its own descriptor, and a peer still mapping would name it instead
+                        # of the rank that left first. The exchange names the rank that left where it fails.
+                        map_error = UBEPPeerLostError(
                             "Buffer set-up: mapping every rank's segment", self.rank, [r], [r],
                             "No Buffer was created.", cause="exited" if not self.peer_alive(r) else
                             "left the set-up (its segment is gone: its own set-up failed, see its error)" if by_fd
-                            else "left the set-up, or another rank's failed set-up removed its segment's name "
-                                 "(see the other ranks' errors)") from None
-            except UBEPPeerLostError:   # (the set-up cannot complete: that peer sends nothing more)
-                raise
+                            else "left the set-up, or another rank that left it removed its segment's name "
+                                 "(see the other ranks' errors)")
+                        break
             except Exception as e:  # noqa: BLE001  (settled below: raised here, told to the peers)
                 map_error = e
             if self._settle_step(group, "Buffer set-up: waiting for every rank to map every segment", map_error,
-                                 "map every segment", fallback=_ProcRefused if by_fd else None) is None:
+                                 "map every segment", fallback=_ProcRefused if by_fd else None,
+                                 follows=isinstance(map_error, UBEPPeerLostError)) is None:
                 self.close()
                 os.close(fd)
                 return None
@@ -378,19 +381,21 @@ class SymmetricHeap:
         return fd
 
     def _settle_step(self, group, phase: str, error: Optional[BaseException], what: str, ok: object = True,
-                     fallback: Optional[type] = None) -> Optional[list]:
+                     fallback: Optional[type] = None, follows: bool = False) -> Optional[list]:
         """End a set-up step that can fail on any rank: tell every peer how it went here (``error``, None when
         it succeeded; a bare error of this rank's own would leave the peers waiting for their deadline), then
         raise this rank's own error, or a RuntimeError naming the peers that could not ``what``. Returns what
         every rank sent where the step succeeded everywhere: ``ok`` (JSON data, not a string) from each.
         ``fallback``: an error class; where every failure of the step, on any rank, is of that class, every
         rank returns None instead of raising; where other failures come with them, or the exchange itself fails,
-        those are raised, never this rank's own error of that class."""
+        those are raised, never this rank's own error of that class. ``follows``: this rank's ``error`` only
+        follows from a peer that left the set-up (its segment is gone); where the exchange fails, its error,
+        which names the ranks that did not deliver (the one that left first), is raised instead."""
         try:
             outcome = _all_gather(ok if error is None else f"{type(error).__name__}: {error}"[:1000], group,
                                   self.world_size, self.timeout_s, phase)
         except Exception:  # noqa: BLE001  (this rank's own error is the one to raise, but a fallback's)
-            if error is None or (fallback is not None and isinstance(error, fallback)):
+            if error is None or follows or (fallback is not None and isinstance(error, fallback)):
                 raise
             outcome = None
         failed = [r for r, c in enumerate(outcome or ()) if isinstance(c, str)]
@@ -735,16 +740,24 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
     bufs = {r: torch.zeros(_MSG_BYTES, dtype=torch.uint8) for r in peers}
     recvs, sends = {}, {}
     in_flight = (msg, bufs, recvs, sends)     # (kept alive in _IN_FLIGHT by a step that gives up on them)
+    closed = {}     # peers whose connection was closed already: (error, gloo's error)
     for r in peers:
         try:
             recvs[r] = dist.irecv(bufs[r], src=dist.get_global_rank(group, r), group=group, tag=tag)
             sends[r] = dist.isend(msg, dst=dist.get_global_rank(group, r), group=group, tag=tag)
         except RuntimeError as e:
+            # (the message still goes to the other peers: a rank that raised here at once and exited would
+            # close its own connections, and the peers still on their way to this step would name it)
+            closed[r] = (_closed_connection(e, phase, me, r), e)
+    for err, e in closed.values():
+        if not isinstance(err, UBEPPeerLostError):      # (this group is unusable: see the error)
             _IN_FLIGHT.append(in_flight)
-            raise _closed_connection(e, phase, me, r) from e
+            raise err from e
     deadline = time.monotonic() + timeout_s
-    missing, lost = [], []
+    missing, lost = list(closed), list(closed)
     for r in peers:
+        if r in closed:
+            continue
         try:
             _wait_work(recvs[r], deadline, in_flight, group)
         except RuntimeError as e:
@@ -763,9 +776,13 @@ def _all_gather(obj, group, world_size, timeout_s: Optional[float] = None, phase
                     _wait_work(sends[r], min(deadline, time.monotonic() + 1.0), in_flight, group)
                 except RuntimeError:
                     pass
+        if missing == list(closed) and len(closed) == 1:
+            err, e = next(iter(closed.values()))
+            raise err from e
         if lost:
             # (gloo closes a connection whose wait timed out: a peer whose deadline ran out first, alive,
             # looks the same from here as one whose process exited)
+            missing, lost = sorted(missing), sorted(lost)
             raise UBEPPeerLostError(phase, me, missing, lost, consequence,
                                     cause="closed its connection to this rank (its process exited, or its own "
                                           "wait in this set-up timed out first: then build the Buffer on a new "
