@@ -360,8 +360,7 @@ class SymmetricHeap:
             except Exception as e:  # noqa: BLE001  (settled below: raised here, told to the peers)
                 map_error = e
             if self._settle_step(group, "Buffer set-up: waiting for every rank to map every segment", map_error,
-                                 "map every segment", fallback=_ProcRefused if by_fd else None,
-                                 follows=isinstance(map_error, UBEPPeerLostError)) is None:
+                                 "map every segment", fallback=_ProcRefused if by_fd else None) is None:
                 self.close()
                 os.close(fd)
                 return None
@@ -381,21 +380,23 @@ class SymmetricHeap:
         return fd
 
     def _settle_step(self, group, phase: str, error: Optional[BaseException], what: str, ok: object = True,
-                     fallback: Optional[type] = None, follows: bool = False) -> Optional[list]:
+                     fallback: Optional[type] = None) -> Optional[list]:
         """End a set-up step that can fail on any rank: tell every peer how it went here (``error``, None when
         it succeeded; a bare error of this rank's own would leave the peers waiting for their deadline), then
         raise this rank's own error, or a RuntimeError naming the peers that could not ``what``. Returns what
         every rank sent where the step succeeded everywhere: ``ok`` (JSON data, not a string) from each.
         ``fallback``: an error class; where every failure of the step, on any rank, is of that class, every
         rank returns None instead of raising; where other failures come with them, or the exchange itself fails,
-        those are raised, never this rank's own error of that class. ``follows``: this rank's ``error`` only
-        follows from a peer that left the set-up (its segment is gone); where the exchange fails, its error,
-        which names the ranks that did not deliver (the one that left first), is raised instead."""
+        those are raised, never this rank's own error of that class. An ``error`` that is a
+        ``UBEPPeerLostError`` only follows from a peer that left the set-up (its segment is gone): where the
+        exchange fails, its error, which names the ranks that did not deliver (the one that left first), is
+        raised instead."""
         try:
             outcome = _all_gather(ok if error is None else f"{type(error).__name__}: {error}"[:1000], group,
                                   self.world_size, self.timeout_s, phase)
         except Exception:  # noqa: BLE001  (this rank's own error is the one to raise, but a fallback's)
-            if error is None or follows or (fallback is not None and isinstance(error, fallback)):
+            if error is None or isinstance(error, UBEPPeerLostError) or \
+                    (fallback is not None and isinstance(error, fallback)):
                 raise
             outcome = None
         failed = [r for r, c in enumerate(outcome or ()) if isinstance(c, str)]
